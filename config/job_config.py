@@ -1,0 +1,240 @@
+"""Typed job config: one kw-only dataclass per TOML section.
+
+Section and key names follow torchtitan v0.2 where one exists. Numeric bounds live in field
+metadata (see `bounded`) so the loader can name the section, key, value and fix in its errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Implementation = Literal["auto", "fused", "foreach", "for-loop"]
+
+
+def bounded(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field whose numeric value must lie in the given bounds."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "lt": lt})
+
+
+@dataclass(kw_only=True)
+class Job:
+    config_file: str | None = None
+    """TOML file the rest of the config was read from (set by `--job.config_file`)."""
+
+    dump_folder: str = "./outputs"
+    """Folder for checkpoints, metrics and logs of this run."""
+
+    description: str = "optimizer-containers job"
+    """Free text shown in the logs."""
+
+
+@dataclass(kw_only=True)
+class Model:
+    name: str = "llama"
+    """Train spec to build (see `components.train_spec.get_train_spec`)."""
+
+    flavor: str = "debug"
+    """Size preset of the model inside its train spec."""
+
+    num_parts: int = bounded(2, ge=1)
+    """Number of model parts the model is split into (as pipeline stages would be)."""
+
+
+@dataclass(kw_only=True)
+class ParamGroup:
+    """Per-group overrides for the parameters whose FQN matches `pattern`.
+
+    A field left unset keeps the `[optimizer]` value. Each trainable parameter may match at
+    most one group; parameters that match none form the default group.
+    """
+
+    pattern: str
+    """Regular expression searched (`re.search`) in each parameter's FQN."""
+
+    name: str | None = None
+    """Optimizer for this group if not the `[optimizer]` one (its own inner optimizer)."""
+
+    lr: float | None = bounded(None, gt=0.0)
+    """Learning rate of this group."""
+
+    weight_decay: float | None = bounded(None, ge=0.0)
+    """Weight decay of this group (0.0 for biases, norms and embeddings is common)."""
+
+    beta1: float | None = bounded(None, ge=0.0, lt=1.0)
+    """First-moment decay of this group (Adam family)."""
+
+    beta2: float | None = bounded(None, ge=0.0, lt=1.0)
+    """Second-moment decay of this group (Adam family)."""
+
+    eps: float | None = bounded(None, gt=0.0)
+    """Denominator epsilon of this group (Adam family)."""
+
+
+@dataclass(kw_only=True)
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer from the registry (`components.optimizer.register_optimizer`)."""
+
+    lr: float = bounded(8e-4, gt=0.0)
+    """Peak learning rate."""
+
+    beta1: float = bounded(0.9, ge=0.0, lt=1.0)
+    """First-moment decay (Adam family)."""
+
+    beta2: float = bounded(0.95, ge=0.0, lt=1.0)
+    """Second-moment decay (Adam family)."""
+
+    eps: float = bounded(1e-8, gt=0.0)
+    """Denominator epsilon (Adam family)."""
+
+    weight_decay: float = bounded(0.1, ge=0.0)
+    """Weight decay (decoupled for AdamW, L2 for Adam and SGD)."""
+
+    momentum: float = bounded(0.0, ge=0.0, lt=1.0)
+    """Momentum (SGD only)."""
+
+    implementation: Implementation = "auto"
+    """Kernel: "auto" picks fused where torch supports it on the parameters' device."""
+
+    container: str = "default"
+    """Optimizer container from the registry (`components.optimizer.register_container`)."""
+
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    """Per-group overrides as a TOML array of tables `[[optimizer.param_groups]]`."""
+
+
+@dataclass(kw_only=True)
+class LRScheduler:
+    warmup_steps: int = bounded(200, ge=0)
+    """Steps of linear warmup from near zero to the peak lr."""
+
+    decay_ratio: float | None = bounded(None, ge=0.0, le=1.0)
+    """Fraction of the steps spent decaying (WSD); None decays over all steps after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+
+    min_lr_factor: float = bounded(0.0, ge=0.0, le=1.0)
+    """Lr at the end of the decay, as a fraction of the peak lr."""
+
+
+@dataclass(kw_only=True)
+class Training:
+    steps: int = bounded(10_000, ge=1)
+    """Optimizer steps to train for."""
+
+    local_batch_size: int = bounded(8, ge=1)
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    seq_len: int = bounded(2048, ge=1)
+    """Tokens per sequence."""
+
+    gradient_accumulation_steps: int = bounded(1, ge=1)
+    """Micro-batches whose gradients are summed into one optimizer step."""
+
+    max_norm: float = bounded(1.0, ge=0.0)
+    """Global gradient-norm clip threshold; 0 disables clipping."""
+
+    seed: int = bounded(0, ge=0)
+    """Seed for model init and data order."""
+
+    dataset: str = "stdlib"
+    """Text corpus to train on."""
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    enable: bool = False
+    """Save and resume checkpoints."""
+
+    folder: str = "checkpoint"
+    """Sub-folder of `job.dump_folder` that holds the `step-N` checkpoints."""
+
+    interval: int = bounded(500, ge=1)
+    """Save every this many steps (and at the end)."""
+
+    keep_latest_k: int = bounded(0, ge=0)
+    """Keep only the newest k checkpoints; 0 keeps all."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """Save in the background with `dcp.async_save`."""
+
+    load_step: int = bounded(-1, ge=-1)
+    """Step to resume from; -1 resumes from the newest complete checkpoint."""
+
+
+@dataclass(kw_only=True)
+class FaultTolerance:
+    enable: bool = False
+    """Train with torchft replica groups."""
+
+    replica_id: int = bounded(0, ge=0)
+    """Index of this replica group."""
+
+    group_size: int = bounded(0, ge=0)
+    """Number of replica groups the job expects."""
+
+    min_replica_size: int = bounded(1, ge=1)
+    """Fewest replica groups that may commit a step."""
+
+    lighthouse: str = ""
+    """Lighthouse address (`http://host:port`); empty reads `TORCHFT_LIGHTHOUSE`."""
+
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """Process group across replica groups."""
+
+    process_group_timeout_ms: int = bounded(10_000, ge=1)
+    """Timeout of collectives across replica groups."""
+
+
+@dataclass(kw_only=True)
+class MixedPrecision:
+    param_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Dtype the model parameters are kept in."""
+
+    master_dtype: Literal["float32"] = "float32"
+    """Dtype of the master weights the optimizer steps on."""
+
+    loss_scaling: Literal["dynamic", "static", "none"] = "dynamic"
+    """Loss scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`."""
+
+    initial_scale: float = bounded(2.0**16, gt=0.0)
+    """Loss scale at the start."""
+
+    growth_factor: float = bounded(2.0, gt=1.0)
+    """Scale multiplier after `growth_interval` steps without overflow."""
+
+    backoff_factor: float = bounded(0.5, gt=0.0, lt=1.0)
+    """Scale multiplier after an overflow."""
+
+    growth_interval: int = bounded(1000, ge=1)
+    """Overflow-free steps before the scale grows."""
+
+    hysteresis: int = bounded(2, ge=1)
+    """Overflows tolerated before the scale backs off."""
+
+    min_scale: float = bounded(1.0, gt=0.0)
+    """Lowest loss scale."""
+
+    max_scale: float = bounded(2.0**24, gt=0.0)
+    """Highest loss scale."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)

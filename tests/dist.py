@@ -1,0 +1,97 @@
+"""Run a test body on N real gloo ranks, each in its own process, with bounded waits."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, results: Any, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        try:
+            # Bytes, not tensors: torch's queue would share tensor memory with a process that
+            # exits right after putting them.
+            buf = io.BytesIO()
+            torch.save(fn(*args), buf)
+            results.put((rank, True, buf.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo ranks and return each rank's result, by rank.
+
+    `fn` must be importable (module level). Any rank's exception, a rank that dies, or the
+    timeout fails the call with the ranks' tracebacks; every process is ended by pid.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, results, fn, args), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) + len(errors) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    errors.append(f"rank processes {dead} died without a result")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f}s; results from {sorted(got)}")
+                    break
+                continue
+            if ok:
+                got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    if errors:
+        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+    return [got[r] for r in range(world_size)]

@@ -1,0 +1,61 @@
+"""Small models and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def three_parts(seed: int = 0) -> list[nn.Module]:
+    """A model in 3 parts; 7 rows do not divide by 2, 3 or 4 ranks."""
+    torch.manual_seed(seed)
+    # Distinct module names keep FQNs unique across parts, as pipeline stages keep theirs.
+    return [
+        nn.Sequential(OrderedDict(embed=nn.Linear(10, 7), act=nn.Tanh())),
+        nn.Sequential(OrderedDict(mid=nn.Linear(7, 9), norm=nn.LayerNorm(9))),
+        nn.Sequential(OrderedDict(head=nn.Linear(9, 5))),
+    ]
+
+
+def forward(parts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for part in parts:
+        x = part(x)
+    return x
+
+
+def batch(step: int, rank: int = 0, n: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 10, generator=g)
+
+
+def train(parts: list[nn.Module], opt: Any, steps: int, rank: int = 0, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        forward(parts, batch(step, rank)).square().mean().backward()
+        opt.step()
+
+
+def full(value: Any) -> Any:
+    """A plain CPU copy of `value` (DTensors gathered)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Equal keys and bitwise-equal values (tensors compared element for element)."""
+    assert a.keys() == b.keys(), (a.keys() - b.keys(), b.keys() - a.keys())
+    for key in a:
+        x, y = full(a[key]), full(b[key])
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), key
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            assert torch.equal(x, y), key
+        else:
+            assert x == y, (key, x, y)

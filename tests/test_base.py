@@ -1,0 +1,342 @@
+"""The default OptimizersContainer: parity, contract, flat state dict, DCP resharding."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from containers import OptimizersContainer, ParamGroupRule
+from tests.dist import run_ranks
+from tests.helpers import assert_same, batch, forward, full, three_parts, train
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+CASES = [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01, "foreach": False}),
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "fused": True}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "foreach": False}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "fused": True}),
+]
+
+
+def _torch_flat(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    out: dict = {}
+    for part, opt in zip(parts, optimizers):
+        out.update(get_optimizer_state_dict(part, opt, options=FLAT))
+    return out
+
+
+NO_DECAY = r"\.bias$|norm"
+
+
+def _plain_adamw(parts: list[nn.Module], lr: float) -> list[torch.optim.Optimizer]:
+    """Plain torch AdamW per part with the groups that the NO_DECAY rule forms."""
+    optimizers = []
+    for part in parts:
+        named = list(part.named_parameters())
+        rest = [p for n, p in named if not re.search(NO_DECAY, n)]
+        no_decay = [p for n, p in named if re.search(NO_DECAY, n)]
+        groups = [{"params": rest}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizers.append(torch.optim.AdamW([g for g in groups if g["params"]], lr=lr))
+    return optimizers
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_bitwise_parity_with_torch_optimizer_over_three_parts(cls, kwargs):
+    parts = three_parts()
+    ref_parts = copy.deepcopy(parts)
+    container = OptimizersContainer(parts, cls, kwargs)
+    ref = cls([p for m in ref_parts for p in m.parameters()], **kwargs)
+    assert len(container) == 3
+    train(parts, container, 10)
+    train(ref_parts, ref, 10)
+    for m, r in zip(parts, ref_parts):
+        for a, b in zip(m.parameters(), r.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_state_dict_is_torchs_flat_format_and_cross_loads_both_ways():
+    parts = three_parts()
+    rules = [ParamGroupRule(NO_DECAY, {"weight_decay": 0.0})]
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, param_groups=rules)
+    train(parts, container, 3)
+    ours = container.state_dict()
+    assert_same(ours, _torch_flat(parts, container.optimizers))
+    assert ours["param_groups.norm.weight.weight_decay"] == 0.0
+    assert ours["param_groups.mid.weight.weight_decay"] == 0.01
+
+    # container -> plain torch optimizers, through torch's own API
+    plain_parts = copy.deepcopy(parts)
+    plain = _plain_adamw(plain_parts, lr=0.5)
+    for part, opt in zip(plain_parts, plain):
+        set_optimizer_state_dict(part, opt, ours, options=FLAT)
+    train(parts, container, 2, start=3)
+    for step in range(3, 5):
+        for opt in plain:
+            opt.zero_grad()
+        forward(plain_parts, batch(step)).square().mean().backward()
+        for opt in plain:
+            opt.step()
+    assert_same(container.state_dict(), _torch_flat(plain_parts, plain))
+
+    # plain torch optimizers -> container
+    fresh = OptimizersContainer(
+        copy.deepcopy(plain_parts), torch.optim.AdamW, {"lr": 3.0}, param_groups=rules
+    )
+    fresh.load_state_dict(_torch_flat(plain_parts, plain))
+    assert_same(fresh.state_dict(), container.state_dict())
+
+
+def test_fresh_state_dict_leaves_state_alone_and_covers_every_param():
+    parts = three_parts()
+    ref_parts = copy.deepcopy(parts)
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+    for _ in range(2):
+        sd = container.state_dict()
+    assert not dict(container.state), "state_dict() must not initialize the optimizer"
+    trainable = [n for m in parts for n, p in m.named_parameters()]
+    assert sorted(
+        k[len("state.") : -len(".exp_avg")] for k in sd if k.endswith(".exp_avg")
+    ) == sorted(trainable)
+    assert all(sd[f"state.{n}.step"].item() == 0 for n in trainable)
+    ref = torch.optim.AdamW([p for m in ref_parts for p in m.parameters()], lr=1e-2, fused=True)
+    train(parts, container, 10)
+    train(ref_parts, ref, 10)
+    for a, b in zip(
+        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
+    ):
+        assert torch.equal(a, b)
+
+
+def test_loading_the_fresh_template_is_the_same_as_starting_fresh():
+    parts = three_parts()
+    ref_parts = copy.deepcopy(parts)
+    a = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    b = OptimizersContainer(ref_parts, torch.optim.AdamW, {"lr": 1e-2})
+    a.load_state_dict(b.state_dict())
+    train(parts, a, 5)
+    train(ref_parts, b, 5)
+    assert_same(a.state_dict(), b.state_dict())
+
+
+def test_round_trip_is_exact_and_resumes_bitwise():
+    parts = three_parts()
+    container = OptimizersContainer(parts, torch.optim.Adam, {"lr": 1e-2, "fused": True})
+    train(parts, container, 4)
+    snapshot = {k: full(v) for k, v in container.state_dict().items()}
+    weights = copy.deepcopy([m.state_dict() for m in parts])
+    train(parts, container, 3, start=4)
+    after = {k: full(v) for k, v in container.state_dict().items()}
+    container.load_state_dict(snapshot)
+    assert_same(container.state_dict(), snapshot)
+    for m, w in zip(parts, weights):
+        m.load_state_dict(w)
+    train(parts, container, 3, start=4)
+    assert_same(container.state_dict(), after)
+
+
+def _state_copy(container: OptimizersContainer) -> dict:
+    return {k: full(v) for k, v in container.state_dict().items()}
+
+
+def test_bad_state_dict_raises_listing_keys_and_changes_nothing():
+    parts = three_parts()
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    train(parts, container, 2)
+    before = _state_copy(container)
+    good = container.state_dict()
+
+    missing = {k: v for k, v in good.items() if k != "state.mid.weight.exp_avg_sq"}
+    with pytest.raises(ValueError, match=r"missing keys \[state\.mid\.weight\.exp_avg_sq\]"):
+        container.load_state_dict(missing)
+    extra = {**good, "state.other.weight.exp_avg": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"unexpected keys \[state\.other\.weight\.exp_avg\]"):
+        container.load_state_dict(extra)
+    wrong = {**good, "state.mid.weight.exp_avg": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"state\.mid\.weight\.exp_avg: want shape \(9, 7\)"):
+        container.load_state_dict(wrong)
+    unflat = torch.optim.AdamW(parts[0].parameters()).state_dict()
+    with pytest.raises(ValueError, match="unflattened"):
+        container.load_state_dict(unflat)
+    mixed = {**good, "param_groups.mid.bias.lr": 0.5}
+    with pytest.raises(ValueError, match=r"param_groups\.mid\.bias\.lr = 0\.5 differs"):
+        container.load_state_dict(mixed)
+    assert_same(_state_copy(container), before)
+
+
+def test_implementation_flags_are_kept_on_load():
+    parts = three_parts()
+    fused = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+    train(parts, fused, 1)
+    looped = OptimizersContainer(
+        copy.deepcopy(parts), torch.optim.AdamW, {"lr": 1e-2, "foreach": False}
+    )
+    looped.load_state_dict(fused.state_dict())
+    assert all(g["fused"] in (None, False) and g["foreach"] is False for g in looped.param_groups)
+
+
+def test_param_groups_are_live_for_schedulers_and_users():
+    parts = three_parts()
+    container = OptimizersContainer(parts, torch.optim.SGD, {"lr": 1.0})
+    sched = torch.optim.lr_scheduler.LambdaLR(container, lambda step: 0.5**step)
+    train(parts, container, 1)
+    sched.step()
+    assert [g["lr"] for o in container for g in o.param_groups] == [0.5, 0.5, 0.5]
+
+    # A user write to a group must change the real update: lr 0 freezes the weights.
+    for group in container.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for m in parts for p in m.parameters()]
+    train(parts, container, 1, start=1)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, (p for m in parts for p in m.parameters()))
+    )
+
+
+def test_step_hooks_fire_once_per_step_and_closure_runs_once():
+    parts = three_parts()
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    calls: list[str] = []
+    pre = container.register_step_pre_hook(lambda opt, a, k: calls.append("pre"))
+    container.register_step_post_hook(lambda opt, a, k: calls.append("post"))
+    train(parts, container, 3)
+    assert calls == ["pre", "post"] * 3
+    pre.remove()
+
+    def closure():
+        calls.append("closure")
+        container.zero_grad()
+        loss = forward(parts, batch(0)).square().mean()
+        loss.backward()
+        return loss
+
+    calls.clear()
+    loss = container.step(closure)
+    assert calls == ["closure", "post"] and loss.dim() == 0
+
+
+def test_frozen_params_are_skipped_and_iter_len_state_work():
+    parts = three_parts()
+    parts[1].requires_grad_(False)
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    assert len(container) == 2 and [type(o) for o in container] == [torch.optim.AdamW] * 2
+    train(parts, container, 1)
+    assert len(container.state) == 4
+    assert not any(k.startswith("state.mid.") for k in container.state_dict())
+
+
+def test_rules_can_ask_for_another_optimizer():
+    parts = three_parts()
+    rule = ParamGroupRule("head", {"lr": 0.1}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, param_groups=[rule])
+    assert [type(o).__name__ for o in container] == ["AdamW", "AdamW", "SGD"]
+    assert container.optimizers[2].param_groups[0]["lr"] == 0.1
+    train(parts, container, 2)
+    sd = container.state_dict()
+    assert "state.head.weight.momentum_buffer" in sd and "state.mid.weight.exp_avg" in sd
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: OptimizersContainer([], torch.optim.SGD, {}), "non-empty list"),
+        (
+            lambda p: OptimizersContainer([p[0], p[0]], torch.optim.SGD, {}),
+            "owned by exactly one part",
+        ),
+        (
+            lambda p: OptimizersContainer(
+                p, torch.optim.SGD, {}, param_groups=[ParamGroupRule("nothing")]
+            ),
+            r"\['nothing'\] match no trainable parameter",
+        ),
+        (
+            lambda p: OptimizersContainer(
+                p, torch.optim.SGD, {}, param_groups=[ParamGroupRule("bias"), ParamGroupRule("mid")]
+            ),
+            "'mid.bias' matches param group patterns",
+        ),
+        (
+            lambda p: OptimizersContainer(
+                p, torch.optim.SGD, {}, param_groups=[ParamGroupRule("(")]
+            ),
+            "is not a regex",
+        ),
+        (
+            lambda p: OptimizersContainer([nn.Sequential(p[0]), p[0]], torch.optim.SGD, {}),
+            "owned by exactly one part",
+        ),
+        (lambda p: OptimizersContainer(p, torch.optim.SGD, {"lr": -1.0}), "Invalid learning rate"),
+    ],
+)
+def test_bad_construction_is_a_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(three_parts())
+
+
+def test_add_param_group_is_refused():
+    container = OptimizersContainer(three_parts(), torch.optim.SGD, {"lr": 0.1})
+    with pytest.raises(NotImplementedError, match="build a new container"):
+        container.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+
+
+# -- DCP on FSDP2: save at 4 ranks, load at 1, 2 and 3 --------------------------------------
+
+
+def _sharded_container(seed: int, lr: float) -> tuple[list[nn.Module], OptimizersContainer]:
+    parts = three_parts(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    rules = [ParamGroupRule(r"bias|norm", {"weight_decay": 0.0})]
+    return parts, OptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": lr, "fused": True}, param_groups=rules
+    )
+
+
+def _save_sharded(path: str) -> dict:
+    parts, container = _sharded_container(seed=0, lr=1e-2)
+    train(parts, container, 3, rank=dist.get_rank())
+    sd = container.state_dict()
+    assert any(isinstance(v, torch.distributed.tensor.DTensor) for v in sd.values())
+    dcp.save({"optim": container}, checkpoint_id=path)
+    assert_same(sd, _torch_flat(parts, container.optimizers))
+    return {k: full(v) for k, v in sd.items()}
+
+
+def _load_sharded(path: str) -> dict:
+    _, container = _sharded_container(seed=1, lr=5.0)
+    dcp.load({"optim": container}, checkpoint_id=path)
+    return {k: full(v) for k, v in container.state_dict().items()}
+
+
+def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(4, _save_sharded, path)[0]
+    assert saved["state.embed.weight.exp_avg"].shape == (7, 10)
+
+    parts = three_parts(seed=1)  # one process, no process group, plain tensors
+    rules = [ParamGroupRule(r"bias|norm", {"weight_decay": 0.0})]
+    single = OptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": 5.0, "fused": True}, param_groups=rules
+    )
+    dcp.load({"optim": single}, checkpoint_id=path, no_dist=True)
+    assert_same(single.state_dict(), saved)
+
+    for world_size in (2, 3):
+        assert_same(run_ranks(world_size, _load_sharded, path)[0], saved)
