@@ -201,15 +201,18 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL byte in the path.
         raise ConfigError(
             f"[job] config_file = {path!r}: cannot read it ({e}); pass an existing TOML file"
         ) from None
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+    except (ValueError, RecursionError) as e:
+        # TOMLDecodeError is a ValueError; tomllib also lets a plain ValueError (an integer
+        # longer than int() accepts) and RecursionError (deeply nested arrays/tables) through.
+        reason = "arrays or tables nested too deeply" if isinstance(e, RecursionError) else e
         raise ConfigError(
-            f"[job] config_file = {path!r}: invalid TOML: {e}; fix the file"
+            f"[job] config_file = {path!r}: invalid TOML: {reason}; fix the file"
         ) from None
 
 
@@ -217,7 +220,10 @@ def load_job_config(argv: list[str] | None = None) -> JobConfig:
     """Return the job config for `argv` (`--job.config_file PATH` plus `--section.key value`)."""
     overrides = _parse_cli(list(argv or []))
     sections = _sections()
-    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), None)
+    # The last --job.config_file wins, as for every other key, so the file read is the one
+    # recorded in `job.config_file`.
+    files = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
+    config_file = files[-1] if files else None
     doc = _read_toml(config_file) if config_file else {}
     for section in doc:
         if section not in sections:

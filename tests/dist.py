@@ -65,7 +65,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: dict[int | str, str] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(got) + len(errors) < world_size:
@@ -74,24 +74,32 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
             except queue.Empty:
                 dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
                 if dead and results.empty():
-                    errors.append(f"rank processes {dead} died without a result")
+                    errors["dead"] = f"rank processes {dead} died without a result"
                     break
                 if time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout:.0f}s; results from {sorted(got)}")
+                    if not errors:
+                        errors["timeout"] = (
+                            f"timed out after {timeout:.0f}s; results from ranks {sorted(got)}"
+                        )
                     break
                 continue
             if ok:
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
+                errors[rank] = payload
+                # The other ranks usually fail next (a peer hung up); give them a moment so
+                # the root cause and its consequences are reported together.
+                deadline = min(deadline, time.monotonic() + 5)
     finally:
         for p in procs:
-            p.join(timeout=10 if not errors else 1)
+            p.join(timeout=1 if errors else 10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         results.close()
     if errors:
-        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+        report = "\n".join(
+            f"rank {k}:\n{v}" if isinstance(k, int) else v for k, v in errors.items()
+        )
+        raise RuntimeError(f"distributed test failed:\n{report}")
     return [got[r] for r in range(world_size)]

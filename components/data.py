@@ -1,0 +1,103 @@
+"""Byte-level language-modelling data over text present on every machine: Python's own stdlib.
+
+The corpus is cut into fixed windows whose order is a seeded permutation per epoch. Position is
+one global sample counter, the same on every data-parallel rank, so a checkpoint resumes at the
+same place whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ByteTextLoader", "load_corpus"]
+
+_CORPUS_BYTES = 8 * 2**20
+
+
+@functools.cache
+def load_corpus(limit: int = _CORPUS_BYTES) -> torch.Tensor:
+    """The first `limit` bytes of the stdlib's `.py` files, in sorted path order, as uint8."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    if size == 0:
+        raise RuntimeError(f"no Python sources found under {root}; cannot build the corpus")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+
+
+class ByteTextLoader:
+    """Yields `(inputs, labels)` micro-batches of byte ids for one data-parallel rank.
+
+    Args:
+        seq_len: tokens per sequence.
+        local_batch_size: sequences per micro-batch on this rank.
+        dp_rank: this rank's index among the data-parallel ranks.
+        dp_world_size: number of data-parallel ranks.
+        seed: seed of the window order.
+    """
+
+    def __init__(
+        self, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
+    ) -> None:
+        self.corpus = load_corpus()
+        self.windows = (len(self.corpus) - 1) // seq_len
+        if self.windows < 1:
+            raise ValueError(
+                f"[training] seq_len = {seq_len}: longer than the {len(self.corpus)}-byte "
+                "corpus; use a shorter seq_len"
+            )
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.seed = seed
+        self.sample_index = 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _window(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.windows)
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(self.windows, generator=g))
+        return int(self._order[1][offset])
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.sample_index + self.dp_rank * self.local_batch_size
+        rows = []
+        for sample in range(first, first + self.local_batch_size):
+            start = self._window(sample) * self.seq_len
+            rows.append(self.corpus[start : start + self.seq_len + 1])
+        self.sample_index += self.local_batch_size * self.dp_world_size
+        batch = torch.stack(rows).long()
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_index": self.sample_index, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"data checkpoint has {key} = {state[key]!r} but this run has "
+                    f"{getattr(self, key)!r}; resume with the same [training] {key}"
+                )
+        self.sample_index = int(state["sample_index"])
