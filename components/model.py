@@ -29,6 +29,7 @@ class ModelArgs:
 
 
 FLAVORS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=2, ffn_hidden=172, max_seq_len=256),
     "debug": ModelArgs(),
     "small": ModelArgs(dim=512, n_layers=8, n_heads=8, ffn_hidden=1376, max_seq_len=2048),
 }

@@ -138,7 +138,12 @@ class Training:
     """Tokens per sequence."""
 
     gradient_accumulation_steps: int = bounded(1, ge=1)
-    """Micro-batches whose gradients are summed into one optimizer step."""
+    """Micro-batches per optimizer step on each rank (derived when global_batch_size is set)."""
+
+    global_batch_size: int = bounded(-1, ge=-1)
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x ranks x
+    gradient_accumulation_steps. Setting it keeps the batch (and the loss curve) the same when
+    a checkpoint resumes at another world size."""
 
     max_norm: float = bounded(1.0, ge=0.0)
     """Global gradient-norm clip threshold; 0 disables clipping."""
@@ -148,6 +153,15 @@ class Training:
 
     dataset: str = "stdlib"
     """Text corpus to train on."""
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    log_freq: int = bounded(1, ge=1)
+    """Log (and write to metrics.jsonl) every this many steps."""
+
+    enable_tensorboard: bool = False
+    """Also write TensorBoard scalars to `{dump_folder}/tb` (needs the tensorboard package)."""
 
 
 @dataclass(kw_only=True)
@@ -169,6 +183,9 @@ class Checkpoint:
 
     load_step: int = bounded(-1, ge=-1)
     """Step to resume from; -1 resumes from the newest complete checkpoint."""
+
+    export_model: bool = False
+    """At the end, also write the full model state dict to one file (`model-step-N.pt`)."""
 
 
 @dataclass(kw_only=True)
@@ -235,6 +252,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -103,3 +106,56 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
         )
         raise RuntimeError(f"distributed test failed:\n{report}")
     return [got[r] for r in range(world_size)]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None = None) -> Any:
+    """Run `train.py args` under torchrun with `nproc` processes (or plainly if 0).
+
+    Returns the CompletedProcess; the whole process group is killed on timeout.
+    """
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={nproc}", "train.py", *args]
+    else:
+        cmd = [sys.executable, "train.py", *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process descended from it (torchrun's workers included)."""
+    children: dict[int, list[int]] = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(stat))
+    todo, tree = [pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    for p in reversed(tree):  # workers first, so none outlives its launcher
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

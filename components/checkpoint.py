@@ -1,0 +1,255 @@
+"""DCP checkpoints of a training job: atomic, resumable, reshardable across world sizes.
+
+A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has finished (its
+`.metadata` is written last), so a process killed during a save never leaves a directory that
+resume would take; the previous checkpoint stays the newest complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from config import Checkpoint as CheckpointConfig
+from config import ConfigError
+from containers.flat_state import describe_keys
+
+__all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
+
+logger = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class ModelWrapper(Stateful):
+    """The model parts as one flat FQN-keyed state dict (DTensors stay sharded)."""
+
+    def __init__(self, model_parts: list[nn.Module]) -> None:
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for part in self.model_parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.model_parts:
+            own = {k: state_dict[k] for k in get_model_state_dict(part)}
+            set_model_state_dict(part, own, options=StateDictOptions(strict=True))
+
+
+class TrainState(Stateful):
+    """The step counter and the CPU RNG state."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        torch.set_rng_state(state_dict["rng"])
+
+
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    """Checkpoints under `folder` that finished saving, by step."""
+    found = {}
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path / ".metadata").is_file():
+                found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves every `interval` steps and at the end; resumes from the newest complete checkpoint.
+
+    Args:
+        cfg: the `[checkpoint]` section.
+        dump_folder: `[job] dump_folder`; checkpoints go to `dump_folder/cfg.folder`.
+        states: the Stateful objects to save, by name (model, optimizer, lr_scheduler, ...).
+        total_steps: the last step, which is always saved.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        dump_folder: str,
+        states: dict[str, Stateful],
+        total_steps: int,
+    ) -> None:
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.states = states
+        self.total_steps = total_steps
+        self._pending: tuple[Future, int] | None = None
+        # Async saves run collectives from a background thread: give them a group of their
+        # own so they never interleave with the training's collectives.
+        self._pg = (
+            dist.new_group(backend="gloo")
+            if cfg.enable and cfg.async_mode == "async" and dist.is_initialized()
+            else None
+        )
+
+    # -- resume --------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Load the checkpoint that `load_step` picks (newest by default); return its step."""
+        if not self.cfg.enable:
+            return 0
+        found = complete_checkpoints(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in found:
+                raise ConfigError(
+                    f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
+                    f"step-{self.cfg.load_step} in {self.folder}; available: "
+                    f"{sorted(found) or 'none'} (use -1 for the newest)"
+                )
+            step = self.cfg.load_step
+        elif found:
+            step = max(found)
+        else:
+            logger.info("no checkpoint in %s: starting from scratch", self.folder)
+            return 0
+        path = found[step]
+        self._check_matches(path)
+        dcp.load(self.states, checkpoint_id=path)
+        logger.info("resumed from %s", path)
+        return step
+
+    def _check_matches(self, path: Path) -> None:
+        """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
+        try:
+            metadata = dcp.FileSystemReader(path).read_metadata()
+        except Exception as e:
+            raise ConfigError(
+                f"[checkpoint] checkpoint {path} is unreadable ({e}); delete it or pick "
+                "another with load_step"
+            ) from e
+        saved = metadata.state_dict_metadata
+        ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
+        missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
+        reshaped = [
+            f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
+            for k, v in ours.items()
+            if k in saved
+            and isinstance(v, torch.Tensor)
+            and isinstance(saved[k], TensorStorageMetadata)
+            and tuple(saved[k].size) != tuple(v.shape)
+        ]
+        if missing or unexpected or reshaped:
+            raise ConfigError(
+                f"[checkpoint] checkpoint {path} does not match this job (another model or "
+                "config? point folder elsewhere): "
+                f"missing keys {describe_keys(missing)}; unexpected keys "
+                f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
+            )
+
+    # -- save ----------------------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> None:
+        """Save at multiples of `interval` and at the last step; finish earlier async saves."""
+        if not self.cfg.enable:
+            return
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+        if step % self.cfg.interval and step != self.total_steps:
+            return
+        self._finish_pending()
+        tmp = self.folder / f"step-{step}.tmp"
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-save
+            self.folder.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        if self._pg is not None:
+            future = dcp.async_save(self.states, checkpoint_id=tmp, process_group=self._pg)
+            self._pending = (future, step)
+        else:
+            dcp.save(self.states, checkpoint_id=tmp)
+            self._publish(step)
+            _barrier()
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, step = self._pending
+        self._pending = None
+        future.result()
+        self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints."""
+        if not _rank0():
+            return
+        tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+        if final.exists():
+            # Re-saving a step after resuming from an earlier one: replace it.
+            old = self.folder / f"step-{step}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        logger.info("saved checkpoint %s", final)
+        if self.cfg.keep_latest_k > 0:
+            for stale in list(complete_checkpoints(self.folder))[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{stale}", ignore_errors=True)
+
+    def export_model(self, model_parts: list[nn.Module], step: int) -> Path | None:
+        """Write the full (unsharded) model state dict to one file for inference."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = {
+            k: v
+            for part in model_parts
+            for k, v in get_model_state_dict(part, options=options).items()
+        }
+        if not _rank0():
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"model-step-{step}.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(full, tmp)
+        os.replace(tmp, path)
+        logger.info("exported model to %s", path)
+        return path
+
+    def close(self) -> None:
+        """Wait for an async save in flight and publish it."""
+        self._finish_pending()
+        _barrier()

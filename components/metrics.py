@@ -1,0 +1,90 @@
+"""Per-step training metrics: a log line, `metrics.jsonl` and optional TensorBoard (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config import JobConfig
+
+__all__ = ["MetricsLogger", "peak_memory_gib"]
+
+logger = logging.getLogger(__name__)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB on Linux
+
+
+class MetricsLogger:
+    """Logs every `[metrics] log_freq` steps; only rank 0 writes.
+
+    `metrics.jsonl` is appended to, so a resumed run continues the same file; each line is one
+    JSON object with at least `step` and `loss`.
+    """
+
+    def __init__(self, job_config: JobConfig, enabled: bool, device: torch.device) -> None:
+        self.enabled = enabled
+        self.freq = job_config.metrics.log_freq
+        self.total_steps = job_config.training.steps
+        self.device = device
+        self._step_times: list[float] = []
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        folder = Path(job_config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = (folder / "metrics.jsonl").open("a", encoding="utf-8")
+        if job_config.metrics.enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("[metrics] enable_tensorboard: tensorboard is not installed")
+            else:
+                self._tb = SummaryWriter(str(folder / "tb"))
+
+    def log(self, step: int, loss: float, step_time: float, tokens: int, **extra: Any) -> None:
+        """Record one optimizer step (`tokens` counted over all ranks)."""
+        self._step_times.append(step_time)
+        if not self.enabled or (step % self.freq and step != self.total_steps):
+            return
+        recent = self._step_times[-20:]
+        avg = sum(recent) / len(recent)
+        record = {
+            "step": step,
+            "loss": loss,
+            **extra,
+            "tokens_per_s": tokens / step_time,
+            "step_time_s": step_time,
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "eta_s": avg * (self.total_steps - step),
+        }
+        fields = "  ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in record.items()
+            if k not in ("step",)
+        )
+        logger.info("step %5d  %s", step, fields)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()

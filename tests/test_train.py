@@ -1,0 +1,222 @@
+"""train.py end to end under torchrun: resume, reshard, crash during a save, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import REPO, kill_tree, launch, run_ranks
+
+BASE = [
+    "--job.config_file",
+    "config/debug.toml",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "4",
+    "--checkpoint.interval",
+    "10",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--metrics.log_freq",
+    "1",
+]
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl (a resumed run appends; the last line of a step wins)."""
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return {(r := json.loads(line))["step"]: r["loss"] for line in lines}
+
+
+def _run(nproc: int, dump: Path, *extra: str) -> str:
+    result = launch(nproc, [*BASE, "--job.dump_folder", str(dump), *extra])
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result.stdout
+
+
+def _resume_copy(src: Path, dst: Path, step: int) -> None:
+    (dst / "checkpoint").mkdir(parents=True)
+    shutil.copytree(src / "checkpoint" / f"step-{step}", dst / "checkpoint" / f"step-{step}")
+
+
+def _final_model(dump: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(dump / "checkpoint" / f"model-step-{step}.pt", weights_only=True)
+
+
+def test_resume_at_the_same_world_size_is_bitwise(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(2, full, "--training.steps", "20", "--checkpoint.export_model")
+    _resume_copy(full, resumed, 10)
+    out = _run(2, resumed, "--training.steps", "20", "--checkpoint.export_model")
+    assert "resumed from" in out and "step-10" in out
+    a, b = _losses(full), _losses(resumed)
+    assert sorted(b) == list(range(11, 21))
+    assert [a[s] for s in b] == [b[s] for s in b]  # bitwise: floats from the same bits
+    assert a[20] < a[1] - 1.0
+    ma, mb = _final_model(full, 20), _final_model(resumed, 20)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def _loaded_state(dump: str, argv: list[str]) -> dict:
+    """Build the job as train.py does, load its newest checkpoint, return gathered state."""
+    sys.path.insert(0, REPO)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import components  # noqa: F401
+    from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
+    from components.train_spec import get_train_spec
+    from config import load_job_config
+    from tests.helpers import full
+
+    cfg = load_job_config([*argv, "--job.dump_folder", dump])
+    spec = get_train_spec(cfg.model.name)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if dist.is_initialized() else None
+    world, rank = (dist.get_world_size(), dist.get_rank()) if mesh else (1, 0)
+    parts = spec.parallelize_fn(spec.build_model_fn(cfg), cfg, mesh)
+    optimizers = spec.build_optimizers_fn(parts, cfg.optimizer, job_config=cfg)
+    schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
+    data = spec.build_dataloader_fn(cfg, rank, world)
+    state = TrainState()
+    manager = CheckpointManager(
+        cfg.checkpoint,
+        dump,
+        {
+            "model": ModelWrapper(parts),
+            "optimizer": optimizers,
+            "lr_scheduler": schedulers,
+            "dataloader": data,
+            "train_state": state,
+        },
+        cfg.training.steps,
+    )
+    manager.load()
+    return {
+        "optim": {k: full(v) for k, v in optimizers.state_dict().items()},
+        "lrs": [g["lr"] for g in optimizers.param_groups],
+        "sample_index": data.sample_index,
+        "step": state.step,
+        "sched": schedulers.last_step,
+    }
+
+
+RESHARD = ["--training.global_batch_size", "12", "--training.local_batch_size", "1"]
+
+
+def test_resume_at_another_world_size_reshards_state_and_continues_the_curve(tmp_path):
+    ref = tmp_path / "ref"
+    _run(4, ref, "--training.steps", "20", *RESHARD)
+    argv = [*BASE, *RESHARD, "--training.steps", "20", "--checkpoint.load_step", "10"]
+    single = _loaded_state(str(ref), argv)  # the stored bytes, read by one plain process
+    assert single["step"] == 10 and single["sched"] == 10 and single["sample_index"] == 120
+    reference = _losses(ref)
+    for world in (2, 3):
+        dump = tmp_path / f"w{world}"
+        _resume_copy(ref, dump, 10)
+        loaded = run_ranks(world, _loaded_state, str(dump), argv)[0]
+        assert loaded.keys() == single.keys()
+        assert loaded["optim"].keys() == single["optim"].keys()
+        for key, value in single["optim"].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(loaded["optim"][key], value), key
+            else:
+                assert loaded["optim"][key] == value, key
+        assert loaded["lrs"] == single["lrs"] and loaded["sample_index"] == 120
+        _run(world, dump, "--training.steps", "20", *RESHARD)
+        got = _losses(dump)
+        assert sorted(got) == list(range(11, 21))
+        for step, loss in got.items():
+            assert loss == pytest.approx(reference[step], rel=2e-4), (world, step)
+
+
+def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    dump = tmp_path / "run"
+    args = [
+        *BASE,
+        "--job.dump_folder",
+        str(dump),
+        "--model.flavor",
+        "small",  # ~25M params: a save takes long enough to be caught in the middle
+        "--training.seq_len",
+        "16",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "2",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*cmd, "train.py", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    ckpt = dump / "checkpoint"
+    deadline = time.monotonic() + 240
+    try:
+        while not (ckpt / "step-4.tmp").exists():
+            assert proc.poll() is None, "training ended before the save could be interrupted"
+            assert time.monotonic() < deadline, "no save of step 4 started in time"
+            time.sleep(0.001)
+        kill_tree(proc.pid)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+    assert (ckpt / "step-2").is_dir() and not (ckpt / "step-4").exists()
+
+    out = launch(2, args).stdout
+    assert "resumed from" in out and "step-2" in out, out[-4000:]
+    assert sorted(_losses(dump)) == list(range(1, 7))
+    assert {p.name for p in ckpt.iterdir()} == {"step-2", "step-4", "step-6"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--training.steps", "-1"], r"\[training\] steps = -1: out of range; use a value >= 1"),
+        (["--job.config_file", "nope.toml"], r"config_file = 'nope.toml': cannot read it"),
+        (["--optimizer.nmae", "AdamW"], r"unknown key 'nmae'; did you mean 'name'"),
+        (["--optimizer.container", "x"], r"container = 'x': unknown container"),
+        (["--training.global_batch_size", "7"], r"global_batch_size = 7: not a multiple"),
+    ],
+)
+def test_bad_config_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):
+    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), *args], timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stdout
+    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and pytest.importorskip("re").search(message, errors[0]), result.stdout
+
+
+def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
+    _run(0, tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}
+    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--model.flavor", "debug"])
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert "does not match this job" in result.stdout
+    assert "missing keys [model.layers.2.attention.wk.weight" in result.stdout
+    assert "shape mismatches [model.layers.0.attention.wk.weight" in result.stdout
+    after = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}
+    assert before == after
+
+    (tmp_path / "checkpoint" / "step-2" / ".metadata").write_bytes(b"garbage")
+    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
+    assert result.returncode == 2 and "Traceback" not in result.stdout
+    assert "step-2 is unreadable" in result.stdout
