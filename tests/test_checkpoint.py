@@ -1,0 +1,155 @@
+"""CheckpointManager: atomic publish, discovery, retention, async saves, refusals, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from components.checkpoint import CheckpointManager, ModelWrapper, TrainState, complete_checkpoints
+from config import Checkpoint, ConfigError
+from containers import OptimizersContainer
+from tests.dist import run_ranks
+from tests.helpers import assert_same, full, three_parts, train
+
+
+def _job(
+    folder: Path, seed: int = 0, **cfg
+) -> tuple[list, OptimizersContainer, TrainState, CheckpointManager]:
+    parts = three_parts(seed)
+    if dist.is_initialized():
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for part in parts:
+            fully_shard(part, mesh=mesh)
+    optimizers = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    state = TrainState()
+    states = {"model": ModelWrapper(parts), "optimizer": optimizers, "train_state": state}
+    manager = CheckpointManager(Checkpoint(enable=True, **cfg), str(folder), states, total_steps=7)
+    return parts, optimizers, state, manager
+
+
+def _snapshot(parts, optimizers) -> dict:
+    model = {f"{i}.{k}": full(v) for i, p in enumerate(parts) for k, v in p.state_dict().items()}
+    return {**model, **{k: full(v) for k, v in optimizers.state_dict().items()}}
+
+
+def _train_and_save(manager, parts, optimizers, state, steps: range) -> None:
+    for step in steps:
+        train(parts, optimizers, 1, start=step)
+        state.step = step
+        manager.maybe_save(step)
+
+
+def test_saves_at_interval_and_end_keeps_latest_k_and_resumes_newest(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2, keep_latest_k=2)
+    assert manager.load() == 0
+    _train_and_save(manager, parts, optimizers, state, range(1, 8))
+    manager.close()
+    assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [6, 7]
+    expected = _snapshot(parts, optimizers)
+
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=5, interval=2)
+    assert manager2.load() == 7 and state2.step == 7
+    assert_same(_snapshot(parts2, optimizers2), expected)
+
+
+def test_load_step_picks_one_and_a_missing_one_lists_the_available(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=3)
+    _train_and_save(manager, parts, optimizers, state, range(1, 4))
+    at_three = _snapshot(parts, optimizers)
+    _train_and_save(manager, parts, optimizers, state, range(4, 7))
+    parts_b, optimizers_b, state_b, manager_b = _job(tmp_path, seed=3, interval=3, load_step=3)
+    assert manager_b.load() == 3 and state_b.step == 3
+    assert_same(_snapshot(parts_b, optimizers_b), at_three)
+    with pytest.raises(ConfigError, match=r"load_step = 4: no complete checkpoint.*\[3, 6\]"):
+        _job(tmp_path, interval=3, load_step=4)[3].load()
+
+
+def test_half_written_and_unpublished_checkpoints_are_never_resumed(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    expected = _snapshot(parts, optimizers)
+    folder = tmp_path / "checkpoint"
+    # What a crash leaves: an unpublished .tmp (complete or not) and a dir without .metadata.
+    (folder / "step-4.tmp").mkdir()
+    (folder / "step-4.tmp" / ".metadata").write_bytes(b"partial")
+    (folder / "step-6").mkdir()
+    (folder / "step-6" / "__0_0.distcp").write_bytes(b"partial")
+    assert list(complete_checkpoints(folder)) == [2]
+
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    assert manager2.load() == 2
+    assert_same(_snapshot(parts2, optimizers2), expected)
+    _train_and_save(manager2, parts2, optimizers2, state2, range(3, 5))
+    assert not (folder / "step-4.tmp").exists() and list(complete_checkpoints(folder)) == [2, 4]
+
+
+def test_resaving_a_step_after_resuming_earlier_replaces_it(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 5))
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, interval=2, load_step=2)
+    manager2.load()
+    train(parts2, optimizers2, 1, start=100)  # a different step 3 than the first run's
+    train(parts2, optimizers2, 1, start=101)
+    state2.step = 4
+    manager2.maybe_save(4)
+    expected = _snapshot(parts2, optimizers2)
+    parts3, optimizers3, _, manager3 = _job(tmp_path, seed=2, interval=2)
+    assert manager3.load() == 4
+    assert_same(_snapshot(parts3, optimizers3), expected)
+    assert {p.name for p in (tmp_path / "checkpoint").iterdir()} == {"step-2", "step-4"}
+
+
+def test_mismatched_checkpoint_is_refused_before_anything_changes(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=1)
+    _train_and_save(manager, parts, optimizers, state, range(1, 2))
+    other = [torch.nn.Linear(10, 3)]
+    other_opt = OptimizersContainer(other, torch.optim.AdamW, {"lr": 1e-2})
+    before = {k: full(v) for k, v in other[0].state_dict().items()}
+    wrong = CheckpointManager(
+        Checkpoint(enable=True),
+        str(tmp_path),
+        {"model": ModelWrapper(other), "optimizer": other_opt, "train_state": TrainState()},
+        total_steps=1,
+    )
+    with pytest.raises(ConfigError, match=r"missing keys \[model\.bias, model\.weight"):
+        wrong.load()
+    assert_same({k: full(v) for k, v in other[0].state_dict().items()}, before)
+    assert not dict(other_opt.state)
+
+
+def test_export_writes_the_full_model_in_one_file(tmp_path):
+    parts, optimizers, _, manager = _job(tmp_path, interval=1)
+    train(parts, optimizers, 2)
+    path = manager.export_model(parts, step=2)
+    saved = torch.load(path, weights_only=True)
+    assert_same(saved, {k: v for p in parts for k, v in p.state_dict().items()})
+
+
+def _async_round_trip(folder: str) -> dict:
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode="async")
+    snapshots = {}
+    for step in range(1, 5):
+        train(parts, optimizers, 1, rank=dist.get_rank(), start=step)
+        state.step = step
+        snapshots[step] = _snapshot(parts, optimizers)
+        manager.maybe_save(step)  # returns at once; the previous save is published here
+    manager.close()
+    parts2, optimizers2, _, manager2 = _job(Path(folder), seed=4, interval=2, load_step=2)
+    manager2.load()
+    at_two = _snapshot(parts2, optimizers2)
+    return {
+        "two": at_two,
+        "expected_two": snapshots[2],
+        "found": list(complete_checkpoints(Path(folder) / "checkpoint")),
+    }
+
+
+def test_async_saves_publish_complete_checkpoints_on_two_ranks(tmp_path):
+    result = run_ranks(2, _async_round_trip, str(tmp_path))[0]
+    assert result["found"] == [2, 4]
+    assert_same(result["two"], result["expected_two"])

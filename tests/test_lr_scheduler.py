@@ -1,0 +1,91 @@
+"""LR schedules: warmup, each decay, WSD, min lr, and config lr winning on resume."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from components.lr_scheduler import build_lr_schedulers, lr_factor
+from config import LRScheduler
+from containers import OptimizersContainer, ParamGroupRule
+from tests.helpers import three_parts, train
+
+
+def _lrs(cfg: LRScheduler, steps: int) -> list[float]:
+    return [lr_factor(s, cfg, steps) for s in range(steps)]
+
+
+def test_warmup_is_linear_from_above_zero_to_peak():
+    lrs = _lrs(LRScheduler(warmup_steps=4, decay_ratio=0.0), 10)
+    assert lrs[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert lrs[4:] == [1.0] * 6
+
+
+@pytest.mark.parametrize(
+    ("decay_type", "shape"),
+    [
+        ("linear", lambda p: 1 - p),
+        ("sqrt", lambda p: 1 - math.sqrt(p)),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ],
+)
+def test_each_decay_reaches_min_lr_at_the_last_step(decay_type, shape):
+    cfg = LRScheduler(warmup_steps=2, decay_type=decay_type, min_lr_factor=0.1)
+    lrs = _lrs(cfg, 10)  # 8 decay steps after warmup
+    for step in range(2, 10):
+        progress = (step - 2 + 1) / 8
+        assert lrs[step] == pytest.approx(0.1 + 0.9 * shape(progress))
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+
+
+def test_wsd_holds_the_peak_then_decays_the_last_fraction():
+    lrs = _lrs(LRScheduler(warmup_steps=2, decay_ratio=0.25, min_lr_factor=0.0), 10)
+    assert lrs[2:8] == [1.0] * 6  # 8 steps after warmup, 2 of them decay
+    assert lrs[8:] == pytest.approx([0.5, 0.0])
+
+
+def test_warmup_longer_than_training_is_clamped():
+    assert _lrs(LRScheduler(warmup_steps=100), 3) == pytest.approx([0.25, 0.5, 0.75])
+
+
+def test_schedulers_drive_every_inner_optimizer_and_group():
+    parts = three_parts()
+    rules = [ParamGroupRule("bias", {"lr": 0.5})]
+    optimizers = OptimizersContainer(parts, torch.optim.SGD, {"lr": 1.0}, param_groups=rules)
+    cfg = LRScheduler(warmup_steps=3, decay_ratio=0.0)
+    schedulers = build_lr_schedulers(optimizers, cfg, total_steps=10)
+    assert len(schedulers) == 3
+    assert [g["lr"] for g in optimizers.param_groups] == pytest.approx([0.25, 0.125] * 3)
+    train(parts, optimizers, 1)
+    schedulers.step()
+    assert [g["lr"] for g in optimizers.param_groups] == pytest.approx([0.5, 0.25] * 3)
+    assert schedulers.get_last_lr() == pytest.approx(0.5) and schedulers.last_step == 1
+
+
+def test_resume_keeps_the_step_but_takes_the_lr_from_the_config():
+    cfg = LRScheduler(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
+    parts = three_parts()
+    old = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-3})
+    old_sched = build_lr_schedulers(old, cfg, total_steps=10)
+    for _ in range(5):
+        train(parts, old, 1)
+        old_sched.step()
+    saved_optim, saved_sched = old.state_dict(), old_sched.state_dict()
+    assert saved_sched == {"step": 5}
+
+    new = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 2e-3})  # lr changed in config
+    new_sched = build_lr_schedulers(new, cfg, total_steps=10)
+    new.load_state_dict(saved_optim)  # brings the old lr back into the groups...
+    new_sched.load_state_dict(saved_sched)  # ...and the schedule re-applies the config's
+    expected = 2e-3 * lr_factor(5, cfg, 10)
+    assert [g["lr"] for g in new.param_groups] == pytest.approx([expected] * 3)
+    assert new_sched.last_step == 5 and new_sched.get_last_lr() == pytest.approx(expected)
+    train(parts, new, 1)
+    new_sched.step()
+    assert new.param_groups[0]["lr"] == pytest.approx(2e-3 * lr_factor(6, cfg, 10))
+    with pytest.raises(ValueError, match="step = -1"):
+        new_sched.load_state_dict({"step": -1})
