@@ -103,6 +103,14 @@ def main(argv: list[str]) -> None:
         train_state.step,
     )
 
+    if train_state.step >= cfg.training.steps:
+        logger.info(
+            "already at step %d of %d: nothing to train (raise --training.steps or remove %s)",
+            train_state.step,
+            cfg.training.steps,
+            checkpoint.folder,
+        )
+
     # -- train ------------------------------------------------------------------------------
     while train_state.step < cfg.training.steps:
         start = time.perf_counter()

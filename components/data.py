@@ -55,6 +55,10 @@ class ByteTextLoader:
     def __init__(
         self, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
     ) -> None:
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(
+                f"dp_rank = {dp_rank}: must lie in [0, dp_world_size = {dp_world_size})"
+            )
         self.corpus = load_corpus()
         self.windows = (len(self.corpus) - 1) // seq_len
         if self.windows < 1:
@@ -94,6 +98,9 @@ class ByteTextLoader:
         return {"sample_index": self.sample_index, "seed": self.seed, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"sample_index", "seed", "seq_len"} - state.keys()
+        if missing:
+            raise ValueError(f"data checkpoint lacks {sorted(missing)}; it is not this loader's")
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
                 raise ValueError(

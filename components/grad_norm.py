@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping across all model parts, ranks and meshes."""
+"""Global gradient-norm clipping across all model parts and the ranks of their mesh."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     """Scale gradients so their global L2 norm is at most `max_norm`; return the norm.
 
     Sharded (DTensor) gradients contribute their shards once: the norm is reduced over the
-    mesh, so every rank sees the same global value. `max_norm = 0` only measures the norm.
+    mesh, so every rank sees the same global value. All parts must share one mesh (as they do
+    here); stages on disjoint ranks would also need a sum over the pipeline group.
+    `max_norm = 0` only measures the norm.
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
