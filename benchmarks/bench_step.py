@@ -1,0 +1,384 @@
+"""Optimizer step benchmark: container overhead, "auto" kernel choice, and memory bandwidth.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_step.py [--params N] [--parts K] [--repeats R]
+                                              [--steps S] [--quick]
+
+Every contender steps its own copy of the same model with identical gradients; contenders are
+timed interleaved (order reversed on odd repeats, to cancel drift) and medians are reported.
+See benchmarks/README.md for what each row and column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from components.optimizer import build_optimizers
+from config import Optimizer as OptimizerConfig
+from containers import OptimizersContainer
+
+BYTES_PER_PARAM = 28
+"""fp32 AdamW traffic per param per step: read param, grad, exp_avg, exp_avg_sq; write three."""
+
+NONE = "—"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Sizes and repeat counts of one benchmark run."""
+
+    params: int
+    parts: int
+    repeats: int
+    steps: int
+    warmup: int
+    copy_mb: int
+    copy_trials: int
+
+
+DEFAULT = Settings(
+    params=8_000_000, parts=8, repeats=15, steps=5, warmup=2, copy_mb=256, copy_trials=10
+)
+QUICK = Settings(params=20_000, parts=2, repeats=2, steps=5, warmup=3, copy_mb=4, copy_trials=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the results table."""
+
+    name: str
+    ms: float | None = None
+    ratio: float | None = None
+    goal: float | None = None
+    notes: str = ""
+
+    def cells(self) -> list[str]:
+        """The row's table cells: name, ms/step, ratio, goal, status, notes."""
+        if self.goal is None or self.ratio is None:
+            status = NONE
+        else:
+            status = "PASS" if self.ratio <= self.goal else "MISS"
+        return [
+            self.name,
+            NONE if self.ms is None else f"{self.ms:.2f}",
+            NONE if self.ratio is None else f"{self.ratio:.3f}",
+            NONE if self.goal is None else f"<= {self.goal:.2f}",
+            status,
+            self.notes,
+        ]
+
+
+# -- model ------------------------------------------------------------------------------------
+
+
+def part_width(params: int, parts: int) -> int:
+    """Width `w` (multiple of 32) whose part of 4w^2 + 5w params best fits `params / parts`."""
+    per_part = params / parts
+    w = (-5 + math.sqrt(25 + 16 * per_part)) / 8
+    return max(32, round(w / 32) * 32)
+
+
+class Block(nn.Module):
+    """A transformer-MLP-like block: Linear(w, 2w), Linear(2w, w) with biases, LayerNorm(w)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(width, 2 * width)
+        self.w2 = nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+
+def make_part(width: int, index: int) -> nn.Module:
+    """Part `index` of the model: one `Block` at FQN prefix `layers.<index>.` (unique FQNs)."""
+    return nn.ModuleDict({"layers": nn.ModuleDict({str(index): Block(width)})})
+
+
+def make_model(width: int, parts: int, seed: int = 0) -> list[nn.Module]:
+    """Model parts with fixed, seeded parameters and gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = [make_part(width, i) for i in range(parts)]
+    for part in model:
+        for p in part.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    return model
+
+
+def clone_model(model: Sequence[nn.Module]) -> list[nn.Module]:
+    """Independent copies of `model`'s parts, gradients included."""
+    clones = [copy.deepcopy(part) for part in model]
+    for src, dst in zip(model, clones):
+        for p, q in zip(src.parameters(), dst.parameters()):
+            q.grad = None if p.grad is None else p.grad.clone()
+    return clones
+
+
+def count_params(model: Sequence[nn.Module]) -> int:
+    """Number of parameter elements in `model`."""
+    return sum(p.numel() for part in model for p in part.parameters())
+
+
+def all_params(model: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Every parameter of `model`, in part order."""
+    return [p for part in model for p in part.parameters()]
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    """Median of `samples` (seconds), in milliseconds."""
+    return statistics.median(samples) * 1e3
+
+
+def time_interleaved(
+    contenders: dict[str, Callable[[], Any]], repeats: int, steps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each contender, one sample of `steps` steps per repeat.
+
+    Contenders run back to back in each repeat, in reverse order on odd repeats. All run the
+    same number of steps per sample, so each pays the same share of cold-cache first steps.
+    """
+    for step in contenders.values():
+        for _ in range(warmup):
+            step()
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    gc.collect()
+    gc_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            for name in names if r % 2 == 0 else reversed(names):
+                step = contenders[name]
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                samples[name].append((time.perf_counter() - start) / steps)
+    finally:
+        if gc_enabled:
+            gc.enable()
+    return samples
+
+
+def describe_spread(values: Sequence[float]) -> str:
+    """The interquartile range of `values`, or "" if there are too few."""
+    if len(values) < 2:
+        return ""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return f"IQR {q1:.3f}–{q3:.3f}"
+
+
+def copy_bandwidth(nbytes: int, trials: int) -> tuple[float, float]:
+    """Best `dst.copy_(src)` time (s) of an fp32 tensor of `nbytes`, and bytes/s read+written."""
+    src = torch.rand(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = math.inf
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best, 2 * src.numel() * src.element_size() / best
+
+
+# -- benchmark --------------------------------------------------------------------------------
+
+
+def adamw_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """AdamW hyperparameters of `cfg`, as every contender uses them."""
+    return {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+
+
+def ratio_row(name: str, a: Sequence[float], b: Sequence[float], goal: float | None = None) -> Row:
+    """Row for the time ratio a/b: a's median ms, the median per-repeat ratio, its spread.
+
+    Each repeat times a and b back to back, so per-repeat ratios cancel drift that a ratio of
+    medians would keep.
+    """
+    ratios = [x / y for x, y in zip(a, b)]
+    return Row(name, median_ms(a), statistics.median(ratios), goal, describe_spread(ratios))
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, where the OS reports one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def run(settings: Settings) -> tuple[list[str], list[Row]]:
+    """Run every measurement; return the header lines and the table rows."""
+    load_before = load_average()
+    width = part_width(settings.params, settings.parts)
+    model = make_model(width, settings.parts)
+    n = count_params(model)
+    cfg = OptimizerConfig()
+    kw = adamw_kwargs(cfg)
+
+    container = OptimizersContainer(clone_model(model), torch.optim.AdamW, {**kw, "fused": True})
+    per_part = [
+        torch.optim.AdamW(part.parameters(), **kw, fused=True) for part in clone_model(model)
+    ]
+    auto = build_optimizers(clone_model(model), cfg)
+    fused = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
+    foreach = torch.optim.AdamW(all_params(clone_model(model)), **kw, foreach=True)
+    for_loop = torch.optim.AdamW(all_params(clone_model(model)), **kw, foreach=False)
+
+    def step_per_part() -> None:
+        for opt in per_part:
+            opt.step()
+
+    t = time_interleaved(
+        {
+            "container": container.step,
+            "per_part": step_per_part,
+            "auto": auto.step,
+            "fused": fused.step,
+            "foreach": foreach.step,
+            "for_loop": for_loop.step,
+        },
+        settings.repeats,
+        settings.steps,
+        settings.warmup,
+    )
+    copy_s, copy_bw = copy_bandwidth(settings.copy_mb * 2**20, settings.copy_trials)
+    fused_s = median_ms(t["fused"]) / 1e3
+    adam_bw = BYTES_PER_PARAM * n / fused_s
+    auto_flags = {k: v for k, v in auto.param_groups[0].items() if k in ("fused", "foreach")}
+
+    header = [
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 on cpu",
+        f"model: {settings.parts} parts x (Linear({width}, {2 * width}) + "
+        f"Linear({2 * width}, {width}) + LayerNorm({width})) = {n:,} params",
+        f'build_optimizers(implementation="auto") resolved to {auto_flags}',
+        f"timing: {settings.repeats} repeats, interleaved (order reversed on odd repeats), "
+        f"{settings.steps} steps per sample after {settings.warmup} warm-up steps",
+        "ms/step = median over repeats; ratio = median of per-repeat ratios (IQR in notes)",
+    ]
+    load_after = load_average()
+    if load_before is not None and load_after is not None:
+        header.append(
+            f"1-min load average {load_before:.2f} before, {load_after:.2f} after, on "
+            f"{os.cpu_count()} CPUs (load from other processes adds noise)"
+        )
+    rows = [
+        Row(
+            "1 per-part fused AdamW loop (baseline)",
+            median_ms(t["per_part"]),
+            notes=f"{settings.parts} x AdamW(fused=True)",
+        ),
+        ratio_row(
+            "1 OptimizersContainer.step() / per-part loop", t["container"], t["per_part"], 1.05
+        ),
+        Row("2 AdamW(fused=True), one optimizer", median_ms(t["fused"]), notes="baseline"),
+        Row("2 AdamW(foreach=True), one optimizer", median_ms(t["foreach"]), notes="baseline"),
+        Row(
+            "2 AdamW(foreach=False) for-loop, one optimizer",
+            median_ms(t["for_loop"]),
+            notes="baseline",
+        ),
+        ratio_row(
+            '2 build_optimizers "auto" / per-part fused loop', t["auto"], t["per_part"], 1.10
+        ),
+        ratio_row('2 build_optimizers "auto" / one fused AdamW', t["auto"], t["fused"], 1.10),
+        ratio_row('2 build_optimizers "auto" / foreach', t["auto"], t["foreach"]),
+        ratio_row('2 build_optimizers "auto" / for-loop', t["auto"], t["for_loop"]),
+        ratio_row("2 fused speedup over foreach (foreach / fused)", t["foreach"], t["fused"]),
+        Row(
+            f"3 copy bandwidth, dst.copy_(src) {settings.copy_mb} MB fp32",
+            copy_s * 1e3,
+            notes=f"{copy_bw / 1e9:.2f} GB/s read+write, best of {settings.copy_trials}",
+        ),
+        Row(
+            "3 fused AdamW bandwidth / copy bandwidth",
+            median_ms(t["fused"]),
+            adam_bw / copy_bw,
+            notes=f"{n / fused_s / 1e6:.1f} Mparam/s, {adam_bw / 1e9:.2f} GB/s "
+            f"at {BYTES_PER_PARAM} B/param",
+        ),
+    ]
+    return header, rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Rows as an aligned, pipe-separated table; numeric columns right-aligned."""
+    head = ["benchmark", "ms/step", "ratio", "goal", "status", "notes"]
+    cells = [row.cells() for row in rows]
+    widths = [max(len(r[i]) for r in [head, *cells]) for i in range(len(head))]
+    right = {1, 2}
+
+    def line(values: Sequence[str]) -> str:
+        padded = (
+            v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths))
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), rule, *(line(c) for c in cells)])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    """Settings from the command line; `--quick` changes the defaults, explicit flags win."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--params", type=int, metavar="N", help=f"target param count ({DEFAULT.params:,})"
+    )
+    parser.add_argument("--parts", type=int, metavar="K", help=f"model parts ({DEFAULT.parts})")
+    parser.add_argument(
+        "--repeats", type=int, metavar="R", help=f"interleaved repeats ({DEFAULT.repeats})"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="S",
+        help=f"steps per sample, fastest contender ({DEFAULT.steps})",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats (smoke run)")
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else DEFAULT
+    settings = dataclasses.replace(
+        base,
+        **{
+            k: v
+            for k in ("params", "parts", "repeats", "steps")
+            if (v := getattr(args, k)) is not None
+        },
+    )
+    if min(settings.params, settings.parts, settings.repeats, settings.steps) < 1:
+        parser.error("--params, --parts, --repeats and --steps must be positive")
+    return settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print its header and table."""
+    start = time.perf_counter()
+    header, rows = run(parse_args(argv))
+    print("\n".join(header))
+    print()
+    print(format_table(rows))
+    print(f"\ntotal {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

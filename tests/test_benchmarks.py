@@ -1,0 +1,18 @@
+"""The step benchmark still runs (a smoke run; its figures are not checked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def test_bench_step_quick_prints_its_table(capsys):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "OptimizersContainer.step() / per-part loop" in out and "copy bandwidth" in out
