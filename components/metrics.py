@@ -57,7 +57,7 @@ class MetricsLogger:
     def log(self, step: int, loss: float, step_time: float, tokens: int, **extra: Any) -> None:
         """Record one optimizer step (`tokens` counted over all ranks)."""
         self._step_times.append(step_time)
-        if not self.enabled or (step % self.freq and step != self.total_steps):
+        if not self.enabled or (step % self.freq and step not in (1, self.total_steps)):
             return
         recent = self._step_times[-20:]
         avg = sum(recent) / len(recent)
