@@ -69,7 +69,9 @@ def main(argv: list[str]) -> None:
     model = spec.build_model_fn(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     model_parts = spec.parallelize_fn(model, cfg, mesh)
-    optimizers = spec.build_optimizers_fn(model_parts, cfg.optimizer, job_config=cfg)
+    optimizers = spec.build_optimizers_fn(
+        model_parts, cfg.optimizer, job_config=cfg, gradient_accumulation_steps=accum
+    )
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
     dataloader = spec.build_dataloader_fn(cfg, rank, world_size)
     loss_fn = spec.build_loss_fn(cfg)
@@ -125,7 +127,10 @@ def main(argv: list[str]) -> None:
             loss = loss_fn(h, labels.to(device)) / accum
             loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
+        # In-backward containers have stepped and freed the gradients by now.
+        grad_norm = (
+            None if optimizers.steps_in_backward else clip_grad_norm_(params, cfg.training.max_norm)
+        )
         lr = lr_schedulers.get_last_lr()
         optimizers.step()
         lr_schedulers.step()
@@ -137,7 +142,7 @@ def main(argv: list[str]) -> None:
             time.perf_counter() - start,
             tokens_per_step,
             lr=lr,
-            grad_norm=grad_norm.item(),
+            **({} if grad_norm is None else {"grad_norm": grad_norm.item()}),
         )
         checkpoint.maybe_save(train_state.step)
 

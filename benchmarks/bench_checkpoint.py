@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.table import markdown_table
 from components.checkpoint import ModelWrapper
 from containers import OptimizersContainer
 from tests.dist import run_ranks
@@ -135,10 +136,7 @@ def main(argv: list[str]) -> None:
         ),
     ]
     print(f"torch {torch.__version__}, {gb:.3f} GB checkpoint ({n_params / 1e6:.0f}M params)")
-    print(f"| {'measure':<42} | {'value':<22} | {'ratio':>6} | {'goal':<7} |")
-    print(f"|{'-' * 44}|{'-' * 24}|{'-' * 8}|{'-' * 9}|")
-    for name, value, ratio, goal in rows:
-        print(f"| {name:<42} | {value:<22} | {ratio:>6} | {goal:<7} |")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from config import ConfigError, JobConfig
 from config import Optimizer as OptimizerConfig
-from containers import OptimizersContainer, ParamGroupRule
+from containers import OptimizersContainer, OptimizersInBackwardContainer, ParamGroupRule
 
 __all__ = [
     "build_optimizers",
@@ -215,3 +215,40 @@ def _build_default(
 
 
 register_container("default", _build_default)
+
+
+def _build_in_backward(
+    model_parts: list[nn.Module],
+    optimizer_cls: type[Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    *,
+    param_groups: Sequence[ParamGroupRule],
+    job_config: JobConfig | None,
+    gradient_accumulation_steps: int | None = None,
+    **runtime: Any,
+) -> OptimizersInBackwardContainer:
+    training = job_config.training if job_config is not None else None
+    if training is not None and training.max_norm > 0:
+        raise ConfigError(
+            f"[training] max_norm = {training.max_norm}: container 'in_backward' steps each "
+            "parameter as soon as its gradient is ready, before the global norm exists, so "
+            "it cannot clip; set max_norm = 0 or use container = 'default'"
+        )
+    if job_config is not None and job_config.fault_tolerance.enable:
+        raise ConfigError(
+            "[fault_tolerance] enable = true: container 'in_backward' steps inside backward, "
+            "before torchft can decide whether the step commits; use container "
+            "'fault_tolerant' or disable fault tolerance"
+        )
+    if gradient_accumulation_steps is None:
+        gradient_accumulation_steps = training.gradient_accumulation_steps if training else 1
+    return OptimizersInBackwardContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        param_groups=param_groups,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+
+
+register_container("in_backward", _build_in_backward)

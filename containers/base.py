@@ -76,6 +76,9 @@ class OptimizersContainer(Optimizer, Stateful):
             one, and every rule must match at least one parameter.
     """
 
+    steps_in_backward = False
+    """True for variants that step during backward (gradients are gone by `step()`)."""
+
     def __init__(
         self,
         model_parts: Sequence[nn.Module],
@@ -91,7 +94,11 @@ class OptimizersContainer(Optimizer, Stateful):
             )
         self.optimizers: list[Optimizer] = []
         self._fqns: dict[torch.Tensor, str] = {}
-        for part, groups in enumerate(self._assign(param_groups, optimizer_cls, optimizer_kwargs)):
+        self._optimizer_units: list[int] = []
+        units = self._units(self._trainable())
+        for unit, groups in enumerate(
+            self._assign(units, param_groups, optimizer_cls, optimizer_kwargs)
+        ):
             for cls, specs in groups.items():
                 try:
                     ctor_kwargs = specs[0][1]
@@ -100,8 +107,10 @@ class OptimizersContainer(Optimizer, Stateful):
                     )
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise ValueError(
-                        f"building {cls.__name__} for model part {part} failed: {e}"
+                        f"building {cls.__name__} for {units[unit][0][0]!r} and its unit "
+                        f"failed: {e}"
                     ) from e
+                self._optimizer_units.append(unit)
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.defaults = dict(optimizer_kwargs)
@@ -113,32 +122,14 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
-    def _assign(
-        self,
-        rules: Sequence[ParamGroupRule],
-        default_cls: type[Optimizer],
-        default_kwargs: Mapping[str, Any],
-    ) -> list[dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]]:
-        """Map each part's trainable parameters to (class -> [(params, group kwargs)])."""
-        compiled = []
-        for rule in rules:
-            try:
-                compiled.append(re.compile(rule.pattern))
-            except re.error as e:
-                raise ValueError(
-                    f"param group pattern {rule.pattern!r} is not a regex: {e}"
-                ) from None
-            if rule.optimizer_cls is not None and rule.optimizer_kwargs is None:
-                raise ValueError(
-                    f"param group {rule.pattern!r} names optimizer_cls "
-                    f"{rule.optimizer_cls.__name__} without optimizer_kwargs; pass them"
-                )
-        used = [False] * len(rules)
+    def _trainable(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """Each part's trainable (FQN, parameter) pairs; a parameter or FQN in two parts is
+        an error."""
         owner: dict[torch.Tensor, int] = {}
         fqn_owner: dict[str, int] = {}
         parts = []
         for part_idx, part in enumerate(self.model_parts):
-            buckets: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+            named = []
             for name, p in part.named_parameters():
                 if not p.requires_grad:
                     continue
@@ -155,6 +146,45 @@ class OptimizersContainer(Optimizer, Stateful):
                     )
                 owner[p], fqn_owner[fqn] = part_idx, part_idx
                 self._fqns[p] = fqn
+                named.append((fqn, p))
+            parts.append(named)
+        return parts
+
+    def _units(
+        self, parts: list[list[tuple[str, torch.Tensor]]]
+    ) -> list[list[tuple[str, torch.Tensor]]]:
+        """Split the parameters into units with inner optimizers of their own: one per part.
+
+        Variants that step finer-grained (per FSDP unit, per module) override this.
+        """
+        return [named for named in parts if named]
+
+    @staticmethod
+    def _assign(
+        units: list[list[tuple[str, torch.Tensor]]],
+        rules: Sequence[ParamGroupRule],
+        default_cls: type[Optimizer],
+        default_kwargs: Mapping[str, Any],
+    ) -> list[dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]]:
+        """Map each unit's parameters to (class -> [(params, group kwargs)]) by the rules."""
+        compiled = []
+        for rule in rules:
+            try:
+                compiled.append(re.compile(rule.pattern))
+            except re.error as e:
+                raise ValueError(
+                    f"param group pattern {rule.pattern!r} is not a regex: {e}"
+                ) from None
+            if rule.optimizer_cls is not None and rule.optimizer_kwargs is None:
+                raise ValueError(
+                    f"param group {rule.pattern!r} names optimizer_cls "
+                    f"{rule.optimizer_cls.__name__} without optimizer_kwargs; pass them"
+                )
+        used = [False] * len(rules)
+        assigned = []
+        for named in units:
+            buckets: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+            for fqn, p in named:
                 hits = [i for i, rx in enumerate(compiled) if rx.search(fqn)]
                 if len(hits) > 1:
                     raise ValueError(
@@ -173,13 +203,13 @@ class OptimizersContainer(Optimizer, Stateful):
                 kwargs = dict((rule and rule.optimizer_kwargs) or default_kwargs)
                 kwargs.update(rule.overrides if rule else {})
                 groups.setdefault(cls, []).append((params, kwargs))
-            parts.append(groups)
+            assigned.append(groups)
         unused = [r.pattern for r, u in zip(rules, used) if not u]
         if unused:
             raise ValueError(
                 f"param group patterns {unused} match no trainable parameter; fix or remove them"
             )
-        return parts
+        return assigned
 
     # -- the torch.optim.Optimizer contract ------------------------------------------------
 
