@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import components  # noqa: F401  (registers the built-in train specs)
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
+from components.ft import allreduce_gradients, build_ft_manager, serve_state
 from components.grad_norm import clip_grad_norm_
-from components.metrics import MetricsLogger
+from components.metrics import MetricsLogger, param_checksum
 from components.train_spec import get_train_spec
 from config import ConfigError, JobConfig, load_job_config
 
@@ -62,6 +63,21 @@ def main(argv: list[str]) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = init_device_mesh(device.type, (world_size,))
     logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    ft = cfg.fault_tolerance
+    if ft.enable and "MASTER_ADDR" not in os.environ:
+        # torchft's manager needs a TCPStore for the replica group; torchrun starts one.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    ft_manager = build_ft_manager(ft, rank, world_size, device)
+    # Each replica group reads its own share of the data and keeps its own files.
+    dp_rank, dp_world_size = ft.replica_id * world_size + rank, ft.group_size * world_size
+    dump_folder = (
+        os.path.join(cfg.job.dump_folder, f"replica_{ft.replica_id}")
+        if ft.enable
+        else cfg.job.dump_folder
+    )
+    if ft.enable and cfg.optimizer.container == "default":
+        cfg.optimizer.container = "fault_tolerant"
     accum = accumulation_steps(cfg, world_size)
 
     # -- build ------------------------------------------------------------------------------
@@ -70,26 +86,29 @@ def main(argv: list[str]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     model_parts = spec.parallelize_fn(model, cfg, mesh)
     optimizers = spec.build_optimizers_fn(
-        model_parts, cfg.optimizer, job_config=cfg, gradient_accumulation_steps=accum
+        model_parts,
+        cfg.optimizer,
+        job_config=cfg,
+        gradient_accumulation_steps=accum,
+        ft_manager=ft_manager,
     )
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
-    dataloader = spec.build_dataloader_fn(cfg, rank, world_size)
+    dataloader = spec.build_dataloader_fn(cfg, dp_rank, dp_world_size)
     loss_fn = spec.build_loss_fn(cfg)
     train_state = TrainState()
-    checkpoint = CheckpointManager(
-        cfg.checkpoint,
-        cfg.job.dump_folder,
-        {
-            "model": ModelWrapper(model_parts),
-            "optimizer": optimizers,
-            "lr_scheduler": lr_schedulers,
-            "dataloader": dataloader,
-            "train_state": train_state,
-        },
-        cfg.training.steps,
-    )
+    states = {
+        "model": ModelWrapper(model_parts),
+        "optimizer": optimizers,
+        "lr_scheduler": lr_schedulers,
+        "dataloader": dataloader,
+        "train_state": train_state,
+    }
+    if ft_manager is not None:
+        serve_state(ft_manager, dict(states))  # what a healing peer receives
+        states["ft_manager"] = ft_manager
+    checkpoint = CheckpointManager(cfg.checkpoint, dump_folder, states, cfg.training.steps)
     checkpoint.load()
-    metrics = MetricsLogger(cfg, enabled=rank == 0, device=device)
+    metrics = MetricsLogger(cfg, dump_folder, enabled=rank == 0, device=device)
     params = [p for part in model_parts for p in part.parameters()]
     tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * accum * world_size
     logger.info(
@@ -116,7 +135,6 @@ def main(argv: list[str]) -> None:
     # -- train ------------------------------------------------------------------------------
     while train_state.step < cfg.training.steps:
         start = time.perf_counter()
-        train_state.step += 1
         optimizers.zero_grad()
         loss_sum = torch.zeros((), device=device)
         for _ in range(accum):
@@ -127,22 +145,31 @@ def main(argv: list[str]) -> None:
             loss = loss_fn(h, labels.to(device)) / accum
             loss.backward()
             loss_sum += loss.detach()
+        if ft_manager is not None:
+            allreduce_gradients(ft_manager, params)
         # In-backward containers have stepped and freed the gradients by now.
         grad_norm = (
             None if optimizers.steps_in_backward else clip_grad_norm_(params, cfg.training.max_norm)
         )
-        lr = lr_schedulers.get_last_lr()
         optimizers.step()
+        if not optimizers.last_step_committed:
+            logger.warning("step %d was not committed; running it again", train_state.step + 1)
+            continue
+        train_state.step += 1
+        lr = lr_schedulers.get_last_lr()  # read after step(): healing may have replaced it
         lr_schedulers.step()
         if world_size > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
+        if cfg.metrics.log_param_checksum:
+            extra["param_checksum"] = param_checksum(params)
         metrics.log(
             train_state.step,
             loss_sum.item(),
             time.perf_counter() - start,
             tokens_per_step,
             lr=lr,
-            **({} if grad_norm is None else {"grad_norm": grad_norm.item()}),
+            **extra,
         )
         checkpoint.maybe_save(train_state.step)
 
@@ -151,6 +178,8 @@ def main(argv: list[str]) -> None:
     if cfg.checkpoint.export_model:
         checkpoint.export_model(model_parts, train_state.step)
     metrics.close()
+    if ft_manager is not None:
+        ft_manager.shutdown(wait=False)
     if dist.is_initialized():
         dist.destroy_process_group()
 

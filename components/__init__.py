@@ -1,3 +1,4 @@
-"""Builders the trainer plugs together; importing this registers the built-in "llama" spec."""
+"""Builders the trainer plugs together; importing this registers the built-in "llama" spec
+and the "fault_tolerant" container."""
 
-from components import llama  # noqa: F401  (registers the built-in train spec)
+from components import ft, llama  # noqa: F401  (registrations)

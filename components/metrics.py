@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from config import JobConfig
 
-__all__ = ["MetricsLogger", "peak_memory_gib"]
+__all__ = ["MetricsLogger", "param_checksum", "peak_memory_gib"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,16 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB on Linux
 
 
+@torch.no_grad()
+def param_checksum(params: list[torch.Tensor]) -> float:
+    """Sum of all parameters in float64, over the shards of every rank of the mesh."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    total = torch.stack([t.double().sum() for t in local]).sum()
+    if any(isinstance(p, DTensor) for p in params):
+        dist.all_reduce(total)
+    return total.item()
+
+
 class MetricsLogger:
     """Logs every `[metrics] log_freq` steps; only rank 0 writes.
 
@@ -33,7 +45,9 @@ class MetricsLogger:
     JSON object with at least `step` and `loss`.
     """
 
-    def __init__(self, job_config: JobConfig, enabled: bool, device: torch.device) -> None:
+    def __init__(
+        self, job_config: JobConfig, folder: str, enabled: bool, device: torch.device
+    ) -> None:
         self.enabled = enabled
         self.freq = job_config.metrics.log_freq
         self.total_steps = job_config.training.steps
@@ -43,16 +57,15 @@ class MetricsLogger:
         self._tb = None
         if not enabled:
             return
-        folder = Path(job_config.job.dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self._file = (folder / "metrics.jsonl").open("a", encoding="utf-8")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self._file = (Path(folder) / "metrics.jsonl").open("a", encoding="utf-8")
         if job_config.metrics.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 logger.warning("[metrics] enable_tensorboard: tensorboard is not installed")
             else:
-                self._tb = SummaryWriter(str(folder / "tb"))
+                self._tb = SummaryWriter(str(Path(folder) / "tb"))
 
     def log(self, step: int, loss: float, step_time: float, tokens: int, **extra: Any) -> None:
         """Record one optimizer step (`tokens` counted over all ranks)."""

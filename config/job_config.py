@@ -163,6 +163,10 @@ class Metrics:
     enable_tensorboard: bool = False
     """Also write TensorBoard scalars to `{dump_folder}/tb` (needs the tensorboard package)."""
 
+    log_param_checksum: bool = False
+    """Log the sum of all parameters (float64) each step: replicas that hold the same state
+    log the same value. Costs one read of the parameters per step."""
+
 
 @dataclass(kw_only=True)
 class Checkpoint:
@@ -191,13 +195,13 @@ class Checkpoint:
 @dataclass(kw_only=True)
 class FaultTolerance:
     enable: bool = False
-    """Train with torchft replica groups."""
+    """Train as one replica group of a torchft job (selects container "fault_tolerant")."""
 
     replica_id: int = bounded(0, ge=0)
-    """Index of this replica group."""
+    """Index of this replica group, in [0, group_size)."""
 
-    group_size: int = bounded(0, ge=0)
-    """Number of replica groups the job expects."""
+    group_size: int = bounded(1, ge=1)
+    """Number of replica groups the job runs (each reads its own share of the data)."""
 
     min_replica_size: int = bounded(1, ge=1)
     """Fewest replica groups that may commit a step."""
@@ -205,11 +209,18 @@ class FaultTolerance:
     lighthouse: str = ""
     """Lighthouse address (`http://host:port`); empty reads `TORCHFT_LIGHTHOUSE`."""
 
+    manager_port: int = bounded(-1, ge=-1, le=65535)
+    """Port of this replica group's torchft manager; -1 = 29600 + replica_id. It must stay
+    fixed across restarts of the group, so an ephemeral port is never used."""
+
     process_group: Literal["gloo", "nccl"] = "gloo"
     """Process group across replica groups."""
 
     process_group_timeout_ms: int = bounded(10_000, ge=1)
-    """Timeout of collectives across replica groups."""
+    """Timeout of collectives and commits across replica groups."""
+
+    quorum_timeout_ms: int = bounded(60_000, ge=1)
+    """Longest wait for a quorum of replica groups."""
 
 
 @dataclass(kw_only=True)

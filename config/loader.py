@@ -50,6 +50,12 @@ def _field_kind(where: str, value: object) -> str:
 
 def _cross_check(cfg: JobConfig) -> None:
     """Checks that involve more than one key."""
+    ft = cfg.fault_tolerance
+    if ft.enable and ft.replica_id >= ft.group_size:
+        raise ConfigError(
+            f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
+            f"{ft.group_size}; raise group_size or lower replica_id"
+        )
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
         raise ConfigError(

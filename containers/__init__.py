@@ -1,6 +1,12 @@
 """The OptimizersContainer hierarchy: one optimizer object over many model parts."""
 
 from containers.base import OptimizersContainer, ParamGroupRule
+from containers.fault_tolerant import FTOptimizersContainer
 from containers.in_backward import OptimizersInBackwardContainer
 
-__all__ = ["OptimizersContainer", "OptimizersInBackwardContainer", "ParamGroupRule"]
+__all__ = [
+    "FTOptimizersContainer",
+    "OptimizersContainer",
+    "OptimizersInBackwardContainer",
+    "ParamGroupRule",
+]

@@ -79,6 +79,9 @@ class OptimizersContainer(Optimizer, Stateful):
     steps_in_backward = False
     """True for variants that step during backward (gradients are gone by `step()`)."""
 
+    last_step_committed = True
+    """Whether the last `step()` applied; variants that can skip a step set it False."""
+
     def __init__(
         self,
         model_parts: Sequence[nn.Module],
@@ -254,7 +257,8 @@ class OptimizersContainer(Optimizer, Stateful):
         args: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            if not self._should_step():
+            self.last_step_committed = self._should_step()
+            if not self.last_step_committed:
                 return loss
             for hook in list(self._optimizer_step_pre_hooks.values()):
                 result = hook(self, args, kwargs)

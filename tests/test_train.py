@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist import REPO, kill_tree, launch, run_ranks
+from tests.helpers import load_job_state
 
 BASE = [
     "--job.config_file",
@@ -71,48 +71,6 @@ def test_resume_at_the_same_world_size_is_bitwise(tmp_path):
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
-def _loaded_state(dump: str, argv: list[str]) -> dict:
-    """Build the job as train.py does, load its newest checkpoint, return gathered state."""
-    sys.path.insert(0, REPO)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import components  # noqa: F401
-    from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
-    from components.train_spec import get_train_spec
-    from config import load_job_config
-    from tests.helpers import full
-
-    cfg = load_job_config([*argv, "--job.dump_folder", dump])
-    spec = get_train_spec(cfg.model.name)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if dist.is_initialized() else None
-    world, rank = (dist.get_world_size(), dist.get_rank()) if mesh else (1, 0)
-    parts = spec.parallelize_fn(spec.build_model_fn(cfg), cfg, mesh)
-    optimizers = spec.build_optimizers_fn(parts, cfg.optimizer, job_config=cfg)
-    schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
-    data = spec.build_dataloader_fn(cfg, rank, world)
-    state = TrainState()
-    manager = CheckpointManager(
-        cfg.checkpoint,
-        dump,
-        {
-            "model": ModelWrapper(parts),
-            "optimizer": optimizers,
-            "lr_scheduler": schedulers,
-            "dataloader": data,
-            "train_state": state,
-        },
-        cfg.training.steps,
-    )
-    manager.load()
-    return {
-        "optim": {k: full(v) for k, v in optimizers.state_dict().items()},
-        "lrs": [g["lr"] for g in optimizers.param_groups],
-        "sample_index": data.sample_index,
-        "step": state.step,
-        "sched": schedulers.last_step,
-    }
-
-
 RESHARD = ["--training.global_batch_size", "12", "--training.local_batch_size", "1"]
 
 
@@ -120,13 +78,13 @@ def test_resume_at_another_world_size_reshards_state_and_continues_the_curve(tmp
     ref = tmp_path / "ref"
     _run(4, ref, "--training.steps", "20", *RESHARD)
     argv = [*BASE, *RESHARD, "--training.steps", "20", "--checkpoint.load_step", "10"]
-    single = _loaded_state(str(ref), argv)  # the stored bytes, read by one plain process
+    single = load_job_state(str(ref), argv)  # the stored bytes, read by one plain process
     assert single["step"] == 10 and single["sched"] == 10 and single["sample_index"] == 120
     reference = _losses(ref)
     for world in (2, 3):
         dump = tmp_path / f"w{world}"
         _resume_copy(ref, dump, 10)
-        loaded = run_ranks(world, _loaded_state, str(dump), argv)[0]
+        loaded = run_ranks(world, load_job_state, str(dump), argv)[0]
         assert loaded.keys() == single.keys()
         assert loaded["optim"].keys() == single["optim"].keys()
         for key, value in single["optim"].items():

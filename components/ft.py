@@ -1,0 +1,136 @@
+"""torchft wiring: the manager of one replica group, the state it serves, gradient averaging."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from components.optimizer import register_container
+from config import ConfigError, JobConfig
+from config import FaultTolerance as FaultToleranceConfig
+from containers import FTOptimizersContainer, ParamGroupRule
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["allreduce_gradients", "build_ft_manager", "manager_port", "serve_state"]
+
+logger = logging.getLogger(__name__)
+_MANAGER_PORT_BASE = 29_600
+
+
+def manager_port(cfg: FaultToleranceConfig) -> int:
+    """The replica group's fixed manager port (a restarted group must find it again)."""
+    return cfg.manager_port if cfg.manager_port >= 0 else _MANAGER_PORT_BASE + cfg.replica_id
+
+
+def build_ft_manager(
+    cfg: FaultToleranceConfig, group_rank: int, group_world_size: int, device: torch.device
+) -> Manager | None:
+    """The torchft `Manager` of this replica group, or None when `[fault_tolerance]` is off.
+
+    Needs a TCPStore for the replica group at MASTER_ADDR:MASTER_PORT (torchrun starts one).
+    """
+    if not cfg.enable:
+        return None
+    import torchft
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    if not (cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(
+            "[fault_tolerance] lighthouse = '': no lighthouse address; set it (e.g. "
+            "http://127.0.0.1:29510) or export TORCHFT_LIGHTHOUSE"
+        )
+    timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+    if cfg.process_group == "nccl" and device.type != "cuda":
+        raise ConfigError("[fault_tolerance] process_group = 'nccl': needs CUDA; use 'gloo' on CPU")
+    # ProcessGroupBabyGloo never commits on CPU here, so the plain reconfigurable ones.
+    pg = (
+        ProcessGroupNCCL(timeout=timeout)
+        if cfg.process_group == "nccl"
+        else ProcessGroupGloo(timeout=timeout)
+    )
+    return torchft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=cfg.min_replica_size,
+        timeout=timeout,
+        quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
+        rank=group_rank,
+        world_size=group_world_size,
+        lighthouse_addr=cfg.lighthouse or None,
+        replica_id=f"replica_{cfg.replica_id}",
+        port=manager_port(cfg),
+        # Every replica initializes from the same seed, so step 0 needs no weight sync.
+        init_sync=False,
+    )
+
+
+def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
+    """Make `manager` serve `states` to healing peers and load theirs when healing.
+
+    The state is built when a peer asks for it, never cached: tensors by reference and
+    scalars (lr, step) as they are at that moment. Call it once the LR schedulers exist.
+    """
+
+    def state_dict() -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in states.items()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        for name, obj in states.items():
+            obj.load_state_dict(state[name])
+        logger.info("healed from a peer replica group")
+
+    manager.register_state_dict_fn("train", load_state_dict, state_dict)
+
+
+@torch.no_grad()
+def allreduce_gradients(manager: Manager, params: Sequence[torch.Tensor]) -> None:
+    """Average gradients across the replica groups of the quorum, in one flat collective."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _build_fault_tolerant(
+    model_parts: list[nn.Module],
+    optimizer_cls: type[Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    *,
+    param_groups: Sequence[ParamGroupRule],
+    job_config: JobConfig | None,
+    ft_manager: Manager | None = None,
+    **runtime: Any,
+) -> FTOptimizersContainer:
+    if ft_manager is None:
+        raise ConfigError(
+            "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
+            "[fault_tolerance] enable = true (train.py then builds one)"
+        )
+    return FTOptimizersContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        ft_manager=ft_manager,
+        param_groups=param_groups,
+    )
+
+
+register_container("fault_tolerant", _build_fault_tolerant)

@@ -1,0 +1,100 @@
+"""A real torchft job on loopback: a lighthouse and replica groups running train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.dist import REPO, free_port, kill_tree
+
+LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
+
+
+class FTJob:
+    """Starts a lighthouse and replica groups (one train.py process each); ends them all."""
+
+    def __init__(self, folder: Path, steps: int, extra: list[str] = ()) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.manager_ports = [free_port(), free_port()]
+        self.args = [
+            "--job.config_file", "config/debug.toml",
+            "--job.dump_folder", str(folder),
+            "--model.flavor", "debug",
+            "--training.seq_len", "64",
+            "--training.local_batch_size", "4",
+            "--training.steps", str(steps),
+            "--metrics.log_freq", "1",
+            "--metrics.log_param_checksum",
+            "--checkpoint.interval", str(steps),
+            "--fault_tolerance.enable",
+            "--fault_tolerance.group_size", "2",
+            "--fault_tolerance.lighthouse", f"http://127.0.0.1:{self.port}",
+            "--fault_tolerance.process_group_timeout_ms", "5000",
+            *extra,
+        ]  # fmt: skip
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()
+        lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1"]
+        lighthouse += ["--join_timeout_ms", "500", "--quorum_tick_ms", "50"]
+        self._start("lighthouse", [*lighthouse, "--heartbeat_timeout_ms", "1000"])
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.folder / f"{name}.log", "a")  # noqa: SIM115  (closed with the process)
+        self.procs[name] = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        log.close()
+
+    def start_replica(self, replica: int) -> None:
+        cmd = [sys.executable, "train.py", *self.args]
+        cmd += ["--fault_tolerance.replica_id", str(replica)]
+        cmd += ["--fault_tolerance.manager_port", str(self.manager_ports[replica])]
+        self._start(f"replica_{replica}", cmd)
+        self.killed.discard(f"replica_{replica}")
+
+    def kill(self, name: str) -> None:
+        kill_tree(self.procs[name].pid)
+        self.procs[name].wait(timeout=30)
+        self.killed.add(name)
+
+    def metrics(self, replica: int) -> dict[int, dict]:
+        """Committed steps of a replica group: step -> its metrics (the latest line wins)."""
+        path = self.folder / f"replica_{replica}" / "metrics.jsonl"
+        if not path.exists():
+            return {}
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        return {row["step"]: row for row in rows}
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text()
+
+    def wait_for(self, what: str, condition, timeout: float = 120.0) -> float:
+        """Poll `condition()` until true; return the seconds it took."""
+        start = time.monotonic()
+        while not condition():
+            for name, proc in self.procs.items():
+                if name not in self.killed and proc.poll() not in (None, 0):
+                    raise RuntimeError(
+                        f"{name} died while waiting for {what}:\n{self.log(name)[-3000:]}"
+                    )
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"no {what} within {timeout}s")
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    def wait_exit(self, name: str, timeout: float = 180.0) -> int:
+        return self.procs[name].wait(timeout=timeout)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)

@@ -1,0 +1,143 @@
+"""FTOptimizersContainer on real torchft: a real lighthouse, real replica groups, real kills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.ft import allreduce_gradients, build_ft_manager, manager_port
+from components.optimizer import build_optimizers
+from config import ConfigError, FaultTolerance, load_job_config
+from containers import FTOptimizersContainer
+from tests.dist import free_port
+from tests.ftjob import FTJob
+from tests.helpers import assert_same, batch, forward, full, load_job_state, three_parts, train
+
+STEPS = 250
+
+
+def test_kill_a_replica_group_survivor_commits_restarted_one_heals_and_ends_identical(tmp_path):
+    job = FTJob(tmp_path, STEPS)
+    try:
+        job.start_replica(0)
+        job.start_replica(1)
+        job.wait_for("10 steps on replica 1", lambda: max(job.metrics(1), default=0) >= 10)
+        job.kill("replica_1")
+        killed_at = max(job.metrics(0))
+        job.wait_for("survivor commits", lambda: max(job.metrics(0)) >= killed_at + 3, 60)
+        job.start_replica(1)
+        job.wait_for("healing", lambda: "healed from a peer" in job.log("replica_1"), 120)
+        assert job.wait_exit("replica_0") == 0, job.log("replica_0")[-3000:]
+        assert job.wait_exit("replica_1") == 0, job.log("replica_1")[-3000:]
+    finally:
+        job.close()
+
+    survivor, healed = job.metrics(0), job.metrics(1)
+    assert sorted(survivor) == list(range(1, STEPS + 1))
+    both = sorted(set(survivor) & set(healed))
+    after_heal = [s for s in both if s > killed_at + 3]
+    assert len(after_heal) >= 3, f"healed replica committed too little: {after_heal}"
+    # No step was ever committed with differing state, and the LR schedule stayed in step.
+    for step in both:
+        assert survivor[step]["param_checksum"] == healed[step]["param_checksum"], step
+        assert survivor[step]["lr"] == healed[step]["lr"], step
+        assert survivor[step]["grad_norm"] == healed[step]["grad_norm"], step
+    assert job.log("replica_0").count("was not committed") <= 1
+
+    argv = [*job.args, "--checkpoint.enable"]
+    final = [load_job_state(str(tmp_path / f"replica_{r}"), argv, ft=True) for r in (0, 1)]
+    assert final[0]["step"] == final[1]["step"] == STEPS
+    assert_same(final[0]["model"], final[1]["model"])
+    assert_same(final[0]["optim"], final[1]["optim"])
+    assert final[0]["lrs"] == final[1]["lrs"]
+
+
+@pytest.fixture
+def manager(tmp_path, monkeypatch):
+    """One replica group (this process) with a real lighthouse and a real torchft Manager."""
+    job = FTJob(tmp_path, 1)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    cfg = FaultTolerance(
+        enable=True,
+        lighthouse=f"http://127.0.0.1:{job.port}",
+        manager_port=free_port(),
+        process_group_timeout_ms=5000,
+    )
+    ft_manager = build_ft_manager(cfg, 0, 1, torch.device("cpu"))
+    yield ft_manager
+    ft_manager.shutdown(wait=False)
+    job.close()
+
+
+def test_hooks_fire_once_per_committed_step_and_an_uncommitted_step_changes_nothing(manager):
+    parts = three_parts()
+    ft = FTOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, ft_manager=manager)
+    calls = []
+    ft.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    ft.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    train(parts, ft, 3)
+    assert ft.last_step_committed and calls == ["pre", "post"] * 3
+    assert manager.current_step() == 3
+
+    before = (
+        {k: full(v) for k, v in ft.state_dict().items()},
+        [full(p) for m in parts for p in m.parameters()],
+    )
+    ft.zero_grad()
+
+    forward(parts, batch(99)).square().mean().backward()
+    allreduce_gradients(manager, [p for m in parts for p in m.parameters()])
+    manager.report_error(RuntimeError("a peer died mid-allreduce"))
+    ft.step()
+    assert not ft.last_step_committed and calls == ["pre", "post"] * 3
+    assert_same({k: full(v) for k, v in ft.state_dict().items()}, before[0])
+    assert all(
+        torch.equal(a, b) for a, b in zip(before[1], (p for m in parts for p in m.parameters()))
+    )
+    assert manager.current_step() == 3
+
+    train(parts, ft, 1, start=100)  # the next quorum recovers: commits again
+    assert ft.last_step_committed and calls == ["pre", "post"] * 4
+
+
+def test_served_state_is_built_at_serve_time(manager):
+    from components.ft import serve_state
+
+    parts = three_parts()
+    ft = FTOptimizersContainer(
+        parts, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, ft_manager=manager
+    )
+    serve_state(manager, {"optimizer": ft})
+    train(parts, ft, 1)
+    for group in ft.param_groups:
+        group["lr"] = 0.05  # a scheduler's change after the state was first read
+    served = manager._manager_state_dict()["user"]["train"]["optimizer"]
+    assert served["param_groups.head.weight.lr"] == 0.05
+    assert (
+        served["state.head.weight.momentum_buffer"]
+        is ft.state_dict()["state.head.weight.momentum_buffer"]
+    )
+
+
+def test_builder_wiring_and_refusals(monkeypatch):
+    cfg = load_job_config(["--optimizer.container", "fault_tolerant"])
+    with pytest.raises(ConfigError, match=r"container = 'fault_tolerant': needs a torchft manager"):
+        build_optimizers(three_parts(), cfg.optimizer, job_config=cfg)
+    with pytest.raises(ConfigError, match=r"replica_id = 2: must be below group_size = 2"):
+        load_job_config(
+            [
+                "--fault_tolerance.enable",
+                "--fault_tolerance.replica_id",
+                "2",
+                "--fault_tolerance.group_size",
+                "2",
+            ]
+        )
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match="no lighthouse address"):
+        build_ft_manager(FaultTolerance(enable=True), 0, 1, torch.device("cpu"))
+    assert build_ft_manager(FaultTolerance(), 0, 1, torch.device("cpu")) is None
+    assert manager_port(FaultTolerance(replica_id=3)) == 29603
+    assert manager_port(FaultTolerance(replica_id=3, manager_port=4000)) == 4000
