@@ -8,6 +8,8 @@ same place whatever the number of ranks.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +22,39 @@ __all__ = ["ByteTextLoader", "load_corpus"]
 _CORPUS_BYTES = 8 * 2**20
 
 
+def _cache_path(limit: int) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return (
+        base
+        / "optimizer-containers"
+        / f"stdlib-{sys.version_info[0]}.{sys.version_info[1]}-{limit}.bin"
+    )
+
+
 @functools.cache
 def load_corpus(limit: int = _CORPUS_BYTES) -> torch.Tensor:
-    """The first `limit` bytes of the stdlib's `.py` files, in sorted path order, as uint8."""
+    """The first `limit` bytes of the stdlib's `.py` files, in sorted path order, as uint8.
+
+    Walking the stdlib takes seconds, so the bytes are cached on disk (every process of every
+    run reads the same corpus); a cache that cannot be written is simply skipped.
+    """
+    cache = _cache_path(limit)
+    try:
+        return torch.frombuffer(bytearray(cache.read_bytes()), dtype=torch.uint8)
+    except OSError:
+        pass
+    corpus = _build_corpus(limit)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(corpus)
+        os.replace(tmp, cache)  # atomic: concurrent ranks never read a half-written cache
+    except OSError:
+        pass
+    return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+
+
+def _build_corpus(limit: int) -> bytes:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, size = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -38,7 +70,7 @@ def load_corpus(limit: int = _CORPUS_BYTES) -> torch.Tensor:
             break
     if size == 0:
         raise RuntimeError(f"no Python sources found under {root}; cannot build the corpus")
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+    return b"".join(chunks)[:limit]
 
 
 class ByteTextLoader:

@@ -14,6 +14,15 @@ from tests.dist import REPO, free_port, kill_tree
 LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
 
 
+def read_metrics(folder: Path) -> dict[int, dict]:
+    """`folder/metrics.jsonl` as step -> metrics (a resumed run appends; the latest wins)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return {row["step"]: row for row in rows}
+
+
 class FTJob:
     """Starts a lighthouse and replica groups (one train.py process each); ends them all."""
 
@@ -21,7 +30,7 @@ class FTJob:
         self.folder = folder
         self.port = free_port()
         self.manager_ports = [free_port(), free_port()]
-        self.args = [
+        self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
             "--model.flavor", "debug",
@@ -31,6 +40,9 @@ class FTJob:
             "--metrics.log_freq", "1",
             "--metrics.log_param_checksum",
             "--checkpoint.interval", str(steps),
+        ]  # fmt: skip
+        self.args = [
+            *self.train_args,
             "--fault_tolerance.enable",
             "--fault_tolerance.group_size", "2",
             "--fault_tolerance.lighthouse", f"http://127.0.0.1:{self.port}",
@@ -68,11 +80,7 @@ class FTJob:
 
     def metrics(self, replica: int) -> dict[int, dict]:
         """Committed steps of a replica group: step -> its metrics (the latest line wins)."""
-        path = self.folder / f"replica_{replica}" / "metrics.jsonl"
-        if not path.exists():
-            return {}
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        return {row["step"]: row for row in rows}
+        return read_metrics(self.folder / f"replica_{replica}")
 
     def log(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text()

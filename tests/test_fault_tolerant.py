@@ -141,3 +141,18 @@ def test_builder_wiring_and_refusals(monkeypatch):
     assert build_ft_manager(FaultTolerance(), 0, 1, torch.device("cpu")) is None
     assert manager_port(FaultTolerance(replica_id=3)) == 29603
     assert manager_port(FaultTolerance(replica_id=3, manager_port=4000)) == 4000
+
+
+def test_a_replica_group_without_a_live_peer_resumes_from_disk(tmp_path):
+    job = FTJob(tmp_path, 12, ["--fault_tolerance.group_size", "1", "--checkpoint.interval", "6"])
+    try:
+        for steps in ("6", "12"):  # the second run finds no peer: only its disk checkpoint
+            job.args[job.args.index("--training.steps") + 1] = steps
+            job.start_replica(0)
+            assert job.wait_exit("replica_0", 120) == 0, job.log("replica_0")[-3000:]
+    finally:
+        job.close()
+    assert "resumed from" in job.log("replica_0") and "step-6" in job.log("replica_0")
+    assert sorted(job.metrics(0)) == list(range(1, 13))
+    state = load_job_state(str(tmp_path / "replica_0"), [*job.args, "--checkpoint.enable"], ft=True)
+    assert state["step"] == 12 and state["sched"] == 12
