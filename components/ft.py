@@ -43,6 +43,10 @@ def build_ft_manager(
     if not cfg.enable:
         return None
     import torchft
+
+    # torchft logs several INFO lines per step; keep warnings (our own logger says "healed").
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     if not (cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
