@@ -83,6 +83,8 @@ def main(argv: list[str]) -> None:
     # -- build ------------------------------------------------------------------------------
     spec = get_train_spec(cfg.model.name)
     model = spec.build_model_fn(cfg).to(device)
+    if cfg.optimizer.container == "mixed_precision":  # low-precision params, fp32 masters
+        model.to(getattr(torch, cfg.mixed_precision.param_dtype))
     n_params = sum(p.numel() for p in model.parameters())
     model_parts = spec.parallelize_fn(model, cfg, mesh)
     optimizers = spec.build_optimizers_fn(
@@ -143,14 +145,15 @@ def main(argv: list[str]) -> None:
             for part in model_parts:
                 h = part(h)
             loss = loss_fn(h, labels.to(device)) / accum
-            loss.backward()
+            optimizers.scale_loss(loss).backward()
             loss_sum += loss.detach()
         if ft_manager is not None:
             allreduce_gradients(ft_manager, params)
-        # In-backward containers have stepped and freed the gradients by now.
-        grad_norm = (
-            None if optimizers.steps_in_backward else clip_grad_norm_(params, cfg.training.max_norm)
-        )
+        # In-backward containers have stepped and freed the gradients by now; others clip
+        # inside step() (mixed precision: on the unscaled gradients).
+        grad_norm = None
+        if not (optimizers.steps_in_backward or optimizers.clips_gradients):
+            grad_norm = clip_grad_norm_(params, cfg.training.max_norm).item()
         optimizers.step()
         if not optimizers.last_step_committed:
             logger.warning("step %d was not committed; running it again", train_state.step + 1)
@@ -160,7 +163,13 @@ def main(argv: list[str]) -> None:
         lr_schedulers.step()
         if world_size > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        extra = {} if grad_norm is None else {"grad_norm": grad_norm.item()}
+        extra = {} if grad_norm is None else {"grad_norm": grad_norm}
+        if optimizers.clips_gradients:
+            extra |= {
+                "grad_norm": optimizers.last_grad_norm,
+                "loss_scale": optimizers.loss_scale,
+                "skipped_steps": optimizers.scaler.skipped_steps,
+            }
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)
         metrics.log(

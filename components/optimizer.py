@@ -18,7 +18,13 @@ from torch.optim import Optimizer
 
 from config import ConfigError, JobConfig
 from config import Optimizer as OptimizerConfig
-from containers import OptimizersContainer, OptimizersInBackwardContainer, ParamGroupRule
+from containers import (
+    LossScaler,
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+    OptimizersInBackwardContainer,
+    ParamGroupRule,
+)
 
 __all__ = [
     "build_optimizers",
@@ -252,3 +258,44 @@ def _build_in_backward(
 
 
 register_container("in_backward", _build_in_backward)
+
+
+def _build_mixed_precision(
+    model_parts: list[nn.Module],
+    optimizer_cls: type[Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    *,
+    param_groups: Sequence[ParamGroupRule],
+    job_config: JobConfig | None,
+    **runtime: Any,
+) -> MixedPrecisionOptimizersContainer:
+    cfg = job_config if job_config is not None else JobConfig()
+    mp = cfg.mixed_precision
+    if cfg.fault_tolerance.enable:
+        raise ConfigError(
+            "[fault_tolerance] enable = true: container 'mixed_precision' does not run under "
+            "torchft yet; disable one of them"
+        )
+    scaler = LossScaler(
+        mode=mp.loss_scaling,
+        scale=mp.initial_scale,
+        growth_factor=mp.growth_factor,
+        backoff_factor=mp.backoff_factor,
+        growth_interval=mp.growth_interval,
+        hysteresis=mp.hysteresis,
+        min_scale=mp.min_scale,
+        max_scale=mp.max_scale,
+    )
+    return MixedPrecisionOptimizersContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        param_groups=param_groups,
+        param_dtype=getattr(torch, mp.param_dtype),
+        master_dtype=getattr(torch, mp.master_dtype),
+        max_norm=cfg.training.max_norm,
+        loss_scaler=scaler,
+    )
+
+
+register_container("mixed_precision", _build_mixed_precision)

@@ -82,6 +82,13 @@ class OptimizersContainer(Optimizer, Stateful):
     last_step_committed = True
     """Whether the last `step()` applied; variants that can skip a step set it False."""
 
+    clips_gradients = False
+    """True for variants that clip the global gradient norm inside `step()`."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (variants with loss scaling scale it)."""
+        return loss
+
     def __init__(
         self,
         model_parts: Sequence[nn.Module],

@@ -1,0 +1,258 @@
+"""MixedPrecisionOptimizersContainer: each defect of LightRFT's FSDPadaptOptimizer is a test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from components.optimizer import build_optimizers
+from config import ConfigError, load_job_config
+from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
+from tests.dist import run_ranks
+from tests.helpers import assert_same, batch, forward, full, three_parts
+
+SGD = {"lr": 1.0}  # one SGD step at lr 1 moves each master by exactly its (clipped) gradient
+
+
+def _parts(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[nn.Module]:
+    return [p.to(dtype) for p in three_parts(seed)]
+
+
+def _backward(parts, container, step: int = 0, rank: int = 0) -> None:
+    loss = forward(parts, batch(step, rank).to(next(parts[0].parameters()).dtype))
+    container.backward(loss.float().square().mean())
+
+
+def _masters(container) -> dict[str, torch.Tensor]:
+    return {k: full(v) for k, v in container.state_dict().items() if k.startswith("master")}
+
+
+def _snapshot(parts, container) -> tuple[dict, list[torch.Tensor]]:
+    state = {k: full(v) for k, v in container.state_dict().items()}
+    return state, [full(p) for m in parts for p in m.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_gradients_skip_the_step_and_back_off(dtype, bad):
+    parts = _parts(dtype)
+    scaler = LossScaler(mode="dynamic", scale=1024.0, hysteresis=1)
+    mp = MixedPrecisionOptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": 1e-2}, param_dtype=dtype, loss_scaler=scaler
+    )
+    _backward(parts, mp)
+    mp.step()  # real state to protect
+    before = _snapshot(parts, mp)
+    mp.zero_grad()
+    _backward(parts, mp, step=1)
+    parts[1].mid.weight.grad[0, 0] = bad  # a single bad element (0 * inf = nan must not hide it)
+    mp.step()
+    assert mp.last_step_skipped and not mp.last_step_committed
+    assert mp.loss_scale == 512.0 and mp.scaler.skipped_steps == 1
+    state, params = _snapshot(parts, mp)
+    optimizer_state = {k: v for k, v in state.items() if not k.startswith("loss_scaler.")}
+    assert_same(optimizer_state, {k: v for k, v in before[0].items() if k in optimizer_state})
+    assert all(torch.equal(a, b) for a, b in zip(params, before[1]))
+
+
+def test_scale_grows_after_the_interval_and_hysteresis_delays_backoff():
+    scaler = LossScaler(mode="dynamic", scale=8.0, growth_interval=3, hysteresis=2, max_scale=32)
+    for overflow, expected in [
+        (False, 8), (False, 8), (False, 16),  # grows after 3 clean steps
+        (True, 16), (True, 8),                # backs off on the 2nd overflow in a row
+        (False, 8), (False, 8), (False, 16), (False, 16), (False, 16), (False, 32),
+        (False, 32), (False, 32), (False, 32),  # capped at max_scale
+    ]:  # fmt: skip
+        scaler.update(overflow)
+        assert scaler.scale == expected
+    static = LossScaler(mode="static", scale=4.0)
+    static.update(True)
+    assert static.scale == 4.0 and static.skipped_steps == 1
+    assert LossScaler(mode="none", scale=4.0).scale == 1.0
+
+
+def test_max_norm_zero_leaves_gradients_exactly_unscaled_not_zeroed():
+    parts = _parts(torch.float16)
+    mp = MixedPrecisionOptimizersContainer(
+        parts, torch.optim.SGD, SGD, param_dtype=torch.float16, max_norm=0.0,
+        loss_scaler=LossScaler(mode="static", scale=256.0),
+    )  # fmt: skip
+    masters = _masters(mp)
+    _backward(parts, mp)
+    grads = {
+        f"master_weights.{n}": p.grad.float() / 256.0
+        for m in parts
+        for n, p in m.named_parameters()
+    }
+    mp.step()
+    after = _masters(mp)
+    for key, grad in grads.items():
+        assert torch.any(grad != 0)
+        assert torch.equal(masters[key] - after[key], grad), key  # power-of-2 scale: exact
+
+
+def test_unused_parameters_and_accumulation():
+    parts = _parts()
+    extra = nn.Linear(3, 3).to(torch.bfloat16)  # never used in forward: its grad stays None
+    mp = MixedPrecisionOptimizersContainer([*parts, extra], torch.optim.SGD, SGD)
+    masters = _masters(mp)
+    _backward(parts, mp, step=0)
+    _backward(parts, mp, step=1)  # accumulates into the bf16 grads
+    grads = {f"master_weights.{n}": p.grad.float() for m in parts for n, p in m.named_parameters()}
+    mp.step()
+    after = _masters(mp)
+    for key, grad in grads.items():
+        assert torch.equal(masters[key] - after[key], grad), key
+    assert torch.equal(masters["master_weights.weight"], after["master_weights.weight"])
+    for m in parts:
+        for p in m.parameters():
+            assert p.grad is None
+            assert torch.equal(
+                p,
+                after[
+                    f"master_weights.{next(n for n, q in m.named_parameters() if q is p)}"
+                ].bfloat16(),
+            )
+
+
+def test_state_dict_round_trip_and_offload_reload_are_exact():
+    parts = _parts()
+    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    for step in range(3):
+        mp.zero_grad()
+        _backward(parts, mp, step)
+        mp.step()
+    saved = {k: full(v) for k, v in mp.state_dict().items()}
+    assert "master_weights.mid.weight" in saved and "loss_scaler.scale" in saved
+    mp.offload()
+    assert mp.offloaded
+    mp.reload()
+    assert_same({k: full(v) for k, v in mp.state_dict().items()}, saved)
+    mp.offload()
+    mp.zero_grad()
+    _backward(parts, mp, 3)
+    mp.step()  # reloads first
+    assert not mp.offloaded
+    mp.load_state_dict(saved)
+    assert_same({k: full(v) for k, v in mp.state_dict().items()}, saved)
+    assert all(
+        torch.equal(p, saved[f"master_weights.{n}"].bfloat16())
+        for m in parts
+        for n, p in m.named_parameters()
+    )
+    broken = {k: v for k, v in saved.items() if k != "master_weights.mid.weight"}
+    with pytest.raises(ValueError, match=r"missing keys \[master_weights\.mid\.weight\]"):
+        mp.load_state_dict(broken)
+    assert_same({k: full(v) for k, v in mp.state_dict().items()}, saved)
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match=r"'embed.weight' is torch.float32, not param_dtype"):
+        MixedPrecisionOptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2})
+    with pytest.raises(ValueError, match=r"param_dtype = torch\.float32"):
+        MixedPrecisionOptimizersContainer(
+            _parts(), torch.optim.AdamW, {}, param_dtype=torch.float32
+        )
+    with pytest.raises(ValueError, match="max_norm = -1"):
+        MixedPrecisionOptimizersContainer(_parts(), torch.optim.AdamW, {}, max_norm=-1)
+    cfg = load_job_config(["--optimizer.container", "mixed_precision", "--fault_tolerance.enable"])
+    with pytest.raises(ConfigError, match="does not run under torchft"):
+        build_optimizers(_parts(), cfg.optimizer, job_config=cfg)
+    cfg = load_job_config(
+        ["--optimizer.container", "mixed_precision", "--mixed_precision.param_dtype", "float16"]
+    )
+    mp = build_optimizers(_parts(torch.float16), cfg.optimizer, job_config=cfg)
+    assert mp.scaler.mode == "dynamic" and mp.loss_scale == 65536.0 and mp.max_norm == 1.0
+
+
+def test_bf16_with_fp32_masters_tracks_fp32_while_plain_bf16_stalls():
+    """Small updates vanish in bf16 weights; the fp32 masters keep them."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    w0 = torch.randn(32, 1)
+    y = x @ (w0 + 0.05 * torch.randn(32, 1))  # the optimum is a small move from init
+
+    def run(kind: str) -> float:
+        model = nn.Linear(32, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0.T)
+        if kind != "fp32":
+            model.to(torch.bfloat16)
+        params = [model]
+        if kind == "masters":
+            opt = MixedPrecisionOptimizersContainer(
+                params, torch.optim.AdamW, {"lr": 2e-4, "weight_decay": 0.0}
+            )
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
+        for _ in range(300):
+            opt.zero_grad()
+            loss = (model(x.to(model.weight.dtype)).float() - y).square().mean()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            return (model(x.to(model.weight.dtype)).float() - y).square().mean().item()
+
+    fp32, masters, plain = run("fp32"), run("masters"), run("bf16")
+    assert masters == pytest.approx(fp32, rel=0.05)
+    assert plain > 3 * fp32
+
+
+# -- on gloo ranks -------------------------------------------------------------------------
+
+
+def _sharded(seed: int, **kwargs) -> tuple[list[nn.Module], MixedPrecisionOptimizersContainer]:
+    parts = _parts(seed=seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    rules = [ParamGroupRule(r"bias|norm", {"weight_decay": 0.0})]
+    return parts, MixedPrecisionOptimizersContainer(parts, param_groups=rules, **kwargs)
+
+
+def _clip_on_ranks(max_norm: float) -> dict:
+    parts, mp = _sharded(0, optimizer_cls=torch.optim.SGD, optimizer_kwargs=SGD, max_norm=max_norm)
+    before = _masters(mp)
+    _backward(parts, mp, rank=dist.get_rank())
+    mp.step()
+    after = _masters(mp)
+    moved = torch.stack([(before[k] - after[k]).double().norm() for k in before]).norm().item()
+    return {"raw": mp.last_grad_norm, "moved": moved, "groups": len(mp.param_groups)}
+
+
+def test_clipping_gives_the_global_norm_over_groups_and_ranks():
+    result = run_ranks(2, _clip_on_ranks, 0.05)[0]
+    assert result["groups"] == 6 and result["raw"] > 0.05  # 3 parts x 2 groups, clipped
+    assert result["moved"] == pytest.approx(0.05, rel=1e-4)
+
+
+def _save_mp(path: str) -> dict:
+    parts, mp = _sharded(0, optimizer_cls=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2})
+    for step in range(3):
+        mp.zero_grad()
+        _backward(parts, mp, step, dist.get_rank())
+        mp.step()
+    dcp.save({"optim": mp}, checkpoint_id=path)
+    return {k: full(v) for k, v in mp.state_dict().items()}
+
+
+def _load_mp(path: str) -> dict:
+    parts, mp = _sharded(3, optimizer_cls=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2})
+    dcp.load({"optim": mp}, checkpoint_id=path)
+    params = {f"param.{n}": full(p) for m in parts for n, p in m.named_parameters()}
+    return {**{k: full(v) for k, v in mp.state_dict().items()}, **params}
+
+
+def test_dcp_saved_at_4_ranks_loads_masters_and_scaler_at_2_and_3(tmp_path):
+    saved = run_ranks(4, _save_mp, str(tmp_path))[0]
+    for world in (2, 3):
+        loaded = run_ranks(world, _load_mp, str(tmp_path))[0]
+        params = {k: loaded.pop(k) for k in list(loaded) if k.startswith("param.")}
+        assert_same(loaded, saved)
+        for key, value in params.items():  # parameters were rewritten from the masters
+            assert torch.equal(value, saved[f"master_weights.{key[6:]}"].bfloat16()), key
