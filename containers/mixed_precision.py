@@ -174,7 +174,9 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         grads = [_local(p.grad) for p, _ in self._pairs if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         if grads:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            # Per tensor, accumulating in fp32 without an fp32 copy (torch._foreach_norm with
+            # dtype= converts whole lists first: 2x slower and 4 bytes/param more at peak).
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
             total_sq = torch.stack(norms).square().sum()
         else:
             total_sq = torch.zeros((), device=device)
