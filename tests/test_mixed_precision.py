@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from components.optimizer import build_optimizers
 from config import ConfigError, load_job_config
 from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
-from tests.dist import run_ranks
+from tests.dist import launch, run_ranks
 from tests.helpers import assert_same, batch, forward, full, three_parts
 
 SGD = {"lr": 1.0}  # one SGD step at lr 1 moves each master by exactly its (clipped) gradient
@@ -256,3 +258,15 @@ def test_dcp_saved_at_4_ranks_loads_masters_and_scaler_at_2_and_3(tmp_path):
         assert_same(loaded, saved)
         for key, value in params.items():  # parameters were rewritten from the masters
             assert torch.equal(value, saved[f"master_weights.{key[6:]}"].bfloat16()), key
+
+
+def test_train_py_runs_it_and_logs_scale_and_skips(tmp_path):
+    args = ["--job.config_file", "config/mixed_precision.toml", "--model.flavor", "tiny"]
+    args += ["--training.steps", "4", "--training.seq_len", "32", "--metrics.log_freq", "1"]
+    args += ["--job.dump_folder", str(tmp_path), "--mixed_precision.param_dtype", "float16"]
+    result = launch(0, args)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["loss_scale"] == 65536.0 and r["skipped_steps"] == 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)
