@@ -76,8 +76,6 @@ def main(argv: list[str]) -> None:
         if ft.enable
         else cfg.job.dump_folder
     )
-    if ft.enable and cfg.optimizer.container == "default":
-        cfg.optimizer.container = "fault_tolerant"
     accum = accumulation_steps(cfg, world_size)
 
     # -- build ------------------------------------------------------------------------------

@@ -171,9 +171,12 @@ def build_optimizers(
         **runtime: runtime objects a variant needs (process groups, the ft manager, ...).
     """
     cfg = optimizer_config
-    if cfg.container not in _CONTAINERS:
+    container = cfg.container
+    if container == "default" and job_config is not None and job_config.fault_tolerance.enable:
+        container = "fault_tolerant"  # [fault_tolerance] enable = true picks it by itself
+    if container not in _CONTAINERS:
         raise ConfigError(
-            f"[optimizer] container = {cfg.container!r}: unknown container; registered: "
+            f"[optimizer] container = {container!r}: unknown container; registered: "
             f"{', '.join(registered_containers())}"
         )
     device = _device(model_parts)
@@ -196,7 +199,7 @@ def build_optimizers(
         else:
             rules.append(ParamGroupRule(group.pattern, {}, group_cls, group_kwargs))
     try:
-        return _CONTAINERS[cfg.container](
+        return _CONTAINERS[container](
             list(model_parts), cls, kwargs, param_groups=rules, job_config=job_config, **runtime
         )
     except ConfigError:

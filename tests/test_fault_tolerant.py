@@ -125,6 +125,9 @@ def test_builder_wiring_and_refusals(monkeypatch):
     cfg = load_job_config(["--optimizer.container", "fault_tolerant"])
     with pytest.raises(ConfigError, match=r"container = 'fault_tolerant': needs a torchft manager"):
         build_optimizers(three_parts(), cfg.optimizer, job_config=cfg)
+    cfg = load_job_config(["--fault_tolerance.enable"])  # picks the FT container by itself
+    with pytest.raises(ConfigError, match=r"container = 'fault_tolerant': needs a torchft manager"):
+        build_optimizers(three_parts(), cfg.optimizer, job_config=cfg)
     with pytest.raises(ConfigError, match=r"replica_id = 2: must be below group_size = 2"):
         load_job_config(
             [
