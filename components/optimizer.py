@@ -298,6 +298,7 @@ def _build_mixed_precision(
         master_dtype=getattr(torch, mp.master_dtype),
         max_norm=cfg.training.max_norm,
         loss_scaler=scaler,
+        compile=mp.compile,
     )
 
 

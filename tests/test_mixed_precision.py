@@ -205,6 +205,27 @@ def test_bf16_with_fp32_masters_tracks_fp32_while_plain_bf16_stalls():
     assert plain > 3 * fp32
 
 
+def test_compiled_one_pass_update_matches_the_eager_path():
+    runs = {}
+    for compile in (False, True):
+        parts = _parts(seed=1)
+        mp = MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, max_norm=0.5,
+            loss_scaler=LossScaler(mode="static", scale=64.0), compile=compile,
+        )  # fmt: skip
+        assert mp.compile is compile
+        for step in range(3):
+            mp.zero_grad()
+            _backward(parts, mp, step)
+            mp.step()
+        runs[compile] = {k: full(v) for k, v in mp.state_dict().items()}
+    eager, fused = runs[False], runs[True]
+    assert eager.keys() == fused.keys()
+    for key, value in eager.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(fused[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 # -- on gloo ranks -------------------------------------------------------------------------
 
 
