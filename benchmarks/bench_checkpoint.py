@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.table import markdown_table
+from benchmarks.common import markdown_table
 from components.checkpoint import ModelWrapper
 from containers import OptimizersContainer
 from tests.dist import run_ranks

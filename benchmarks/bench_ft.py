@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.table import markdown_table
+from benchmarks.common import markdown_table
 from tests.dist import launch
 from tests.ftjob import FTJob, read_metrics
 

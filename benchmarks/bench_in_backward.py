@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.table import markdown_table
+from benchmarks.common import markdown_table, run_fresh
 from containers import OptimizersContainer, OptimizersInBackwardContainer
 
 
@@ -50,16 +48,8 @@ def child(container: str, width: int, layers: int, steps: int) -> dict[str, floa
 
 
 def run_child(container: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {
-        **os.environ,
-        # Large blocks in mmap, so freed gradients leave the resident set at once.
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),
-    }
-    cmd = [sys.executable, __file__, "--child", container]
-    cmd += ["--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    argv = ["--child", container, "--width", str(args.width), "--layers", str(args.layers)]
+    return run_fresh(__file__, [*argv, "--steps", str(args.steps)])
 
 
 def main(argv: list[str]) -> None:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.table import markdown_table
+from benchmarks.common import markdown_table, run_fresh
 from containers import LossScaler, MixedPrecisionOptimizersContainer
 
 
@@ -133,11 +132,8 @@ def child(kind: str, n: int, parts: int, steps: int) -> dict[str, float]:
 
 
 def run(kind: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    cmd = [sys.executable, __file__, "--child", kind, "--params", str(args.params)]
-    cmd += ["--parts", str(args.parts), "--steps", str(args.steps)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    argv = ["--child", kind, "--params", str(args.params), "--parts", str(args.parts)]
+    return run_fresh(__file__, [*argv, "--steps", str(args.steps)])
 
 
 def main(argv: list[str]) -> None:
