@@ -13,7 +13,7 @@ from tests.dist import free_port
 from tests.ftjob import FTJob
 from tests.helpers import assert_same, batch, forward, full, load_job_state, three_parts, train
 
-STEPS = 250
+STEPS = 350
 
 
 def test_kill_a_replica_group_survivor_commits_restarted_one_heals_and_ends_identical(tmp_path):
