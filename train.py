@@ -29,7 +29,8 @@ logger = logging.getLogger("train")
 
 
 def accumulation_steps(cfg: JobConfig, dp_world_size: int) -> int:
-    """Micro-batches per optimizer step on each rank."""
+    """Micro-batches per optimizer step on each rank, of `dp_world_size` data-parallel ranks
+    (all replica groups' ranks under torchft: the global batch spans them all)."""
     t = cfg.training
     if t.global_batch_size < 0:
         return t.gradient_accumulation_steps
@@ -38,7 +39,8 @@ def accumulation_steps(cfg: JobConfig, dp_world_size: int) -> int:
     if rest or accum == 0:
         raise ConfigError(
             f"[training] global_batch_size = {t.global_batch_size}: not a multiple of "
-            f"local_batch_size {t.local_batch_size} x {dp_world_size} ranks; change either"
+            f"local_batch_size {t.local_batch_size} x {dp_world_size} data-parallel ranks; "
+            "change either"
         )
     if t.gradient_accumulation_steps not in (1, accum):
         raise ConfigError(
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> None:
         if ft.enable
         else cfg.job.dump_folder
     )
-    accum = accumulation_steps(cfg, world_size)
+    accum = accumulation_steps(cfg, dp_world_size)
 
     # -- build ------------------------------------------------------------------------------
     spec = get_train_spec(cfg.model.name)
