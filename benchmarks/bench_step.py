@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from components.optimizer import build_optimizers
+from components.optimizer import build_optimizers, resolve_optimizer
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer
 
@@ -198,16 +198,6 @@ def copy_bandwidth(nbytes: int, trials: int) -> tuple[float, float]:
 # -- benchmark --------------------------------------------------------------------------------
 
 
-def adamw_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    """AdamW hyperparameters of `cfg`, as every contender uses them."""
-    return {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-    }
-
-
 def ratio_row(name: str, a: Sequence[float], b: Sequence[float], goal: float | None = None) -> Row:
     """Row for the time ratio a/b: a's median ms, the median per-repeat ratio, its spread.
 
@@ -233,7 +223,7 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
     model = make_model(width, settings.parts)
     n = count_params(model)
     cfg = OptimizerConfig()
-    kw = adamw_kwargs(cfg)
+    kw = resolve_optimizer(cfg)[1]  # the hyperparameters build_optimizers uses
 
     container = OptimizersContainer(clone_model(model), torch.optim.AdamW, {**kw, "fused": True})
     per_part = [

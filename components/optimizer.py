@@ -33,6 +33,7 @@ __all__ = [
     "register_optimizer",
     "registered_containers",
     "registered_optimizers",
+    "resolve_optimizer",
 ]
 
 OptimizerFactory = Callable[[OptimizerConfig], tuple[type[Optimizer], dict[str, Any]]]
@@ -138,7 +139,11 @@ def implementation_kwargs(
     return flags
 
 
-def _optimizer(cfg: OptimizerConfig, name: str, where: str) -> tuple[type[Optimizer], dict]:
+def resolve_optimizer(
+    cfg: OptimizerConfig, name: str | None = None, where: str = "[optimizer]"
+) -> tuple[type[Optimizer], dict[str, Any]]:
+    """The registered optimizer `name` (default `cfg.name`): its class and hyperparameters."""
+    name = cfg.name if name is None else name
     if name not in _OPTIMIZERS:
         known = ", ".join(registered_optimizers())
         raise ConfigError(
@@ -180,7 +185,7 @@ def build_optimizers(
             f"{', '.join(registered_containers())}"
         )
     device = _device(model_parts)
-    cls, kwargs = _optimizer(cfg, cfg.name, "[optimizer]")
+    cls, kwargs = resolve_optimizer(cfg)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")
     rules = []
     for i, group in enumerate(cfg.param_groups):
@@ -191,7 +196,7 @@ def build_optimizers(
             if f.name not in ("pattern", "name") and getattr(group, f.name) is not None
         }
         group_cfg = dataclasses.replace(cfg, **overrides)
-        group_cls, group_kwargs = _optimizer(group_cfg, group.name or cfg.name, where)
+        group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where)
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
