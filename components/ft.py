@@ -1,28 +1,22 @@
-"""torchft wiring: the manager of one replica group, the state it serves, gradient averaging."""
+"""torchft wiring: the manager of one replica group and the state it serves."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
-from components.optimizer import register_container
-from config import ConfigError, JobConfig
+from config import ConfigError
 from config import FaultTolerance as FaultToleranceConfig
-from containers import FTOptimizersContainer, ParamGroupRule
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["allreduce_gradients", "build_ft_manager", "manager_port", "serve_state"]
+__all__ = ["build_ft_manager", "manager_port", "serve_state"]
 
 logger = logging.getLogger(__name__)
 _MANAGER_PORT_BASE = 29_600
@@ -96,45 +90,3 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
         logger.info("healed from a peer replica group")
 
     manager.register_state_dict_fn("train", load_state_dict, state_dict)
-
-
-@torch.no_grad()
-def allreduce_gradients(manager: Manager, params: Sequence[torch.Tensor]) -> None:
-    """Average gradients across the replica groups of the quorum, in one flat collective."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    manager.allreduce(flat).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _build_fault_tolerant(
-    model_parts: list[nn.Module],
-    optimizer_cls: type[Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    *,
-    param_groups: Sequence[ParamGroupRule],
-    job_config: JobConfig | None,
-    ft_manager: Manager | None = None,
-    **runtime: Any,
-) -> FTOptimizersContainer:
-    if ft_manager is None:
-        raise ConfigError(
-            "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
-            "[fault_tolerance] enable = true (train.py then builds one)"
-        )
-    return FTOptimizersContainer(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        ft_manager=ft_manager,
-        param_groups=param_groups,
-    )
-
-
-register_container("fault_tolerant", _build_fault_tolerant)

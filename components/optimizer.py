@@ -16,18 +16,25 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from config import ConfigError, JobConfig
+from config import ConfigError
+from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
 from containers import (
-    LossScaler,
+    Gate,
+    InBackward,
+    MasterWeights,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
-    OptimizersInBackwardContainer,
     ParamGroupRule,
+    Precision,
+    Timing,
+    TorchFTGate,
 )
 
 __all__ = [
+    "OptimizersBuilder",
     "build_optimizers",
+    "build_precision",
     "implementation_kwargs",
     "register_container",
     "register_optimizer",
@@ -40,6 +47,9 @@ OptimizerFactory = Callable[[OptimizerConfig], tuple[type[Optimizer], dict[str, 
 
 
 class ContainerFactory(Protocol):
+    """Builds a container from the parts `build_optimizers` composed (plus any runtime
+    objects a third-party container asks its caller for)."""
+
     def __call__(
         self,
         model_parts: list[nn.Module],
@@ -47,8 +57,26 @@ class ContainerFactory(Protocol):
         optimizer_kwargs: dict[str, Any],
         *,
         param_groups: Sequence[ParamGroupRule],
-        job_config: JobConfig | None,
+        precision: Precision,
+        gate: Gate | None,
+        timing: Timing | None,
+        max_norm: float | None,
         **runtime: Any,
+    ) -> OptimizersContainer: ...
+
+
+class OptimizersBuilder(Protocol):
+    """The train spec's `build_optimizers_fn`: `build_optimizers` or a replacement."""
+
+    def __call__(
+        self,
+        model_parts: Sequence[nn.Module],
+        cfg: OptimizerConfig,
+        *,
+        precision: Precision | None = None,
+        gate: Gate | None = None,
+        max_norm: float | None = None,
+        gradient_accumulation_steps: int = 1,
     ) -> OptimizersContainer: ...
 
 
@@ -160,33 +188,19 @@ def _device(model_parts: Sequence[nn.Module]) -> torch.device:
     return next(iter(devices), torch.device("cpu"))
 
 
-def build_optimizers(
-    model_parts: Sequence[nn.Module],
-    optimizer_config: OptimizerConfig,
-    *,
-    job_config: JobConfig | None = None,
-    **runtime: Any,
-) -> OptimizersContainer:
-    """Build the container that `optimizer_config.container` names over `model_parts`.
+def build_precision(
+    cfg: OptimizerConfig, mixed_precision: MixedPrecisionConfig | None = None
+) -> Precision:
+    """The precision of the container `cfg.container` names: the job casts the model with it
+    (`cast_model`) before sharding, then hands it to `build_optimizers`."""
+    if cfg.container == "mixed_precision":
+        return MasterWeights(mixed_precision)
+    return Precision()
 
-    Args:
-        model_parts: the model parts to optimize.
-        optimizer_config: the `[optimizer]` section.
-        job_config: the whole job config, for variants that read other sections.
-        **runtime: runtime objects a variant needs (process groups, the ft manager, ...).
-    """
-    cfg = optimizer_config
-    container = cfg.container
-    if container == "default" and job_config is not None and job_config.fault_tolerance.enable:
-        container = "fault_tolerant"  # [fault_tolerance] enable = true picks it by itself
-    if container not in _CONTAINERS:
-        raise ConfigError(
-            f"[optimizer] container = {container!r}: unknown container; registered: "
-            f"{', '.join(registered_containers())}"
-        )
-    device = _device(model_parts)
-    cls, kwargs = resolve_optimizer(cfg)
-    kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")
+
+def _rules(
+    cfg: OptimizerConfig, cls: type[Optimizer], kwargs: dict[str, Any], device: torch.device
+) -> list[ParamGroupRule]:
     rules = []
     for i, group in enumerate(cfg.param_groups):
         where = f"[optimizer.param_groups[{i}]]"
@@ -203,14 +217,59 @@ def build_optimizers(
             rules.append(ParamGroupRule(group.pattern, diff))
         else:
             rules.append(ParamGroupRule(group.pattern, {}, group_cls, group_kwargs))
+    return rules
+
+
+def build_optimizers(
+    model_parts: Sequence[nn.Module],
+    cfg: OptimizerConfig,
+    *,
+    precision: Precision | None = None,
+    gate: Gate | None = None,
+    max_norm: float | None = None,
+    gradient_accumulation_steps: int = 1,
+    **runtime: Any,
+) -> OptimizersContainer:
+    """Compose the container that `cfg` asks for over `model_parts`.
+
+    The parts: `precision` (default: `build_precision(cfg)`), `gate` (a `TorchFTGate` when
+    the job runs under torchft), the timing (in backward when `cfg.early_step_in_backward` or
+    `container = "in_backward"`), and `max_norm` (`[training] max_norm`; None: no norm).
+
+    Args:
+        model_parts: the model parts to optimize.
+        cfg: the `[optimizer]` section.
+        precision: the precision part the model was cast with.
+        gate: whether steps commit (None: always).
+        max_norm: clip the global gradient norm in `step()`; 0 only measures it.
+        gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
+        **runtime: runtime objects a third-party container needs.
+    """
+    if cfg.container not in _CONTAINERS:
+        raise ConfigError(
+            f"[optimizer] container = {cfg.container!r}: unknown container; registered: "
+            f"{', '.join(registered_containers())}"
+        )
+    device = _device(model_parts)
+    cls, kwargs = resolve_optimizer(cfg)
+    kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")
+    in_backward = cfg.early_step_in_backward or cfg.container == "in_backward"
     try:
-        return _CONTAINERS[container](
-            list(model_parts), cls, kwargs, param_groups=rules, job_config=job_config, **runtime
+        return _CONTAINERS[cfg.container](
+            list(model_parts),
+            cls,
+            kwargs,
+            param_groups=_rules(cfg, cls, kwargs, device),
+            precision=precision if precision is not None else build_precision(cfg),
+            gate=gate,
+            timing=InBackward(gradient_accumulation_steps) if in_backward else None,
+            max_norm=max_norm,
+            **runtime,
         )
     except ConfigError:
         raise
     except ValueError as e:
-        # The containers check model against config (patterns, ownership); say which section.
+        # The containers check model against config (patterns, ownership, compositions).
         raise ConfigError(f"[optimizer] {e}") from e
 
 
@@ -220,91 +279,53 @@ def _build_default(
     optimizer_kwargs: dict[str, Any],
     *,
     param_groups: Sequence[ParamGroupRule],
-    job_config: JobConfig | None,
-    **runtime: Any,
+    precision: Precision,
+    gate: Gate | None,
+    timing: Timing | None,
+    max_norm: float | None,
 ) -> OptimizersContainer:
+    if isinstance(precision, MasterWeights):
+        return MixedPrecisionOptimizersContainer(
+            model_parts,
+            optimizer_cls,
+            optimizer_kwargs,
+            param_groups=param_groups,
+            precision=precision,
+            gate=gate,
+            timing=timing,
+            max_norm=max_norm or 0.0,
+        )
     return OptimizersContainer(
-        model_parts, optimizer_cls, optimizer_kwargs, param_groups=param_groups
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        param_groups=param_groups,
+        precision=precision,
+        gate=gate,
+        timing=timing,
+        max_norm=max_norm,
     )
 
 
+def _build_fault_tolerant(
+    model_parts: list[nn.Module],
+    optimizer_cls: type[Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    *,
+    gate: Gate | None,
+    **parts: Any,
+) -> OptimizersContainer:
+    if not isinstance(gate, TorchFTGate):
+        raise ConfigError(
+            "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
+            "[fault_tolerance] enable = true (the job builder then makes one)"
+        )
+    return _build_default(model_parts, optimizer_cls, optimizer_kwargs, gate=gate, **parts)
+
+
+# Every built-in name is one composition of parts: the name picks the precision
+# (`build_precision`) or the timing (`build_optimizers`); the gate comes from the job.
 register_container("default", _build_default)
-
-
-def _build_in_backward(
-    model_parts: list[nn.Module],
-    optimizer_cls: type[Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    *,
-    param_groups: Sequence[ParamGroupRule],
-    job_config: JobConfig | None,
-    gradient_accumulation_steps: int | None = None,
-    **runtime: Any,
-) -> OptimizersInBackwardContainer:
-    training = job_config.training if job_config is not None else None
-    if training is not None and training.max_norm > 0:
-        raise ConfigError(
-            f"[training] max_norm = {training.max_norm}: container 'in_backward' steps each "
-            "parameter as soon as its gradient is ready, before the global norm exists, so "
-            "it cannot clip; set max_norm = 0 or use container = 'default'"
-        )
-    if job_config is not None and job_config.fault_tolerance.enable:
-        raise ConfigError(
-            "[fault_tolerance] enable = true: container 'in_backward' steps inside backward, "
-            "before torchft can decide whether the step commits; use container "
-            "'fault_tolerant' or disable fault tolerance"
-        )
-    if gradient_accumulation_steps is None:
-        gradient_accumulation_steps = training.gradient_accumulation_steps if training else 1
-    return OptimizersInBackwardContainer(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        param_groups=param_groups,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-    )
-
-
-register_container("in_backward", _build_in_backward)
-
-
-def _build_mixed_precision(
-    model_parts: list[nn.Module],
-    optimizer_cls: type[Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    *,
-    param_groups: Sequence[ParamGroupRule],
-    job_config: JobConfig | None,
-    **runtime: Any,
-) -> MixedPrecisionOptimizersContainer:
-    cfg = job_config if job_config is not None else JobConfig()
-    mp = cfg.mixed_precision
-    if cfg.fault_tolerance.enable:
-        raise ConfigError(
-            "[fault_tolerance] enable = true: container 'mixed_precision' does not run under "
-            "torchft yet; disable one of them"
-        )
-    scaler = LossScaler(
-        mode=mp.loss_scaling,
-        scale=mp.initial_scale,
-        growth_factor=mp.growth_factor,
-        backoff_factor=mp.backoff_factor,
-        growth_interval=mp.growth_interval,
-        hysteresis=mp.hysteresis,
-        min_scale=mp.min_scale,
-        max_scale=mp.max_scale,
-    )
-    return MixedPrecisionOptimizersContainer(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        param_groups=param_groups,
-        param_dtype=getattr(torch, mp.param_dtype),
-        master_dtype=getattr(torch, mp.master_dtype),
-        max_norm=cfg.training.max_norm,
-        loss_scaler=scaler,
-        compile=mp.compile,
-    )
-
-
-register_container("mixed_precision", _build_mixed_precision)
+register_container("in_backward", _build_default)
+register_container("mixed_precision", _build_default)
+register_container("fault_tolerant", _build_fault_tolerant)

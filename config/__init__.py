@@ -1,5 +1,7 @@
 """Typed job config: dataclass sections, TOML + CLI loading, and `ConfigError`."""
 
+from config.checks import accumulation_steps, steps_in_backward
+from config.errors import ConfigError
 from config.job_config import (
     Checkpoint,
     FaultTolerance,
@@ -13,7 +15,7 @@ from config.job_config import (
     ParamGroup,
     Training,
 )
-from config.loader import ConfigError, load_job_config
+from config.loader import load_job_config
 
 __all__ = [
     "Checkpoint",
@@ -28,5 +30,7 @@ __all__ = [
     "Optimizer",
     "ParamGroup",
     "Training",
+    "accumulation_steps",
     "load_job_config",
+    "steps_in_backward",
 ]

@@ -105,7 +105,13 @@ class Optimizer:
     """Kernel: "auto" picks fused where torch supports it on the parameters' device."""
 
     container: str = "default"
-    """Optimizer container from the registry (`components.optimizer.register_container`)."""
+    """Optimizer container from the registry (`components.optimizer.register_container`):
+    "default", "mixed_precision" (bf16/fp16 parameters, fp32 masters), "in_backward" (=
+    "default" with `early_step_in_backward`), "fault_tolerant" (needs [fault_tolerance])."""
+
+    early_step_in_backward: bool = False
+    """Step each unit of parameters inside backward as soon as its gradients are final and
+    free them (no whole-model gradient buffer); composes with "mixed_precision" (bf16)."""
 
     param_groups: list[ParamGroup] = field(default_factory=list)
     """Per-group overrides as a TOML array of tables `[[optimizer.param_groups]]`."""
@@ -231,8 +237,9 @@ class MixedPrecision:
     master_dtype: Literal["float32"] = "float32"
     """Dtype of the master weights the optimizer steps on."""
 
-    loss_scaling: Literal["dynamic", "static", "none"] = "dynamic"
-    """Loss scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`."""
+    loss_scaling: Literal["auto", "dynamic", "static", "none"] = "auto"
+    """Loss scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`; "auto" is
+    "dynamic" for float16 and "none" for bfloat16 (fp32's exponent range: no scale needed)."""
 
     initial_scale: float = bounded(2.0**16, gt=0.0)
     """Loss scale at the start."""

@@ -14,6 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from config.checks import cross_check
+from config.errors import ConfigError
 from config.job_config import JobConfig
 
 try:
@@ -23,10 +25,6 @@ except ImportError:  # Python < 3.11
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-class ConfigError(ValueError):
-    """An invalid job config: the message names section, key, value and fix."""
 
 
 def _closest(name: str, options: typing.Iterable[str]) -> str:
@@ -46,22 +44,6 @@ def _sections() -> dict[str, type]:
 
 def _field_kind(where: str, value: object) -> str:
     return f"{where} = {value!r}"
-
-
-def _cross_check(cfg: JobConfig) -> None:
-    """Checks that involve more than one key."""
-    ft = cfg.fault_tolerance
-    if ft.enable and ft.replica_id >= ft.group_size:
-        raise ConfigError(
-            f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
-            f"{ft.group_size}; raise group_size or lower replica_id"
-        )
-    mp = cfg.mixed_precision
-    if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
-        raise ConfigError(
-            f"[mixed_precision] initial_scale = {mp.initial_scale!r}: must lie within "
-            f"min_scale = {mp.min_scale!r} and max_scale = {mp.max_scale!r}; adjust one of them"
-        )
 
 
 def _coerce(value: Any, tp: Any, section: str, key: str, from_cli: bool) -> Any:
@@ -247,5 +229,5 @@ def load_job_config(argv: list[str] | None = None) -> JobConfig:
             from_toml = cls(**kept)
         built[section] = from_toml
     cfg = JobConfig(**built)
-    _cross_check(cfg)
+    cross_check(cfg)
     return cfg

@@ -1,15 +1,30 @@
-"""The OptimizersContainer hierarchy: one optimizer object over many model parts."""
+"""The OptimizersContainer hierarchy: one optimizer object over many model parts.
 
-from containers.base import OptimizersContainer, ParamGroupRule
-from containers.fault_tolerant import FTOptimizersContainer
-from containers.in_backward import OptimizersInBackwardContainer
-from containers.mixed_precision import LossScaler, MixedPrecisionOptimizersContainer
+One class runs one step pipeline; precision, gate and timing are parts plugged into it
+(`containers.parts`). The variants are thin, documented compositions of those parts.
+"""
+
+from containers.base import OptimizersContainer, Unit
+from containers.fault_tolerant import FTOptimizersContainer, TorchFTGate
+from containers.in_backward import InBackward, OptimizersInBackwardContainer
+from containers.loss_scaler import LossScaler
+from containers.mixed_precision import MasterWeights, MixedPrecisionOptimizersContainer
+from containers.param_groups import ParamGroupRule
+from containers.parts import Gate, Precision, StepReport, Timing
 
 __all__ = [
     "FTOptimizersContainer",
+    "Gate",
+    "InBackward",
     "LossScaler",
+    "MasterWeights",
     "MixedPrecisionOptimizersContainer",
     "OptimizersContainer",
     "OptimizersInBackwardContainer",
     "ParamGroupRule",
+    "Precision",
+    "StepReport",
+    "Timing",
+    "TorchFTGate",
+    "Unit",
 ]

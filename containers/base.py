@@ -1,8 +1,19 @@
-"""`OptimizersContainer`: one `torch.optim.Optimizer` over the optimizers of many model parts."""
+"""`OptimizersContainer`: one `torch.optim.Optimizer` over the optimizers of many model parts.
+
+Every variant is this class with other parts plugged in (`containers.parts`): one step,
+
+    prepare   gate.reduce_gradients            average across replica groups (torchft)
+    measure   precision.grad_norm, one sync    only when clipping or skipping non-finite steps
+    decide    gate.commit, finite check        a skipped step changes nothing
+    apply     precision.apply                  inner optimizers; masters copied back
+    report    last_report (StepReport)         committed, why skipped, norm, scale
+
+run in `step()` after backward, or unit by unit inside backward (`containers.in_backward`).
+"""
 
 from __future__ import annotations
 
-import re
+import math
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,44 +24,25 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.flat_state import (
-    PG,
-    STATE,
-    describe_keys,
-    flatten_into,
-    initial_states,
-    unflatten,
-)
+from containers.flat_state import PG, STATE, flatten_into, initial_states, plan_load
+from containers.param_groups import ParamGroupRule, assign
+from containers.parts import Gate, Named, Precision, StepReport, Timing
 
-__all__ = ["OptimizersContainer", "ParamGroupRule"]
-
-# Group keys that say how an optimizer runs, not where training is: a checkpoint written with
-# one kernel must load into a run that chose another (or whose device lacks it).
-_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+__all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-@dataclass(frozen=True)
-class ParamGroupRule:
-    """Parameters whose FQN matches `pattern` form a param group with their own settings.
+@dataclass(eq=False)
+class Unit:
+    """Parameters that apply together: the model's parameters and the inner optimizers that
+    step them (or their masters)."""
 
-    Args:
-        pattern: regular expression searched (`re.search`) in each trainable parameter's FQN.
-        overrides: hyperparameters of this group (e.g. ``{"weight_decay": 0.0}``).
-        optimizer_cls: optimizer for this group if not the container's; such groups get an
-            inner optimizer of their own in each model part.
-        optimizer_kwargs: constructor kwargs for `optimizer_cls` (required with it).
-    """
-
-    pattern: str
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    optimizer_cls: type[Optimizer] | None = None
-    optimizer_kwargs: Mapping[str, Any] | None = None
+    params: list[torch.Tensor]
+    optimizers: list[Optimizer] = field(default_factory=list)
 
 
 def _fqn(name: str) -> str:
@@ -62,11 +54,12 @@ def _fqn(name: str) -> str:
 class OptimizersContainer(Optimizer, Stateful):
     """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts.
 
-    Each model part gets one inner optimizer per optimizer class its parameters use. The
-    container keeps the Optimizer contract: `param_groups` are the inner optimizers' live
-    groups (LR schedulers and manual lr changes reach the real step), step hooks fire once per
-    `step()`, and `state_dict()` is torch's flat FQN-keyed format
-    (`StateDictOptions(flatten_optimizer_state_dict=True)`), DTensors kept, so DCP reshards it.
+    Each unit (a model part, unless the timing splits finer) gets one inner optimizer per
+    optimizer class its parameters use. The container keeps the Optimizer contract:
+    `param_groups` are the inner optimizers' live groups (LR schedulers and manual lr changes
+    reach the real step), step hooks fire once per applied `step()`, and `state_dict()` is
+    torch's flat FQN-keyed format (`StateDictOptions(flatten_optimizer_state_dict=True)`),
+    DTensors kept, so DCP reshards it.
 
     Args:
         model_parts: modules whose trainable parameters are optimized; frozen ones are skipped.
@@ -74,20 +67,12 @@ class OptimizersContainer(Optimizer, Stateful):
         optimizer_kwargs: constructor kwargs of `optimizer_cls`.
         param_groups: rules that form param groups by FQN; each parameter may match at most
             one, and every rule must match at least one parameter.
+        precision: what the inner optimizers step (default: the fp32 parameters themselves).
+        gate: whether a step commits (default: always).
+        timing: when units apply (default: after backward, in `step()`).
+        max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
+            None (default) neither measures nor clips.
     """
-
-    steps_in_backward = False
-    """True for variants that step during backward (gradients are gone by `step()`)."""
-
-    last_step_committed = True
-    """Whether the last `step()` applied; variants that can skip a step set it False."""
-
-    clips_gradients = False
-    """True for variants that clip the global gradient norm inside `step()`."""
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on (variants with loss scaling scale it)."""
-        return loss
 
     def __init__(
         self,
@@ -96,34 +81,52 @@ class OptimizersContainer(Optimizer, Stateful):
         optimizer_kwargs: Mapping[str, Any],
         *,
         param_groups: Sequence[ParamGroupRule] = (),
+        precision: Precision | None = None,
+        gate: Gate | None = None,
+        timing: Timing | None = None,
+        max_norm: float | None = None,
     ) -> None:
         self.model_parts = list(model_parts)
         if not self.model_parts or not all(isinstance(m, nn.Module) for m in self.model_parts):
             raise ValueError(
                 f"model_parts = {model_parts!r}: expected a non-empty list of nn.Module"
             )
-        self.optimizers: list[Optimizer] = []
+        if max_norm is not None and not max_norm >= 0:
+            raise ValueError(f"max_norm = {max_norm}: use 0 (no clipping) or a positive norm")
+        self.precision = precision if precision is not None else Precision()
+        self.gate = gate if gate is not None else Gate()
+        self.timing = timing if timing is not None else Timing()
+        self.max_norm = max_norm
+        self._refuse_impossible_composition()
         self._fqns: dict[torch.Tensor, str] = {}
-        self._optimizer_units: list[int] = []
-        units = self._units(self._trainable())
-        for unit, groups in enumerate(
-            self._assign(units, param_groups, optimizer_cls, optimizer_kwargs)
+        named_units = self.timing.units(self.model_parts, self._trainable())
+        stepped_units = [
+            [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
+        ]
+        self.units: list[Unit] = []
+        self.optimizers: list[Optimizer] = []
+        for named, stepped, groups in zip(
+            named_units,
+            stepped_units,
+            assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs),
         ):
+            unit = Unit(params=[p for _, p in named])
+            for fqn, s in stepped:
+                self._fqns[s] = fqn
             for cls, specs in groups.items():
                 try:
-                    ctor_kwargs = specs[0][1]
-                    self.optimizers.append(
-                        cls([{"params": ps, **kw} for ps, kw in specs], **ctor_kwargs)
-                    )
+                    opt = cls([{"params": ps, **kw} for ps, kw in specs], **specs[0][1])
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise ValueError(
-                        f"building {cls.__name__} for {units[unit][0][0]!r} and its unit "
-                        f"failed: {e}"
+                        f"building {cls.__name__} for {named[0][0]!r} and its unit failed: {e}"
                     ) from e
-                self._optimizer_units.append(unit)
+                unit.optimizers.append(opt)
+                self.optimizers.append(opt)
+            self.units.append(unit)
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.defaults = dict(optimizer_kwargs)
+        self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
@@ -131,8 +134,30 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        self.timing.attach(self)
 
-    def _trainable(self) -> list[list[tuple[str, torch.Tensor]]]:
+    def _refuse_impossible_composition(self) -> None:
+        """The one place where parts that cannot work together are refused, with the reason."""
+        if not self.timing.in_backward:
+            return
+        clip = None
+        if self.max_norm:
+            clip = (
+                f"max_norm = {self.max_norm}: the global gradient norm exists only once "
+                "backward has ended, after units stepped; set max_norm to 0 or None"
+            )
+        for part, reason in (
+            ("precision", self.precision.in_backward_conflict()),
+            ("gate", self.gate.in_backward_conflict()),
+            ("clipping", clip),
+        ):
+            if reason:
+                raise ValueError(
+                    f"{type(self.timing).__name__} steps units inside backward, which this "
+                    f"{part} cannot work with: {reason}"
+                )
+
+    def _trainable(self) -> list[Named]:
         """Each part's trainable (FQN, parameter) pairs; a parameter or FQN in two parts is
         an error."""
         owner: dict[torch.Tensor, int] = {}
@@ -155,71 +180,23 @@ class OptimizersContainer(Optimizer, Stateful):
                         "checkpoint keys must be unique, so keep the original FQNs per part"
                     )
                 owner[p], fqn_owner[fqn] = part_idx, part_idx
-                self._fqns[p] = fqn
                 named.append((fqn, p))
             parts.append(named)
         return parts
 
-    def _units(
-        self, parts: list[list[tuple[str, torch.Tensor]]]
-    ) -> list[list[tuple[str, torch.Tensor]]]:
-        """Split the parameters into units with inner optimizers of their own: one per part.
+    # -- what the trainer asks -----------------------------------------------------------
 
-        Variants that step finer-grained (per FSDP unit, per module) override this.
-        """
-        return [named for named in parts if named]
+    @property
+    def last_step_committed(self) -> bool:
+        """Whether the last `step()` counts (see `last_report`)."""
+        return self.last_report.committed
 
-    @staticmethod
-    def _assign(
-        units: list[list[tuple[str, torch.Tensor]]],
-        rules: Sequence[ParamGroupRule],
-        default_cls: type[Optimizer],
-        default_kwargs: Mapping[str, Any],
-    ) -> list[dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]]:
-        """Map each unit's parameters to (class -> [(params, group kwargs)]) by the rules."""
-        compiled = []
-        for rule in rules:
-            try:
-                compiled.append(re.compile(rule.pattern))
-            except re.error as e:
-                raise ValueError(
-                    f"param group pattern {rule.pattern!r} is not a regex: {e}"
-                ) from None
-            if rule.optimizer_cls is not None and rule.optimizer_kwargs is None:
-                raise ValueError(
-                    f"param group {rule.pattern!r} names optimizer_cls "
-                    f"{rule.optimizer_cls.__name__} without optimizer_kwargs; pass them"
-                )
-        used = [False] * len(rules)
-        assigned = []
-        for named in units:
-            buckets: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
-            for fqn, p in named:
-                hits = [i for i, rx in enumerate(compiled) if rx.search(fqn)]
-                if len(hits) > 1:
-                    raise ValueError(
-                        f"parameter {fqn!r} matches param group patterns "
-                        f"{[rules[i].pattern for i in hits]}; make the patterns disjoint"
-                    )
-                if hits:
-                    used[hits[0]] = True
-                buckets[hits[0] + 1 if hits else 0].append(p)
-            groups: dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]] = {}
-            for i, params in enumerate(buckets):
-                if not params:
-                    continue
-                rule = rules[i - 1] if i else None
-                cls = (rule and rule.optimizer_cls) or default_cls
-                kwargs = dict((rule and rule.optimizer_kwargs) or default_kwargs)
-                kwargs.update(rule.overrides if rule else {})
-                groups.setdefault(cls, []).append((params, kwargs))
-            assigned.append(groups)
-        unused = [r.pattern for r, u in zip(rules, used) if not u]
-        if unused:
-            raise ValueError(
-                f"param group patterns {unused} match no trainable parameter; fix or remove them"
-            )
-        return assigned
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (precisions with loss scaling scale it)."""
+        return self.precision.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scale_loss(loss).backward()
 
     # -- the torch.optim.Optimizer contract ------------------------------------------------
 
@@ -256,44 +233,75 @@ class OptimizersContainer(Optimizer, Stateful):
         )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every inner optimizer once; step hooks fire once around the whole step."""
+        """Run the step pipeline once; `last_report` says what it did."""
+        if closure is not None and self.timing.in_backward:
+            raise ValueError(
+                f"{type(self).__name__}.step(closure): parameters step inside backward, so a "
+                "closure that runs backward cannot be re-evaluated by step(); call backward, "
+                "then step()"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        args: tuple[Any, ...] = ()
-        kwargs: dict[str, Any] = {}
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            self.last_step_committed = self._should_step()
-            if not self.last_step_committed:
-                return loss
-            for hook in list(self._optimizer_step_pre_hooks.values()):
-                result = hook(self, args, kwargs)
-                if result is not None:
-                    if not (isinstance(result, tuple) and len(result) == 2):
-                        raise RuntimeError(
-                            f"step pre hook {hook!r} must return None or (args, kwargs), "
-                            f"not {result!r}"
-                        )
-                    args, kwargs = result
-            self._step()
-            for hook in list(self._optimizer_step_post_hooks.values()):
-                hook(self, args, kwargs)
+            self.precision.before_step(self.optimizers)
+            if self.timing.in_backward:
+                self._with_hooks(lambda: self.timing.finish(self))
+                self.last_report = StepReport(**self.precision.report())
+            else:
+                self.last_report = self._step_after_backward()
         return loss
 
-    def _should_step(self) -> bool:
-        """Whether this step applies; variants that can skip a step override it."""
-        return True
+    def _step_after_backward(self) -> StepReport:
+        params = [p for unit in self.units for p in unit.params if p.grad is not None]
+        self.gate.reduce_gradients(params)
+        norm, value = None, None
+        if self.max_norm is not None or self.precision.skips_nonfinite:
+            norm = self.precision.grad_norm(params)
+            value = norm.item()  # the one host sync of a step
+        if not self.gate.commit():
+            return StepReport(committed=False, skipped="not committed by torchft", grad_norm=value)
+        finite = value is None or math.isfinite(value) or not self.precision.skips_nonfinite
+        self.precision.decided(applied=finite)
+        if not finite:
+            return StepReport(
+                committed=False,
+                skipped="non-finite gradients",
+                grad_norm=value,
+                **self.precision.report(),
+            )
+        self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
+        return StepReport(grad_norm=value, **self.precision.report())
 
-    def _step(self) -> None:
-        """The optimizer work of one step; variants override this, never `step`."""
-        for opt in self.optimizers:
-            opt.step()
+    def _with_hooks(self, apply: Callable[[], None]) -> None:
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"step pre hook {hook!r} must return None or (args, kwargs), not {result!r}"
+                    )
+                args, kwargs = result
+        apply()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+
+    def apply_unit(self, unit: Unit) -> None:
+        """Step one unit now and drop its gradients (timings that apply inside backward)."""
+        self.precision.apply(unit.optimizers)
+        for p in unit.params:
+            p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with record_function(self._zero_grad_profile_name):
+            self.gate.on_zero_grad()
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=set_to_none)
+            self.precision.zero_grad(set_to_none)
+            self.timing.on_zero_grad()
 
     # -- flat FQN-keyed state dict -----------------------------------------------------------
 
@@ -305,7 +313,8 @@ class OptimizersContainer(Optimizer, Stateful):
         return {p: opt.state.get(p) or init[p] for p in params}
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`.
+        """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
+        plus the precision's own entries (e.g. `master_weights.<fqn>`).
 
         Parameters that have not stepped yet appear with their optimizer's initial state
         (zeros, step 0), built without running a step, so the dict always covers every
@@ -315,8 +324,7 @@ class OptimizersContainer(Optimizer, Stateful):
             hook(self)
         flat: dict[str, Any] = {}
         for opt in self.optimizers:
-            states = self._states(opt, materialize=True)
-            for p, st in states.items():
+            for p, st in self._states(opt, materialize=True).items():
                 flatten_into(flat, f"{STATE}.{self._fqns[p]}", st)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -324,6 +332,7 @@ class OptimizersContainer(Optimizer, Stateful):
                     for key, value in group.items():
                         if key != "params":
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
+        flat.update(self.precision.state_dict(self._fqns))
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, flat)
             if result is not None:
@@ -337,7 +346,9 @@ class OptimizersContainer(Optimizer, Stateful):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plans = self._plan_load(state_dict)
+        taken = self.precision.take_state(state_dict, self._fqns)
+        layout = [self._states(opt, materialize=False) for opt in self.optimizers]
+        plans = plan_load(self.optimizers, layout, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:
             for opt, osd in zip(self.optimizers, plans):
@@ -346,88 +357,6 @@ class OptimizersContainer(Optimizer, Stateful):
             for opt, backup in zip(self.optimizers, backups):
                 opt.load_state_dict(backup)
             raise
+        self.precision.load_state(taken)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _plan_load(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
-        """Validate `flat` against this container and unflatten it per inner optimizer."""
-        layout = [self._states(opt, materialize=False) for opt in self.optimizers]
-        expected: dict[str, Any] = {}
-        for states in layout:
-            for p, st in states.items():
-                flatten_into(expected, f"{STATE}.{self._fqns[p]}", st)
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    for key in group:
-                        if key != "params":
-                            expected[f"{PG}.{self._fqns[p]}.{key}"] = None
-        missing = expected.keys() - flat.keys()
-        unexpected = flat.keys() - expected.keys()
-        if missing or unexpected:
-            hint = ""
-            if isinstance(flat.get(STATE), dict):
-                hint = (
-                    " (this looks like an unflattened torch optimizer state dict; pass the "
-                    "flat FQN-keyed format of state_dict())"
-                )
-            raise ValueError(
-                "optimizer state dict does not match this container"
-                f"{hint}: missing keys {describe_keys(missing)}; "
-                f"unexpected keys {describe_keys(unexpected)}"
-            )
-        bad = []
-        for key, want in expected.items():
-            if not isinstance(want, torch.Tensor) or want.dim() == 0:
-                continue
-            got = flat[key]
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-                bad.append(f"{key}: want shape {tuple(want.shape)}, got {_shape_of(got)}")
-            elif (
-                isinstance(want, DTensor) != isinstance(got, DTensor) and want.device.type != "meta"
-            ):
-                bad.append(f"{key}: want {type(want).__name__}, got {type(got).__name__}")
-        if bad:
-            raise ValueError(
-                f"optimizer state dict has {len(bad)} mismatched tensors: {describe_keys(bad)}"
-            )
-
-        plans = []
-        for opt, states in zip(self.optimizers, layout):
-            osd_state: dict[int, Any] = {}
-            groups = []
-            index = 0
-            for group in opt.param_groups:
-                loaded: dict[str, Any] = {"params": []}
-                for p in group["params"]:
-                    fqn = self._fqns[p]
-                    osd_state[index] = unflatten(flat, f"{STATE}.{fqn}", states[p])
-                    loaded["params"].append(index)
-                    index += 1
-                    for key in group:
-                        if key == "params":
-                            continue
-                        value = flat[f"{PG}.{fqn}.{key}"]
-                        if key in loaded and not _same(loaded[key], value):
-                            raise ValueError(
-                                f"param_groups.{fqn}.{key} = {value!r} differs from "
-                                f"{loaded[key]!r} of other parameters in its group; the "
-                                "checkpoint's groups do not match this container's param_groups"
-                            )
-                        loaded[key] = value
-                for key in _IMPLEMENTATION_KEYS:
-                    if key in group:
-                        loaded[key] = group[key]
-                groups.append(loaded)
-            plans.append({"state": osd_state, "param_groups": groups})
-        return plans
-
-
-def _shape_of(value: Any) -> str:
-    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b

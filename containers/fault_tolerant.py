@@ -1,8 +1,8 @@
-"""`FTOptimizersContainer`: the default container driven by a torchft `Manager`.
+"""`TorchFTGate`: commit-or-skip steps under torchft, and the gradient average it needs.
 
-`zero_grad()` starts the quorum; `step()` asks the manager whether this step commits and runs
-the inner optimizers (and the step hooks, once) only if it does. `last_step_committed` tells
-the trainer whether to advance its LR schedules and step counter.
+`zero_grad()` starts the step's quorum (it runs while the forward pass does); `step()`
+averages the gradients across the replica groups in one flat collective, asks the manager
+whether the step commits, and applies (hooks included, once) only if it does.
 """
 
 from __future__ import annotations
@@ -10,19 +10,61 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.base import OptimizersContainer, ParamGroupRule
+from containers.base import OptimizersContainer
+from containers.param_groups import ParamGroupRule
+from containers.parts import Gate, Precision
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["FTOptimizersContainer"]
+__all__ = ["FTOptimizersContainer", "TorchFTGate"]
+
+
+class TorchFTGate(Gate):
+    """The gate of a torchft replica group.
+
+    Args:
+        manager: the replica group's `torchft.Manager`.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def in_backward_conflict(self) -> str | None:
+        return (
+            "torchft decides whether a step commits after backward, once every gradient is "
+            "averaged across replica groups; disable fault tolerance or the in-backward step"
+        )
+
+    def on_zero_grad(self) -> None:
+        self.manager.start_quorum()
+
+    @torch.no_grad()
+    def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Average gradients across the replica groups of the quorum, in one flat collective."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def commit(self) -> bool:
+        # A collective inside the replica group: every rank gets the same answer.
+        return self.manager.should_commit()
 
 
 class FTOptimizersContainer(OptimizersContainer):
-    """Commit-or-skip optimizer steps under torchft.
+    """An `OptimizersContainer` with the `TorchFTGate`: commit-or-skip steps under torchft.
 
     Args:
         model_parts: modules whose trainable parameters are optimized.
@@ -30,6 +72,8 @@ class FTOptimizersContainer(OptimizersContainer):
         optimizer_kwargs: constructor kwargs of `optimizer_cls`.
         ft_manager: the replica group's `torchft.Manager`.
         param_groups: rules that form param groups by FQN.
+        precision: what the inner optimizers step (default: the fp32 parameters).
+        max_norm: clip the global gradient norm (after the average) to this; None: off.
     """
 
     def __init__(
@@ -40,15 +84,16 @@ class FTOptimizersContainer(OptimizersContainer):
         *,
         ft_manager: Manager,
         param_groups: Sequence[ParamGroupRule] = (),
+        precision: Precision | None = None,
+        max_norm: float | None = None,
     ) -> None:
-        super().__init__(model_parts, optimizer_cls, optimizer_kwargs, param_groups=param_groups)
+        super().__init__(
+            model_parts,
+            optimizer_cls,
+            optimizer_kwargs,
+            param_groups=param_groups,
+            precision=precision,
+            gate=TorchFTGate(ft_manager),
+            max_norm=max_norm,
+        )
         self.ft_manager = ft_manager
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start this step's quorum (it runs while the forward pass does), then clear grads."""
-        self.ft_manager.start_quorum()
-        super().zero_grad(set_to_none=set_to_none)
-
-    def _should_step(self) -> bool:
-        # A collective inside the replica group: every rank gets the same answer.
-        return self.ft_manager.should_commit()

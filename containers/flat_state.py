@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,10 @@ STATE = "state"
 PG = "param_groups"
 
 # Group keys that would make a throwaway step on meta tensors fail or touch real devices.
+# Group keys that say how an optimizer runs, not where training is: a checkpoint written with
+# one kernel must load into a run that chose another (or whose device lacks it).
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
 _SHADOW_OFF = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
 
 
@@ -111,3 +115,96 @@ def initial_states(
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
     return {p: make(p, shadow.state.get(m, {})) for p, m in stand_ins.items()}
+
+
+def plan_load(
+    optimizers: Sequence[Optimizer],
+    layout: Sequence[Mapping[torch.Tensor, Mapping[str, Any]]],
+    fqns: Mapping[torch.Tensor, str],
+    flat: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
+
+    Args:
+        optimizers: the inner optimizers.
+        layout: per optimizer, each parameter's state (live or initial), for keys and shapes.
+        fqns: each parameter's FQN.
+        flat: the flat state dict to load.
+    """
+    expected: dict[str, Any] = {}
+    for states in layout:
+        for p, st in states.items():
+            flatten_into(expected, f"{STATE}.{fqns[p]}", st)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key in group:
+                    if key != "params":
+                        expected[f"{PG}.{fqns[p]}.{key}"] = None
+    missing = expected.keys() - flat.keys()
+    unexpected = flat.keys() - expected.keys()
+    if missing or unexpected:
+        hint = ""
+        if isinstance(flat.get(STATE), dict):
+            hint = (
+                " (this looks like an unflattened torch optimizer state dict; pass the "
+                "flat FQN-keyed format of state_dict())"
+            )
+        raise ValueError(
+            "optimizer state dict does not match this container"
+            f"{hint}: missing keys {describe_keys(missing)}; "
+            f"unexpected keys {describe_keys(unexpected)}"
+        )
+    bad = []
+    for key, want in expected.items():
+        if not isinstance(want, torch.Tensor) or want.dim() == 0:
+            continue
+        got = flat[key]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            bad.append(f"{key}: want shape {tuple(want.shape)}, got {_shape_of(got)}")
+        elif isinstance(want, DTensor) != isinstance(got, DTensor) and want.device.type != "meta":
+            bad.append(f"{key}: want {type(want).__name__}, got {type(got).__name__}")
+    if bad:
+        raise ValueError(
+            f"optimizer state dict has {len(bad)} mismatched tensors: {describe_keys(bad)}"
+        )
+
+    plans = []
+    for opt, states in zip(optimizers, layout):
+        osd_state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for group in opt.param_groups:
+            loaded: dict[str, Any] = {"params": []}
+            for p in group["params"]:
+                fqn = fqns[p]
+                osd_state[index] = unflatten(flat, f"{STATE}.{fqn}", states[p])
+                loaded["params"].append(index)
+                index += 1
+                for key in group:
+                    if key == "params":
+                        continue
+                    value = flat[f"{PG}.{fqn}.{key}"]
+                    if key in loaded and not _same(loaded[key], value):
+                        raise ValueError(
+                            f"param_groups.{fqn}.{key} = {value!r} differs from "
+                            f"{loaded[key]!r} of other parameters in its group; the "
+                            "checkpoint's groups do not match this container's param_groups"
+                        )
+                    loaded[key] = value
+            for key in _IMPLEMENTATION_KEYS:
+                if key in group:
+                    loaded[key] = group[key]
+            groups.append(loaded)
+        plans.append({"state": osd_state, "param_groups": groups})
+    return plans
+
+
+def _shape_of(value: Any) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

@@ -19,7 +19,14 @@ from components.lr_scheduler import build_lr_schedulers
 from components.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers
 from config import ConfigError, LRScheduler, load_job_config
-from containers import OptimizersContainer, OptimizersInBackwardContainer, ParamGroupRule
+from config import MixedPrecision as MixedPrecisionConfig
+from containers import (
+    InBackward,
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+    OptimizersInBackwardContainer,
+    ParamGroupRule,
+)
 from tests.dist import launch, run_ranks
 from tests.helpers import assert_same, full
 
@@ -181,27 +188,37 @@ def test_lr_schedules_and_user_lr_changes_reach_every_unit():
 
 
 def test_refused_combinations_name_the_key_and_the_fix():
-    cfg = load_job_config(["--optimizer.container", "in_backward"])
     with pytest.raises(
-        ConfigError, match=r"\[training\] max_norm = 1.0: container 'in_backward'.*set max_norm = 0"
+        ConfigError, match=r"\[training\] max_norm = 1.0: the in-backward container.*max_norm = 0"
     ):
-        build_optimizers(_parts(), cfg.optimizer, job_config=cfg)
-    cfg = load_job_config(
-        [
-            "--optimizer.container",
-            "in_backward",
-            "--training.max_norm",
-            "0",
-            "--fault_tolerance.enable",
-        ]
-    )
+        load_job_config(["--optimizer.container", "in_backward"])
     with pytest.raises(
-        ConfigError, match=r"\[fault_tolerance\] enable = true: container 'in_backward'"
+        ConfigError, match=r"\[fault_tolerance\] enable = true: the in-backward container"
     ):
-        build_optimizers(_parts(), cfg.optimizer, job_config=cfg)
+        load_job_config(
+            [
+                *("--optimizer.early_step_in_backward", "--training.max_norm", "0"),
+                "--fault_tolerance.enable",
+            ]
+        )
+    with pytest.raises(ConfigError, match=r"loss_scaling 'auto' with param_dtype 'float16'"):
+        load_job_config(
+            [
+                *("--optimizer.container", "mixed_precision", "--optimizer.early_step_in_backward"),
+                *("--training.max_norm", "0", "--mixed_precision.param_dtype", "float16"),
+            ]
+        )
+    # The containers refuse the same compositions when built directly, in one place.
+    with pytest.raises(ValueError, match=r"max_norm = 1\.0: the global gradient norm exists"):
+        OptimizersContainer(_parts(), torch.optim.AdamW, KW, timing=InBackward(), max_norm=1.0)
+    with pytest.raises(ValueError, match="precision cannot work with: loss scaling 'dynamic'"):
+        MixedPrecisionOptimizersContainer(
+            [p.half() for p in _parts()], torch.optim.AdamW, KW, timing=InBackward(),
+            settings=MixedPrecisionConfig(param_dtype="float16"),
+        )  # fmt: skip
     cfg = load_job_config(["--optimizer.container", "in_backward", "--training.max_norm", "0"])
-    ib = build_optimizers(_parts(), cfg.optimizer, job_config=cfg, gradient_accumulation_steps=2)
-    assert type(ib) is OptimizersInBackwardContainer and ib.gradient_accumulation_steps == 2
+    ib = build_optimizers(_parts(), cfg.optimizer, gradient_accumulation_steps=2)
+    assert isinstance(ib.timing, InBackward) and ib.timing.gradient_accumulation_steps == 2
     with pytest.raises(ValueError, match="closure"):
         ib.step(lambda: None)
     with pytest.raises(ValueError, match="gradient_accumulation_steps = 0"):

@@ -12,12 +12,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from components.optimizer import build_optimizers
+from components.optimizer import build_optimizers, build_precision
 from config import ConfigError, load_job_config
+from config import MixedPrecision as MP
 from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
 from tests.dist import launch, run_ranks
 from tests.helpers import assert_same, batch, forward, full, three_parts
 
+KW = {"lr": 1e-2}
 SGD = {"lr": 1.0}  # one SGD step at lr 1 moves each master by exactly its (clipped) gradient
 
 
@@ -43,9 +45,14 @@ def _snapshot(parts, container) -> tuple[dict, list[torch.Tensor]]:
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_non_finite_gradients_skip_the_step_and_back_off(dtype, bad):
     parts = _parts(dtype)
-    scaler = LossScaler(mode="dynamic", scale=1024.0, hysteresis=1)
+    settings = MP(
+        param_dtype=str(dtype).removeprefix("torch."),
+        loss_scaling="dynamic",
+        initial_scale=1024.0,
+        hysteresis=1,
+    )
     mp = MixedPrecisionOptimizersContainer(
-        parts, torch.optim.AdamW, {"lr": 1e-2}, param_dtype=dtype, loss_scaler=scaler
+        parts, torch.optim.AdamW, {"lr": 1e-2}, settings=settings
     )
     _backward(parts, mp)
     mp.step()  # real state to protect
@@ -63,7 +70,9 @@ def test_non_finite_gradients_skip_the_step_and_back_off(dtype, bad):
 
 
 def test_scale_grows_after_the_interval_and_hysteresis_delays_backoff():
-    scaler = LossScaler(mode="dynamic", scale=8.0, growth_interval=3, hysteresis=2, max_scale=32)
+    scaler = LossScaler(
+        MP(loss_scaling="dynamic", initial_scale=8.0, growth_interval=3, hysteresis=2, max_scale=32)
+    )
     for overflow, expected in [
         (False, 8), (False, 8), (False, 16),  # grows after 3 clean steps
         (True, 16), (True, 8),                # backs off on the 2nd overflow in a row
@@ -72,17 +81,20 @@ def test_scale_grows_after_the_interval_and_hysteresis_delays_backoff():
     ]:  # fmt: skip
         scaler.update(overflow)
         assert scaler.scale == expected
-    static = LossScaler(mode="static", scale=4.0)
+    static = LossScaler(MP(loss_scaling="static", initial_scale=4.0))
     static.update(True)
     assert static.scale == 4.0 and static.skipped_steps == 1
-    assert LossScaler(mode="none", scale=4.0).scale == 1.0
+    assert LossScaler(MP(loss_scaling="none", initial_scale=4.0)).scale == 1.0
+    # "auto": dynamic for fp16; none for bf16, whose range needs no scale
+    assert LossScaler(MP(), fp16=True).mode == "dynamic"
+    assert LossScaler(MP(), fp16=False).scale == 1.0
 
 
 def test_max_norm_zero_leaves_gradients_exactly_unscaled_not_zeroed():
     parts = _parts(torch.float16)
     mp = MixedPrecisionOptimizersContainer(
-        parts, torch.optim.SGD, SGD, param_dtype=torch.float16, max_norm=0.0,
-        loss_scaler=LossScaler(mode="static", scale=256.0),
+        parts, torch.optim.SGD, SGD, max_norm=0.0,
+        settings=MP(param_dtype="float16", loss_scaling="static", initial_scale=256.0),
     )  # fmt: skip
     masters = _masters(mp)
     _backward(parts, mp)
@@ -156,19 +168,17 @@ def test_state_dict_round_trip_and_offload_reload_are_exact():
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match=r"'embed.weight' is torch.float32, not param_dtype"):
         MixedPrecisionOptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2})
-    with pytest.raises(ValueError, match=r"param_dtype = torch\.float32"):
-        MixedPrecisionOptimizersContainer(
-            _parts(), torch.optim.AdamW, {}, param_dtype=torch.float32
-        )
     with pytest.raises(ValueError, match="max_norm = -1"):
         MixedPrecisionOptimizersContainer(_parts(), torch.optim.AdamW, {}, max_norm=-1)
-    cfg = load_job_config(["--optimizer.container", "mixed_precision", "--fault_tolerance.enable"])
     with pytest.raises(ConfigError, match="does not run under torchft"):
-        build_optimizers(_parts(), cfg.optimizer, job_config=cfg)
+        load_job_config(["--optimizer.container", "mixed_precision", "--fault_tolerance.enable"])
     cfg = load_job_config(
         ["--optimizer.container", "mixed_precision", "--mixed_precision.param_dtype", "float16"]
     )
-    mp = build_optimizers(_parts(torch.float16), cfg.optimizer, job_config=cfg)
+    precision = build_precision(cfg.optimizer, cfg.mixed_precision)
+    mp = build_optimizers(
+        _parts(torch.float16), cfg.optimizer, precision=precision, max_norm=cfg.training.max_norm
+    )
     assert mp.scaler.mode == "dynamic" and mp.loss_scale == 65536.0 and mp.max_norm == 1.0
 
 
@@ -211,7 +221,7 @@ def test_compiled_one_pass_update_matches_the_eager_path():
         parts = _parts(seed=1)
         mp = MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, max_norm=0.5,
-            loss_scaler=LossScaler(mode="static", scale=64.0), compile=compile,
+            settings=MP(loss_scaling="static", initial_scale=64.0, compile=compile),
         )  # fmt: skip
         assert mp.compile is compile
         for step in range(3):

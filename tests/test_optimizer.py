@@ -120,13 +120,13 @@ def test_register_container_selects_by_name(restore_registries):
     class Counting(OptimizersContainer):
         steps = 0
 
-        def _step(self) -> None:
+        def step(self, closure=None):
             Counting.steps += 1
-            super()._step()
+            return super().step(closure)
 
-    def factory(parts, cls, kwargs, *, param_groups, job_config, **runtime):
-        assert runtime == {"marker": 7}
-        return Counting(parts, cls, kwargs, param_groups=param_groups)
+    def factory(parts, cls, kwargs, *, param_groups, marker, **composed):
+        assert marker == 7 and composed.keys() == {"precision", "gate", "timing", "max_norm"}
+        return Counting(parts, cls, kwargs, param_groups=param_groups, **composed)
 
     register_container("counting", factory)
     parts = three_parts()
@@ -152,7 +152,7 @@ def test_param_groups_from_toml(tmp_path):
         "[[optimizer.param_groups]]\npattern = '^head\\.weight$'\nname = 'SGD'\nlr = 0.5\n"
     )
     cfg = load_job_config(["--job.config_file", str(toml)])
-    container = build_optimizers(three_parts(), cfg.optimizer, job_config=cfg)
+    container = build_optimizers(three_parts(), cfg.optimizer)
     assert [type(o).__name__ for o in container] == ["AdamW", "AdamW", "AdamW", "SGD"]
     sd = container.state_dict()
     assert sd["param_groups.head.bias.weight_decay"] == 0.0

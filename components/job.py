@@ -1,0 +1,151 @@
+"""`build_job`: every piece of a training run, built from the job config in one place.
+
+train.py, the tests, the examples and the benchmarks build their jobs here, so the state a
+checkpoint holds and the way a container is composed exist once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
+from components.ft import build_ft_manager, serve_state
+from components.lr_scheduler import LRSchedulersContainer
+from components.optimizer import build_precision
+from components.train_spec import Dataloader, LossFn, get_train_spec
+from config import JobConfig, accumulation_steps
+from containers import OptimizersContainer, TorchFTGate
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["Job", "build_job", "init_distributed"]
+
+
+@dataclass(kw_only=True)
+class Job:
+    """A built training job: what the loop drives and what a checkpoint holds."""
+
+    cfg: JobConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    model_parts: list[nn.Module]
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    dataloader: Dataloader
+    loss_fn: LossFn
+    train_state: TrainState
+    checkpoint: CheckpointManager
+    dump_folder: str
+    accumulation_steps: int
+    n_params: int
+    ft_manager: Manager | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.training
+        return t.local_batch_size * t.seq_len * self.accumulation_steps * self.world_size
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def close(self) -> None:
+        """Finish checkpoints in flight and end torchft and the process group."""
+        self.checkpoint.close()
+        if self.ft_manager is not None:
+            self.ft_manager.shutdown(wait=False)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed() -> tuple[torch.device, DeviceMesh | None, int, int]:
+    """This process's device, its 1-D data-parallel mesh (None alone), rank and world size.
+
+    Starts the process group under torchrun (nccl on CUDA, gloo on CPU) unless it exists.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1:
+        return device, None, rank, world_size
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, init_device_mesh(device.type, (world_size,)), rank, world_size
+
+
+def build_job(cfg: JobConfig) -> Job:
+    """Build model parts, container, LR schedules, data and checkpointed state for `cfg`.
+
+    Nothing is loaded yet: `job.checkpoint.load()` resumes.
+    """
+    device, mesh, rank, world_size = init_distributed()
+    ft = cfg.fault_tolerance
+    if ft.enable and "MASTER_ADDR" not in os.environ:
+        # torchft's manager needs a TCPStore for the replica group; torchrun starts one.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    ft_manager = build_ft_manager(ft, rank, world_size, device)
+    # Each replica group reads its own share of the data and keeps its own files.
+    dp_rank, dp_world_size = ft.replica_id * world_size + rank, ft.group_size * world_size
+    dump_folder = cfg.job.dump_folder
+    if ft.enable:
+        dump_folder = os.path.join(dump_folder, f"replica_{ft.replica_id}")
+    accum = accumulation_steps(cfg.training, dp_world_size)
+
+    spec = get_train_spec(cfg.model.name)
+    torch.manual_seed(cfg.training.seed)
+    precision = build_precision(cfg.optimizer, cfg.mixed_precision)
+    model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
+    n_params = sum(p.numel() for p in model.parameters())
+    model_parts = spec.parallelize_fn(model, cfg.model, mesh)
+    optimizers = spec.build_optimizers_fn(
+        model_parts,
+        cfg.optimizer,
+        precision=precision,
+        gate=TorchFTGate(ft_manager) if ft_manager is not None else None,
+        max_norm=cfg.training.max_norm,
+        gradient_accumulation_steps=accum,
+    )
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    dataloader = spec.build_dataloader_fn(cfg.training, dp_rank, dp_world_size)
+    train_state = TrainState()
+    states: dict[str, Any] = {
+        "model": ModelWrapper(model_parts),
+        "optimizer": optimizers,
+        "lr_scheduler": lr_schedulers,
+        "dataloader": dataloader,
+        "train_state": train_state,
+    }
+    if ft_manager is not None:
+        serve_state(ft_manager, dict(states))  # what a healing peer receives
+        states["ft_manager"] = ft_manager
+    checkpoint = CheckpointManager(cfg.checkpoint, dump_folder, states, cfg.training.steps)
+    return Job(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        model_parts=model_parts,
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        dataloader=dataloader,
+        loss_fn=spec.build_loss_fn(cfg.training),
+        train_state=train_state,
+        checkpoint=checkpoint,
+        dump_folder=dump_folder,
+        accumulation_steps=accum,
+        n_params=n_params,
+        ft_manager=ft_manager,
+    )

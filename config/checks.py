@@ -1,0 +1,95 @@
+"""Rules that involve more than one key, checked when the config is loaded (and, for the world
+size, before any process group exists). Each error names the keys, the values and the fix."""
+
+from __future__ import annotations
+
+from config.errors import ConfigError
+from config.job_config import JobConfig, Training
+
+__all__ = ["accumulation_steps", "cross_check", "steps_in_backward"]
+
+
+def steps_in_backward(cfg: JobConfig) -> bool:
+    """Whether the job's container steps units inside backward."""
+    return cfg.optimizer.early_step_in_backward or cfg.optimizer.container == "in_backward"
+
+
+def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
+    why = "steps each unit as soon as its gradients are ready, inside backward"
+    found = []
+    if cfg.training.max_norm > 0:
+        found.append(
+            f"[training] max_norm = {cfg.training.max_norm}: the in-backward container {why}, "
+            "before the global norm exists, so it cannot clip; set max_norm = 0 or "
+            "early_step_in_backward = false"
+        )
+    if cfg.fault_tolerance.enable:
+        found.append(
+            f"[fault_tolerance] enable = true: the in-backward container {why}, before torchft "
+            "can decide whether the step commits; disable one of them"
+        )
+    mp = cfg.mixed_precision
+    scaled = mp.loss_scaling in ("dynamic", "static") or (
+        mp.loss_scaling == "auto" and mp.param_dtype == "float16"
+    )
+    if cfg.optimizer.container == "mixed_precision" and scaled:
+        found.append(
+            f"[mixed_precision] loss_scaling = {mp.loss_scaling!r} with param_dtype "
+            f"{mp.param_dtype!r}: the in-backward container {why}, so an overflow found after "
+            "some units stepped cannot be undone; use bfloat16 with loss_scaling 'none'"
+        )
+    return found
+
+
+def cross_check(cfg: JobConfig) -> None:
+    """Raise `ConfigError` for the first rule `cfg` breaks."""
+    ft = cfg.fault_tolerance
+    problems = []
+    if ft.enable and ft.replica_id >= ft.group_size:
+        problems.append(
+            f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
+            f"{ft.group_size}; raise group_size or lower replica_id"
+        )
+    mp = cfg.mixed_precision
+    if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
+        problems.append(
+            f"[mixed_precision] initial_scale = {mp.initial_scale!r}: must lie within "
+            f"min_scale = {mp.min_scale!r} and max_scale = {mp.max_scale!r}; adjust one of them"
+        )
+    if steps_in_backward(cfg):
+        problems += _in_backward_conflicts(cfg)
+    container = cfg.optimizer.container
+    if container == "fault_tolerant" and not ft.enable:
+        problems.append(
+            "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
+            "[fault_tolerance] enable = true (then container 'default' is enough)"
+        )
+    if container == "mixed_precision" and ft.enable:
+        problems.append(
+            "[fault_tolerance] enable = true: container 'mixed_precision' does not run under "
+            "torchft yet (its gradient average and overflow agreement are unverified); "
+            "disable one of them"
+        )
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def accumulation_steps(cfg: Training, dp_world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank, of `dp_world_size` data-parallel ranks
+    (all replica groups' ranks under torchft: the global batch spans them all)."""
+    if cfg.global_batch_size < 0:
+        return cfg.gradient_accumulation_steps
+    per_micro = cfg.local_batch_size * dp_world_size
+    accum, rest = divmod(cfg.global_batch_size, per_micro)
+    if rest or accum == 0:
+        raise ConfigError(
+            f"[training] global_batch_size = {cfg.global_batch_size}: not a multiple of "
+            f"local_batch_size {cfg.local_batch_size} x {dp_world_size} data-parallel ranks; "
+            "change either"
+        )
+    if cfg.gradient_accumulation_steps not in (1, accum):
+        raise ConfigError(
+            f"[training] gradient_accumulation_steps = {cfg.gradient_accumulation_steps}: "
+            f"global_batch_size {cfg.global_batch_size} implies {accum}; set only one of them"
+        )
+    return accum

@@ -1,0 +1,59 @@
+"""`LossScaler`: the loss scale of fp16 training, with growth, backoff and hysteresis."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from config import MixedPrecision as MixedPrecisionConfig
+
+__all__ = ["LossScaler"]
+
+
+class LossScaler:
+    """Loss scale that adapts ("dynamic"), stays fixed ("static") or is 1.0 ("none").
+
+    Args:
+        settings: the `[mixed_precision]` settings (the only place the defaults live).
+        fp16: whether the parameters are fp16; `loss_scaling = "auto"` scales only then
+            (bf16 shares fp32's exponent range and needs no scaling).
+    """
+
+    def __init__(self, settings: MixedPrecisionConfig | None = None, *, fp16: bool = True) -> None:
+        s = settings if settings is not None else MixedPrecisionConfig()
+        self.mode = s.loss_scaling if s.loss_scaling != "auto" else ("dynamic" if fp16 else "none")
+        self.scale = s.initial_scale if self.mode != "none" else 1.0
+        self.growth_factor, self.backoff_factor = s.growth_factor, s.backoff_factor
+        self.growth_interval, self.hysteresis = s.growth_interval, s.hysteresis
+        self.min_scale, self.max_scale = s.min_scale, s.max_scale
+        self.good_steps = 0
+        self.overflows_left = s.hysteresis
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome and adapt the scale."""
+        if overflow:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            if self.mode != "dynamic":
+                return
+            self.overflows_left -= 1
+            if self.overflows_left <= 0:
+                self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+                self.overflows_left = self.hysteresis
+            return
+        if self.mode != "dynamic":
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale = min(self.max_scale, self.scale * self.growth_factor)
+            self.good_steps = 0
+            self.overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = ("scale", "good_steps", "overflows_left", "skipped_steps")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, type(getattr(self, key))(value))

@@ -1,0 +1,94 @@
+"""Param groups by FQN pattern: which inner optimizer and settings each parameter gets."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from containers.parts import Named
+
+__all__ = ["GroupSpecs", "ParamGroupRule", "assign"]
+
+GroupSpecs = dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]
+"""One unit's inner optimizers: class -> [(params, group kwargs)]."""
+
+
+@dataclass(frozen=True)
+class ParamGroupRule:
+    """Parameters whose FQN matches `pattern` form a param group with their own settings.
+
+    Args:
+        pattern: regular expression searched (`re.search`) in each trainable parameter's FQN.
+        overrides: hyperparameters of this group (e.g. ``{"weight_decay": 0.0}``).
+        optimizer_cls: optimizer for this group if not the container's; such groups get an
+            inner optimizer of their own in each unit.
+        optimizer_kwargs: constructor kwargs for `optimizer_cls` (required with it).
+    """
+
+    pattern: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    optimizer_cls: type[Optimizer] | None = None
+    optimizer_kwargs: Mapping[str, Any] | None = None
+
+
+def _compile(rules: Sequence[ParamGroupRule]) -> list[re.Pattern[str]]:
+    compiled = []
+    for rule in rules:
+        try:
+            compiled.append(re.compile(rule.pattern))
+        except re.error as e:
+            raise ValueError(f"param group pattern {rule.pattern!r} is not a regex: {e}") from None
+        if rule.optimizer_cls is not None and rule.optimizer_kwargs is None:
+            raise ValueError(
+                f"param group {rule.pattern!r} names optimizer_cls "
+                f"{rule.optimizer_cls.__name__} without optimizer_kwargs; pass them"
+            )
+    return compiled
+
+
+def assign(
+    units: list[Named],
+    rules: Sequence[ParamGroupRule],
+    default_cls: type[Optimizer],
+    default_kwargs: Mapping[str, Any],
+) -> list[GroupSpecs]:
+    """Map each unit's parameters to its inner optimizers' groups by the rules.
+
+    Each parameter may match at most one rule, and every rule must match some parameter.
+    """
+    compiled = _compile(rules)
+    used = [False] * len(rules)
+    assigned = []
+    for named in units:
+        buckets: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+        for fqn, p in named:
+            hits = [i for i, rx in enumerate(compiled) if rx.search(fqn)]
+            if len(hits) > 1:
+                raise ValueError(
+                    f"parameter {fqn!r} matches param group patterns "
+                    f"{[rules[i].pattern for i in hits]}; make the patterns disjoint"
+                )
+            if hits:
+                used[hits[0]] = True
+            buckets[hits[0] + 1 if hits else 0].append(p)
+        groups: GroupSpecs = {}
+        for i, params in enumerate(buckets):
+            if not params:
+                continue
+            rule = rules[i - 1] if i else None
+            cls = (rule and rule.optimizer_cls) or default_cls
+            kwargs = dict((rule and rule.optimizer_kwargs) or default_kwargs)
+            kwargs.update(rule.overrides if rule else {})
+            groups.setdefault(cls, []).append((params, kwargs))
+        assigned.append(groups)
+    unused = [r.pattern for r, u in zip(rules, used) if not u]
+    if unused:
+        raise ValueError(
+            f"param group patterns {unused} match no trainable parameter; fix or remove them"
+        )
+    return assigned

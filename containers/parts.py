@@ -1,0 +1,171 @@
+"""The parts a container is composed of, with the behaviour of plain fp32 training.
+
+Every container runs the same step (`OptimizersContainer.step`); three parts plug into it:
+
+- **precision** (`Precision`): what the inner optimizers step (the model's parameters, or fp32
+  masters of low-precision ones), how the loss is scaled, how the gradient norm is measured,
+  and how a unit of parameters is applied.
+- **gate** (`Gate`): whether a step commits (torchft's quorum), and the gradient average
+  across replica groups that comes first.
+- **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
+  inside backward as each unit's gradients become final (`containers.in_backward`).
+
+A part that cannot work when units apply inside backward says why in `in_backward_conflict`;
+the container refuses such a composition when it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from containers.base import OptimizersContainer
+
+__all__ = ["Gate", "Named", "Precision", "StepReport", "Timing"]
+
+Named = list[tuple[str, torch.Tensor]]
+"""(FQN, parameter) pairs of one model part or one unit."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one `step()` did, for the trainer to log as it is."""
+
+    committed: bool = True
+    """Whether the step counts (False: nothing changed; the trainer runs the step again)."""
+
+    skipped: str | None = None
+    """Why the step was not applied, if it was not."""
+
+    grad_norm: float | None = None
+    """Global gradient norm before clipping (unscaled); None where it was not measured."""
+
+    loss_scale: float | None = None
+    """The loss scale the next backward uses, for precisions that scale the loss."""
+
+    skipped_steps: int | None = None
+    """Steps skipped for non-finite gradients so far, for precisions that skip them."""
+
+    def metrics(self) -> dict[str, float]:
+        """The numeric fields that were measured, by name."""
+        fields = ("grad_norm", "loss_scale", "skipped_steps")
+        return {k: v for k in fields if (v := getattr(self, k)) is not None}
+
+
+def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
+    """The parameters of `optimizers` that have a gradient."""
+    return [
+        p for opt in optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None
+    ]
+
+
+class Precision:
+    """fp32 training: the inner optimizers step the model's own parameters."""
+
+    skips_nonfinite = False
+    """Whether a step with non-finite gradients is skipped (and the norm always measured)."""
+
+    def in_backward_conflict(self) -> str | None:
+        return None
+
+    def cast_model(self, model: nn.Module) -> nn.Module:
+        """Give `model` the parameter dtype this precision expects (before it is sharded)."""
+        return model
+
+    def stepped(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the inner optimizer steps for the model parameter `param`."""
+        return param
+
+    def model_param(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The model parameter whose gradient `stepped` is updated from."""
+        return stepped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def before_step(self, optimizers: Sequence[Optimizer]) -> None:
+        """Bring what the step needs into place (e.g. state offloaded to CPU)."""
+
+    @torch.no_grad()
+    def grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the gradients of `params` (model parameters), over every mesh."""
+        if not params:
+            return torch.zeros(())
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+
+    def decided(self, applied: bool) -> None:
+        """Told whether the step's gradients were applied (False: they were non-finite)."""
+
+    @torch.no_grad()
+    def apply(
+        self,
+        optimizers: Sequence[Optimizer],
+        grad_norm: torch.Tensor | None = None,
+        max_norm: float | None = None,
+    ) -> None:
+        """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first."""
+        if max_norm and grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params_with_grad(optimizers), max_norm, grad_norm)
+        for opt in optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Clear gradients the inner optimizers do not own (the model's, beside masters)."""
+
+    def report(self) -> dict[str, Any]:
+        """StepReport fields this precision measures."""
+        return {}
+
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
+        """Flat entries beside the optimizer state (keys of the same `<kind>.<fqn>` shape)."""
+        return {}
+
+    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
+        """Remove this precision's entries from `flat` and validate them; change nothing."""
+        return None
+
+    def load_state(self, taken: Any) -> None:
+        """Apply what `take_state` took, once the optimizer state has loaded."""
+
+
+class Gate:
+    """No gate: every step commits."""
+
+    def in_backward_conflict(self) -> str | None:
+        return None
+
+    def on_zero_grad(self) -> None:
+        """A new step begins."""
+
+    def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Average gradients across replica groups (none here)."""
+
+    def commit(self) -> bool:
+        return True
+
+
+class Timing:
+    """Units apply after backward, in `step()`; a unit is one model part."""
+
+    in_backward = False
+
+    def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
+        """Split each part's trainable parameters into units with inner optimizers of their own."""
+        return [named for named in parts if named]
+
+    def attach(self, container: OptimizersContainer) -> None:
+        """Called once the container's units and inner optimizers exist."""
+
+    def on_zero_grad(self) -> None:
+        """A new step begins."""
+
+    def finish(self, container: OptimizersContainer) -> None:
+        """In `step()`, for timings that apply inside backward: apply what is left."""
