@@ -1,4 +1,4 @@
-"""Builders the trainer plugs together; importing this registers the built-in "llama" spec
-and the "fault_tolerant" container."""
+"""Builders the trainer plugs together; importing this registers the built-in model families
+(`components.models`) and the "fault_tolerant" container."""
 
-from components import ft, llama  # noqa: F401  (registrations)
+from components import ft, models  # noqa: F401  (registrations)

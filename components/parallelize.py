@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from components.model import Transformer, split_model
+from components.models.llama.model import Transformer, split_model
 from config import JobConfig
 
 __all__ = ["parallelize"]

@@ -24,8 +24,8 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.data import ByteTextLoader
-from components.model import FLAVORS, Transformer, split_model
+from components.models.llama.data import ByteTextLoader
+from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers
 from config import JobConfig, load_job_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from components.data import ByteTextLoader
 from components.lr_scheduler import build_lr_schedulers
-from components.model import FLAVORS, Transformer
+from components.models.llama.data import ByteTextLoader
+from components.models.llama.model import FLAVORS, Transformer
 from components.parallelize import parallelize
 from components.train_spec import TrainSpec, register_train_spec
 from config import ConfigError, JobConfig
