@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from components.lr_scheduler import build_lr_schedulers
 from components.models.llama.data import ByteTextLoader
 from components.models.llama.model import FLAVORS, Transformer
-from components.parallelize import parallelize
+from components.models.llama.parallelize import parallelize
 from components.train_spec import TrainSpec, register_train_spec
 from config import ConfigError, JobConfig
 
@@ -34,7 +34,7 @@ register_train_spec(
     TrainSpec(
         name="llama",
         build_model_fn=build_model,
-        parallelize_fn=parallelize,
+        parallelize_fn=lambda model, job_config, mesh: parallelize(model, job_config.model, mesh),
         build_loss_fn=lambda job_config: _loss,
         build_dataloader_fn=lambda job_config, dp_rank, dp_world_size: ByteTextLoader(
             job_config.training.seq_len,
