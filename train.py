@@ -82,11 +82,12 @@ def main(argv: list[str]) -> None:
 
     # -- build ------------------------------------------------------------------------------
     spec = get_train_spec(cfg.model.name)
-    model = spec.build_model_fn(cfg).to(device)
+    torch.manual_seed(cfg.training.seed)
+    model = spec.build_model_fn(cfg.model).to(device)
     if cfg.optimizer.container == "mixed_precision":  # low-precision params, fp32 masters
         model.to(getattr(torch, cfg.mixed_precision.param_dtype))
     n_params = sum(p.numel() for p in model.parameters())
-    model_parts = spec.parallelize_fn(model, cfg, mesh)
+    model_parts = spec.parallelize_fn(model, cfg.model, mesh)
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,
@@ -94,9 +95,9 @@ def main(argv: list[str]) -> None:
         gradient_accumulation_steps=accum,
         ft_manager=ft_manager,
     )
-    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
-    dataloader = spec.build_dataloader_fn(cfg, dp_rank, dp_world_size)
-    loss_fn = spec.build_loss_fn(cfg)
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    dataloader = spec.build_dataloader_fn(cfg.training, dp_rank, dp_world_size)
+    loss_fn = spec.build_loss_fn(cfg.training)
     train_state = TrainState()
     states = {
         "model": ModelWrapper(model_parts),

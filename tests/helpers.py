@@ -92,10 +92,11 @@ def load_job_state(dump: str, argv: list[str], ft: bool = False) -> dict:
     spec = get_train_spec(cfg.model.name)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if dist.is_initialized() else None
     world, rank = (dist.get_world_size(), dist.get_rank()) if mesh else (1, 0)
-    parts = spec.parallelize_fn(spec.build_model_fn(cfg), cfg, mesh)
+    torch.manual_seed(cfg.training.seed)
+    parts = spec.parallelize_fn(spec.build_model_fn(cfg.model), cfg.model, mesh)
     optimizers = spec.build_optimizers_fn(parts, cfg.optimizer, job_config=cfg)
-    schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
-    data = spec.build_dataloader_fn(cfg, rank, world)
+    schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    data = spec.build_dataloader_fn(cfg.training, rank, world)
     state = TrainState()
     states = {
         "model": ModelWrapper(parts),

@@ -5,46 +5,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from components.lr_scheduler import build_lr_schedulers
 from components.models.llama.data import ByteTextLoader
 from components.models.llama.model import FLAVORS, Transformer
 from components.models.llama.parallelize import parallelize
-from components.train_spec import TrainSpec, register_train_spec
-from config import ConfigError, JobConfig
+from components.train_spec import LossFn, TrainSpec, register_train_spec
+from config import ConfigError
+from config import Model as ModelConfig
+from config import Training as TrainingConfig
 
-__all__ = ["build_model"]
+__all__ = ["build_dataloader", "build_loss", "build_model", "parallelize"]
 
 
-def build_model(job_config: JobConfig) -> Transformer:
-    """The model of `[model] flavor`, initialized from `[training] seed`."""
-    flavor = job_config.model.flavor
-    if flavor not in FLAVORS:
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The model of `[model] flavor`, initialized from torch's current RNG state."""
+    if cfg.flavor not in FLAVORS:
         raise ConfigError(
-            f"[model] flavor = {flavor!r}: unknown flavor; valid: {', '.join(FLAVORS)}"
+            f"[model] flavor = {cfg.flavor!r}: unknown flavor; valid: {', '.join(FLAVORS)}"
         )
-    torch.manual_seed(job_config.training.seed)
-    return Transformer(FLAVORS[flavor])
+    return Transformer(FLAVORS[cfg.flavor])
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build_loss(cfg: TrainingConfig) -> LossFn:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return _cross_entropy
+
+
+def build_dataloader(cfg: TrainingConfig, dp_rank: int, dp_world_size: int) -> ByteTextLoader:
+    """This rank's share of `[training] local_batch_size` x `seq_len` windows of stdlib bytes."""
+    return ByteTextLoader(cfg.seq_len, cfg.local_batch_size, dp_rank, dp_world_size, cfg.seed)
 
 
 register_train_spec(
     TrainSpec(
         name="llama",
         build_model_fn=build_model,
-        parallelize_fn=lambda model, job_config, mesh: parallelize(model, job_config.model, mesh),
-        build_loss_fn=lambda job_config: _loss,
-        build_dataloader_fn=lambda job_config, dp_rank, dp_world_size: ByteTextLoader(
-            job_config.training.seq_len,
-            job_config.training.local_batch_size,
-            dp_rank,
-            dp_world_size,
-            job_config.training.seed,
-        ),
-        build_lr_schedulers_fn=lambda optimizers, job_config: build_lr_schedulers(
-            optimizers, job_config.lr_scheduler, job_config.training.steps
-        ),
+        parallelize_fn=parallelize,
+        build_loss_fn=build_loss,
+        build_dataloader_fn=build_dataloader,
     )
 )
