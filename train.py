@@ -111,7 +111,9 @@ def main(argv: list[str]) -> None:
         states["ft_manager"] = ft_manager
     checkpoint = CheckpointManager(cfg.checkpoint, dump_folder, states, cfg.training.steps)
     checkpoint.load()
-    metrics = MetricsLogger(cfg, dump_folder, enabled=rank == 0, device=device)
+    metrics = MetricsLogger(
+        cfg.metrics, dump_folder, total_steps=cfg.training.steps, enabled=rank == 0, device=device
+    )
     params = [p for part in model_parts for p in part.parameters()]
     tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * accum * world_size
     logger.info(
