@@ -28,7 +28,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, run_fresh
-from containers import LossScaler, MixedPrecisionOptimizersContainer
+from config import MixedPrecision
+from containers import MixedPrecisionOptimizersContainer
 
 
 def _rss() -> int:
@@ -100,11 +101,12 @@ def child(kind: str, n: int, parts: int, steps: int) -> dict[str, float]:
         opt = torch.optim.AdamW(params, **kw)
         optimizers, step = [opt], opt.step
     elif kind in ("container", "compiled"):
-        scaler = LossScaler(mode="static", scale=1024.0)
+        settings = MixedPrecision(
+            loss_scaling="static", initial_scale=1024.0, compile=kind == "compiled"
+        )
         opt = MixedPrecisionOptimizersContainer(
-            models, torch.optim.AdamW, kw, max_norm=1.0, loss_scaler=scaler,
-            compile=kind == "compiled",
-        )  # fmt: skip
+            models, torch.optim.AdamW, kw, max_norm=1.0, settings=settings
+        )
         optimizers, step = opt.optimizers, opt.step
         masters = [m for _, m in opt._pairs]
     else:

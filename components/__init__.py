@@ -1,4 +1,6 @@
-"""Builders the trainer plugs together; importing this registers the built-in "llama" spec
-and the "fault_tolerant" container."""
+"""Generic builders the trainer plugs together: optimizer registry, job builder, checkpoints,
+LR schedules, torchft wiring, parallelize, metrics, train-spec registry.
 
-from components import ft, llama  # noqa: F401  (registrations)
+Model families live in `components.models` and register their train specs when
+`components.train_spec.get_train_spec` is first called, so no module here imports them.
+"""

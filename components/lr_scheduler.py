@@ -72,8 +72,9 @@ class LRSchedulersContainer(Stateful):
             scheduler.step()
 
     def get_last_lr(self) -> float:
-        """The lr of the first group, for logging."""
-        return self.schedulers[0].get_last_lr()[0]
+        """The lr the next optimizer step of the first group uses, for logging."""
+        # The group itself, not LambdaLR's cached copy: a load sets the groups' lrs.
+        return self.schedulers[0].optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.last_step}
@@ -84,10 +85,10 @@ class LRSchedulersContainer(Stateful):
             raise ValueError(f"lr scheduler checkpoint has step = {step}; expected >= 0")
         for scheduler in self.schedulers:
             scheduler.last_epoch = step
-            lrs = [base * self.factor(step) for base in scheduler.base_lrs]
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
-            scheduler._last_lr = lrs
+            for group, base in zip(
+                scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True
+            ):
+                group["lr"] = base * self.factor(step)
 
 
 def build_lr_schedulers(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from config import JobConfig
+from config import Metrics as MetricsConfig
 
 __all__ = ["MetricsLogger", "param_checksum", "peak_memory_gib"]
 
@@ -38,19 +39,40 @@ def param_checksum(params: list[torch.Tensor]) -> float:
     return total.item()
 
 
+def _strict_json(record: dict[str, Any]) -> str:
+    # NaN and inf are not JSON; readers of a step whose loss blew up get null instead.
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps(finite, allow_nan=False)
+
+
 class MetricsLogger:
-    """Logs every `[metrics] log_freq` steps; only rank 0 writes.
+    """Logs the first step, every `[metrics] log_freq`-th and the last; only if `enabled`.
 
     `metrics.jsonl` is appended to, so a resumed run continues the same file; each line is one
-    JSON object with at least `step` and `loss`.
+    strict JSON object (non-finite numbers as null) with at least `step` and `loss`.
+
+    Args:
+        cfg: the `[metrics]` section.
+        folder: where `metrics.jsonl` (and `tb/`) go.
+        total_steps: the run's last step (`[training] steps`), always logged; sets the ETA.
+        enabled: whether this process writes (usually rank 0 only).
+        device: whose peak memory is reported.
     """
 
     def __init__(
-        self, job_config: JobConfig, folder: str, enabled: bool, device: torch.device
+        self,
+        cfg: MetricsConfig,
+        folder: str,
+        *,
+        total_steps: int,
+        enabled: bool,
+        device: torch.device,
     ) -> None:
         self.enabled = enabled
-        self.freq = job_config.metrics.log_freq
-        self.total_steps = job_config.training.steps
+        self.freq = cfg.log_freq
+        self.total_steps = total_steps
         self.device = device
         self._step_times: list[float] = []
         self._file = None
@@ -59,7 +81,7 @@ class MetricsLogger:
             return
         Path(folder).mkdir(parents=True, exist_ok=True)
         self._file = (Path(folder) / "metrics.jsonl").open("a", encoding="utf-8")
-        if job_config.metrics.enable_tensorboard:
+        if cfg.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
@@ -89,7 +111,7 @@ class MetricsLogger:
             if k not in ("step",)
         )
         logger.info("step %5d  %s", step, fields)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(_strict_json(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():

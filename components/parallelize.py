@@ -1,31 +1,37 @@
-"""Split a model into parts and shard each with FSDP2 on a data-parallel DeviceMesh."""
+"""Shard model parts with FSDP2 on a data-parallel DeviceMesh, whatever the model family."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from components.model import Transformer, split_model
-from config import JobConfig
-
-__all__ = ["parallelize"]
+__all__ = ["shard_parts"]
 
 
-def parallelize(
-    model: Transformer, job_config: JobConfig, mesh: DeviceMesh | None
+def shard_parts(
+    parts: list[nn.Module],
+    mesh: DeviceMesh | None,
+    units: Callable[[nn.Module], Iterable[nn.Module]],
 ) -> list[nn.Module]:
-    """The model's parts, each block and then each part `fully_shard`ed over `mesh`.
+    """`fully_shard` each unit of each part, then the part itself, over `mesh`.
+
+    Each unit is all-gathered and resharded on its own (e.g. a transformer block), so the
+    whole part is never gathered at once; the part's own call picks up what no unit holds.
 
     Args:
-        model: the whole model.
-        job_config: reads `[model] num_parts`.
+        parts: the model parts, sharded in place.
         mesh: 1-D data-parallel mesh; None leaves the parts unsharded (one process).
+        units: a part's modules to shard one by one, in forward order.
+
+    Returns:
+        `parts` (the same module objects).
     """
-    parts = split_model(model, job_config.model.num_parts)
     if mesh is not None:
         for part in parts:
-            for block in part.layers.values():
-                fully_shard(block, mesh=mesh)
+            for unit in units(part):
+                fully_shard(unit, mesh=mesh)
             fully_shard(part, mesh=mesh)
     return parts

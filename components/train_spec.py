@@ -1,15 +1,85 @@
-"""`TrainSpec`: the builder callables a model family plugs into `train.py`, and their registry."""
+"""`TrainSpec`: the builders a model family plugs into `train.py`, and their registry.
+
+Each builder takes its own config section, never the whole `JobConfig`, so a family's code
+says what it reads. The built-in families (`components.models`) are registered the first time
+a spec is looked up, so no generic module imports a model family.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from components.optimizer import build_optimizers
-from config import ConfigError
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TrainSpec", "get_train_spec", "register_train_spec", "registered_train_specs"]
+import config
+from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
+from components.optimizer import OptimizersBuilder, build_optimizers
+from containers import OptimizersContainer
+
+__all__ = [
+    "Dataloader",
+    "DataloaderBuilder",
+    "LRSchedulersBuilder",
+    "LossBuilder",
+    "LossFn",
+    "ModelBuilder",
+    "OptimizersBuilder",
+    "Parallelizer",
+    "TrainSpec",
+    "get_train_spec",
+    "register_train_spec",
+]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Positional-only parameters: a builder may name its own arguments as it likes.
+
+
+class ModelBuilder(Protocol):
+    """`(cfg: [model]) -> model`, on CPU or meta; the caller seeds torch beforehand."""
+
+    def __call__(self, cfg: config.Model, /) -> nn.Module: ...
+
+
+class Parallelizer(Protocol):
+    """`(model, cfg: [model], mesh) -> model parts`, sharded over `mesh` (None: unsharded)."""
+
+    def __call__(
+        self, model: nn.Module, cfg: config.Model, mesh: DeviceMesh | None, /
+    ) -> list[nn.Module]: ...
+
+
+class LossBuilder(Protocol):
+    """`(cfg: [training]) -> loss(outputs, labels)`."""
+
+    def __call__(self, cfg: config.Training, /) -> LossFn: ...
+
+
+@runtime_checkable
+class Dataloader(Iterator[tuple[torch.Tensor, torch.Tensor]], Protocol):
+    """An endless iterator of `(inputs, labels)` whose position is checkpointed."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+class DataloaderBuilder(Protocol):
+    """`(cfg: [training], dp_rank, dp_world_size) -> this rank's Dataloader`."""
+
+    def __call__(self, cfg: config.Training, dp_rank: int, dp_world_size: int, /) -> Dataloader: ...
+
+
+class LRSchedulersBuilder(Protocol):
+    """`(optimizers, cfg: [lr_scheduler], total_steps) -> LRSchedulersContainer`."""
+
+    def __call__(
+        self, optimizers: OptimizersContainer, cfg: config.LRScheduler, total_steps: int, /
+    ) -> LRSchedulersContainer: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,23 +89,12 @@ class TrainSpec:
     name: str
     """Key under which the spec is registered (`[model] name`)."""
 
-    build_model_fn: Callable[..., Any]
-    """(job_config) -> model on the meta device or CPU."""
-
-    parallelize_fn: Callable[..., Any]
-    """(model, job_config, mesh) -> list of model parts, sharded as configured."""
-
-    build_loss_fn: Callable[..., Any]
-    """(job_config) -> loss(logits, labels)."""
-
-    build_dataloader_fn: Callable[..., Any]
-    """(job_config, dp_rank, dp_world_size) -> stateful iterator of (inputs, labels)."""
-
-    build_lr_schedulers_fn: Callable[..., Any] | None = None
-    """(optimizers, job_config) -> LR schedulers; None keeps the lr constant."""
-
-    build_optimizers_fn: Callable[..., Any] = build_optimizers
-    """(model_parts, optimizer_config, *, job_config, **runtime) -> OptimizersContainer."""
+    build_model_fn: ModelBuilder
+    parallelize_fn: Parallelizer
+    build_loss_fn: LossBuilder
+    build_dataloader_fn: DataloaderBuilder
+    build_lr_schedulers_fn: LRSchedulersBuilder = build_lr_schedulers
+    build_optimizers_fn: OptimizersBuilder = build_optimizers
 
 
 _SPECS: dict[str, TrainSpec] = {}
@@ -51,12 +110,12 @@ def register_train_spec(spec: TrainSpec) -> None:
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    """The spec registered as `name`."""
+    """The spec registered as `name` (the built-in families are registered on first use)."""
+    import components.models  # noqa: F401  (registers the built-ins; lazily, see the docstring)
+
     if name not in _SPECS:
         known = ", ".join(sorted(_SPECS)) or "none"
-        raise ConfigError(f"[model] name = {name!r}: unknown train spec; registered: {known}")
+        raise config.ConfigError(
+            f"[model] name = {name!r}: unknown train spec; registered: {known}"
+        )
     return _SPECS[name]
-
-
-def registered_train_specs() -> list[str]:
-    return sorted(_SPECS)

@@ -32,9 +32,6 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for checkpoints, metrics and logs of this run."""
 
-    description: str = "optimizer-containers job"
-    """Free text shown in the logs."""
-
 
 @dataclass(kw_only=True)
 class Model:

@@ -80,38 +80,19 @@ def load_job_state(dump: str, argv: list[str], ft: bool = False) -> dict:
     Runs in one process or on the ranks of `tests.dist.run_ranks`; `ft` reads a checkpoint
     of a fault-tolerant run (which also holds the torchft manager's step).
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import components  # noqa: F401
-    from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
-    from components.train_spec import get_train_spec
+    from components.job import build_job
     from config import load_job_config
 
     cfg = load_job_config([*argv, "--job.dump_folder", dump, "--fault_tolerance.enable", "false"])
-    spec = get_train_spec(cfg.model.name)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if dist.is_initialized() else None
-    world, rank = (dist.get_world_size(), dist.get_rank()) if mesh else (1, 0)
-    parts = spec.parallelize_fn(spec.build_model_fn(cfg), cfg, mesh)
-    optimizers = spec.build_optimizers_fn(parts, cfg.optimizer, job_config=cfg)
-    schedulers = spec.build_lr_schedulers_fn(optimizers, cfg)
-    data = spec.build_dataloader_fn(cfg, rank, world)
-    state = TrainState()
-    states = {
-        "model": ModelWrapper(parts),
-        "optimizer": optimizers,
-        "lr_scheduler": schedulers,
-        "dataloader": data,
-        "train_state": state,
-    }
+    job = build_job(cfg)
     if ft:
-        states["ft_manager"] = _FTManagerState()
-    CheckpointManager(cfg.checkpoint, dump, states, cfg.training.steps).load()
+        job.checkpoint.states["ft_manager"] = _FTManagerState()
+    job.checkpoint.load()
     return {
-        "model": {k: full(v) for part in parts for k, v in part.state_dict().items()},
-        "optim": {k: full(v) for k, v in optimizers.state_dict().items()},
-        "lrs": [g["lr"] for g in optimizers.param_groups],
-        "sample_index": data.sample_index,
-        "step": state.step,
-        "sched": schedulers.last_step,
+        "model": {k: full(v) for part in job.model_parts for k, v in part.state_dict().items()},
+        "optim": {k: full(v) for k, v in job.optimizers.state_dict().items()},
+        "lrs": [g["lr"] for g in job.optimizers.param_groups],
+        "sample_index": job.dataloader.sample_index,
+        "step": job.train_state.step,
+        "sched": job.lr_schedulers.last_step,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.data import ByteTextLoader, load_corpus
+from components.models.llama.data import ByteTextLoader, load_corpus
 
 SEQ = 32
 

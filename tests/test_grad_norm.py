@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from components.grad_norm import clip_grad_norm_
-from components.model import FLAVORS, Transformer, split_model
+from components.models.llama.model import FLAVORS, Transformer, split_model
 from tests.dist import run_ranks
 
 SHAPES = [(7, 5), (5,), (3, 4, 2), (1,), (11, 3)]

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from components.data import ByteTextLoader
 from components.lr_scheduler import build_lr_schedulers
-from components.model import FLAVORS, Transformer, split_model
+from components.models.llama.data import ByteTextLoader
+from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers
 from config import ConfigError, LRScheduler, load_job_config
 from config import MixedPrecision as MixedPrecisionConfig

@@ -383,7 +383,7 @@ def test_missing_config_file(tmp_path):
 def test_non_utf8_config_file(tmp_path):
     """A file that is not UTF-8 is a ConfigError, not a UnicodeDecodeError."""
     path = tmp_path / "latin1.toml"
-    path.write_bytes(b'[job]\ndescription = "caf\xe9"\n')
+    path.write_bytes(b'[job]\ndump_folder = "caf\xe9"\n')
     with pytest.raises(ConfigError, match=r"\[job\] config_file = .*cannot read it"):
         load_job_config(["--job.config_file", str(path)])
 
@@ -596,7 +596,7 @@ def test_structured_toml_never_escapes(doc, table_arrays, argv):
     [
         {"training": {"steps": 5, "max_norm": 0.5}, "checkpoint": {"enable": True}},
         {"optimizer": {"lr": 1, "param_groups": [{"pattern": "a", "lr": 0.5}, {"pattern": "b"}]}},
-        {"job": {"description": 'quote " back \\ del \x7f tab \t nl \n'}},
+        {"job": {"dump_folder": 'quote " back \\ del \x7f tab \t nl \n'}},
     ],
 )
 @pytest.mark.parametrize("table_arrays", [False, True])

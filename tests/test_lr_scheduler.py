@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 
-from components.lr_scheduler import build_lr_schedulers, lr_factor
+from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers, lr_factor
 from config import LRScheduler
 from containers import OptimizersContainer, ParamGroupRule
 from tests.helpers import three_parts, train
@@ -89,3 +90,45 @@ def test_resume_keeps_the_step_but_takes_the_lr_from_the_config():
     assert new.param_groups[0]["lr"] == pytest.approx(2e-3 * lr_factor(6, cfg, 10))
     with pytest.raises(ValueError, match="step = -1"):
         new_sched.load_state_dict({"step": -1})
+
+
+def _logged_lrs(
+    parts: list[nn.Module],
+    optimizers: OptimizersContainer,
+    schedulers: LRSchedulersContainer,
+    steps: int,
+) -> list[float]:
+    """The lr `get_last_lr` reports before each of `steps` steps, checked against the groups."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(schedulers.get_last_lr())
+        assert lrs[-1] == optimizers.param_groups[0]["lr"]
+        train(parts, optimizers, 1)
+        schedulers.step()
+    return lrs
+
+
+def test_constant_lr_is_a_schedule_config():
+    """No warmup and no decay keep the configured lr at every step, after a resume too."""
+    parts = three_parts()
+    optimizers = OptimizersContainer(parts, torch.optim.SGD, {"lr": 0.1})
+    cfg = LRScheduler(warmup_steps=0, decay_ratio=0.0)
+    schedulers = build_lr_schedulers(optimizers, cfg, total_steps=4)
+    assert _logged_lrs(parts, optimizers, schedulers, 4) == [0.1] * 4
+    schedulers.load_state_dict({"step": 2})
+    assert schedulers.get_last_lr() == 0.1
+
+
+def test_get_last_lr_is_the_lr_of_the_next_step_after_a_load():
+    """Right after a load, the logged lr is the one the next optimizer step uses; stepping on
+    from there gives the same lrs as a run that never stopped."""
+    cfg = LRScheduler(warmup_steps=3, decay_type="linear", min_lr_factor=0.0)
+    parts = three_parts()
+    straight = OptimizersContainer(parts, torch.optim.SGD, {"lr": 1.0})
+    expected = _logged_lrs(parts, straight, build_lr_schedulers(straight, cfg, 8), 8)
+    resumed = OptimizersContainer(parts, torch.optim.SGD, {"lr": 1.0})
+    resumed_sched = build_lr_schedulers(resumed, cfg, total_steps=8)
+    resumed_sched.load_state_dict({"step": 4})
+    got = _logged_lrs(parts, resumed, resumed_sched, 4)
+    assert got == pytest.approx(expected[4:])
+    assert got[0] == pytest.approx(lr_factor(4, cfg, 8)) and got[0] != expected[0]

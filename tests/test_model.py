@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.data import ByteTextLoader
-from components.model import FLAVORS, ModelArgs, Transformer, split_model
+from components.models.llama.data import ByteTextLoader
+from components.models.llama.model import FLAVORS, ModelArgs, Transformer, split_model
 
 
 @pytest.fixture(autouse=True)

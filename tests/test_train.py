@@ -182,17 +182,15 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
 
 
 def test_accumulation_follows_the_global_batch_across_ranks_and_replica_groups():
-    sys.path.insert(0, REPO)
-    from config import load_job_config
-    from train import accumulation_steps
+    from config import accumulation_steps, load_job_config
 
     argv = ["--training.global_batch_size", "16", "--training.local_batch_size", "2"]
-    assert accumulation_steps(load_job_config(argv), 2) == 4
-    assert accumulation_steps(load_job_config(argv), 4) == 2  # e.g. 2 groups x 2 ranks
-    assert accumulation_steps(load_job_config(argv[2:]), 4) == 1  # no global batch: as set
+    assert accumulation_steps(load_job_config(argv).training, 2) == 4
+    assert accumulation_steps(load_job_config(argv).training, 4) == 2  # e.g. 2 groups x 2 ranks
+    assert accumulation_steps(load_job_config(argv[2:]).training, 4) == 1  # no global batch: as set
     with pytest.raises(ConfigError, match=r"global_batch_size = 16: not a multiple"):
-        accumulation_steps(load_job_config(argv), 3)
+        accumulation_steps(load_job_config(argv).training, 3)
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 3: .* implies 4"):
         accumulation_steps(
-            load_job_config([*argv, "--training.gradient_accumulation_steps", "3"]), 2
+            load_job_config([*argv, "--training.gradient_accumulation_steps", "3"]).training, 2
         )

@@ -1,27 +1,35 @@
-"""TrainSpec registry."""
+"""TrainSpec registry, its typed builders, and the built-in "llama" spec."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+import torch
+import torch.nn.functional as F
 
 from components import train_spec
+from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from components.optimizer import build_optimizers
-from components.train_spec import TrainSpec, get_train_spec, register_train_spec
-from config import ConfigError
+from components.train_spec import Dataloader, TrainSpec, get_train_spec, register_train_spec
+from config import ConfigError, LRScheduler, Model, Optimizer, Training
+from tests.dist import REPO
 
 
 def _spec(name: str) -> TrainSpec:
     return TrainSpec(
         name=name,
-        build_model_fn=lambda cfg: None,
+        build_model_fn=lambda cfg: torch.nn.Linear(2, 2),
         parallelize_fn=lambda model, cfg, mesh: [model],
-        build_loss_fn=lambda cfg: None,
+        build_loss_fn=lambda cfg: F.mse_loss,
         build_dataloader_fn=lambda cfg, rank, world: iter(()),
     )
 
 
 @pytest.fixture
 def restore():
+    get_train_spec("llama")  # the built-ins are in the snapshot, so restoring keeps them
     saved = dict(train_spec._SPECS)
     yield
     train_spec._SPECS.clear()
@@ -33,14 +41,75 @@ def test_register_and_get(restore):
     register_train_spec(spec)
     assert get_train_spec("toy") is spec
     assert spec.build_optimizers_fn is build_optimizers
-    assert spec.build_lr_schedulers_fn is None
+    assert spec.build_lr_schedulers_fn is build_lr_schedulers
 
 
 def test_duplicates_refused_and_unknown_lists_known(restore):
     register_train_spec(_spec("toy"))
     with pytest.raises(ValueError, match="'toy' is already registered"):
         register_train_spec(_spec("toy"))
-    with pytest.raises(ConfigError, match=r"name = 'nope': unknown train spec; registered: .*toy"):
+    with pytest.raises(ValueError, match="'llama' is already registered"):
+        register_train_spec(_spec("llama"))
+    with pytest.raises(ConfigError, match=r"'nope': unknown train spec; registered: llama, toy"):
         get_train_spec("nope")
     with pytest.raises(ValueError, match="expected a TrainSpec"):
         register_train_spec("toy")  # type: ignore[arg-type]
+
+
+def test_generic_modules_never_import_a_model_family():
+    """`import components` and its generic modules leave `components.models` unimported;
+    the first `get_train_spec` registers the built-ins."""
+    code = (
+        "import sys, components, components.checkpoint, components.grad_norm, "
+        "components.lr_scheduler, components.metrics, components.optimizer, "
+        "components.parallelize, components.train_spec as ts\n"
+        "before = sorted(m for m in sys.modules if m.startswith('components.models'))\n"
+        "print(before, ts.get_train_spec('llama').name)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "llama"]
+
+
+def test_llama_builders_take_their_own_sections():
+    """Model from [model] (seeded by the caller), parts, loss and data from [training]."""
+    spec = get_train_spec("llama")
+    model_cfg, training = (
+        Model(flavor="tiny", num_parts=2),
+        Training(seq_len=16, local_batch_size=3),
+    )
+
+    torch.manual_seed(5)
+    a = spec.build_model_fn(model_cfg)
+    torch.manual_seed(5)
+    b = spec.build_model_fn(model_cfg)
+    c = spec.build_model_fn(model_cfg)  # the builder does not reseed: another init
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(next(b.parameters()), next(c.parameters()))
+    with pytest.raises(ConfigError, match=r"\[model\] flavor = 'huge': unknown flavor"):
+        spec.build_model_fn(Model(flavor="huge"))
+
+    parts = spec.parallelize_fn(a, model_cfg, None)
+    assert len(parts) == 2
+
+    data = spec.build_dataloader_fn(training, 1, 2)
+    assert isinstance(data, Dataloader)
+    inputs, labels = next(data)
+    assert inputs.shape == labels.shape == (3, 16)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    position = data.state_dict()
+    again = spec.build_dataloader_fn(training, 1, 2)
+    again.load_state_dict(position)
+    assert torch.equal(next(again)[0], next(data)[0])
+
+    logits = torch.randn(3, 16, 256, generator=torch.Generator().manual_seed(0))
+    loss = spec.build_loss_fn(training)(logits, labels)
+    expected = F.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1))
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+    optimizers = spec.build_optimizers_fn(parts, Optimizer(lr=1e-2))
+    schedulers = spec.build_lr_schedulers_fn(optimizers, LRScheduler(warmup_steps=1), 4)
+    assert isinstance(schedulers, LRSchedulersContainer) and len(schedulers) == 2
+    assert schedulers.get_last_lr() == pytest.approx(1e-2 / 2)

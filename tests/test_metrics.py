@@ -1,0 +1,130 @@
+"""MetricsLogger's metrics.jsonl and param_checksum over sharded parameters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from components.metrics import MetricsLogger, param_checksum
+from components.parallelize import shard_parts
+from config import Metrics
+from tests.dist import run_ranks
+from tests.helpers import three_parts
+
+CPU = torch.device("cpu")
+
+
+def _logger(folder: Path, total_steps: int = 10, enabled: bool = True, **cfg) -> MetricsLogger:
+    return MetricsLogger(
+        Metrics(**cfg), str(folder), total_steps=total_steps, enabled=enabled, device=CPU
+    )
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _rows(folder: Path) -> list[dict]:
+    """metrics.jsonl, parsed strictly: NaN and Infinity tokens fail the read."""
+    lines = (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line, parse_constant=_reject_constant) for line in lines]
+
+
+def test_one_line_per_step_with_its_keys(tmp_path):
+    """Each line: step, loss, the caller's extras, then throughput, time, memory and ETA."""
+    metrics = _logger(tmp_path, total_steps=5)
+    metrics.log(1, 2.5, 0.5, 1000, lr=0.01, grad_norm=1.5)
+    metrics.log(2, 2.0, 0.25, 1000, lr=0.02)
+    metrics.close()
+    first, second = _rows(tmp_path)
+    assert list(first) == [
+        *("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"),
+        *("peak_memory_gib", "eta_s"),
+    ]
+    assert first["step"] == 1 and first["loss"] == 2.5 and first["grad_norm"] == 1.5
+    assert first["tokens_per_s"] == 2000 and first["step_time_s"] == 0.5
+    assert first["eta_s"] == pytest.approx(0.5 * 4) and first["peak_memory_gib"] > 0
+    assert "grad_norm" not in second and second["lr"] == 0.02
+    assert second["eta_s"] == pytest.approx((0.5 + 0.25) / 2 * 3)  # mean of recent step times
+
+
+@pytest.mark.parametrize(
+    ("log_freq", "total_steps", "logged"),
+    [(1, 4, [1, 2, 3, 4]), (4, 10, [1, 4, 8, 10]), (5, 10, [1, 5, 10]), (20, 7, [1, 7])],
+)
+def test_log_freq_keeps_the_first_and_last_step(tmp_path, log_freq, total_steps, logged):
+    metrics = _logger(tmp_path, total_steps=total_steps, log_freq=log_freq)
+    for step in range(1, total_steps + 1):
+        metrics.log(step, 1.0, 0.1, 10)
+    metrics.close()
+    assert [r["step"] for r in _rows(tmp_path)] == logged
+
+
+def test_non_finite_numbers_are_null_in_the_file_but_shown_in_the_log(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="components.metrics")
+    metrics = _logger(tmp_path)
+    metrics.log(1, math.nan, 0.1, 10, grad_norm=math.inf, lr=-math.inf, skipped_steps=1)
+    metrics.close()
+    (row,) = _rows(tmp_path)
+    assert row["loss"] is None and row["grad_norm"] is None and row["lr"] is None
+    assert row["skipped_steps"] == 1 and row["step"] == 1
+    assert "loss nan" in caplog.text and "grad_norm inf" in caplog.text
+
+
+def test_a_disabled_logger_writes_nothing(tmp_path):
+    folder = tmp_path / "not-rank-0"
+    metrics = _logger(folder, enabled=False)
+    metrics.log(1, 1.0, 0.1, 10)
+    metrics.close()
+    assert not folder.exists()
+
+
+def test_a_resumed_run_appends_to_the_same_file(tmp_path):
+    first = _logger(tmp_path, total_steps=5)
+    for step in (1, 2, 3):
+        first.log(step, 3.0 - step / 10, 0.1, 10)
+    first.close()
+    resumed = _logger(tmp_path, total_steps=5)
+    for step in (4, 5):
+        resumed.log(step, 3.0 - step / 10, 0.1, 10)
+    resumed.close()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in rows] == pytest.approx([2.9, 2.8, 2.7, 2.6, 2.5])
+
+
+def _sharded_checksum(folder: str) -> dict:
+    parts = three_parts(seed=3)
+    params = [p for part in parts for p in part.parameters()]
+    plain = param_checksum(params)
+    exact = math.fsum(x for p in params for x in p.detach().double().flatten().tolist())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shard_parts(parts, mesh, lambda part: part.children())
+    sharded = [p for part in parts for p in part.parameters()]
+    metrics = _logger(Path(folder), total_steps=1, enabled=dist.get_rank() == 0)
+    checksum = param_checksum(sharded)
+    metrics.log(1, 1.0, 0.1, 10, param_checksum=checksum)
+    metrics.close()
+    local = sum(p.to_local().numel() for p in sharded)
+    return {"plain": plain, "exact": exact, "sharded": checksum, "local": local}
+
+
+def test_param_checksum_on_two_ranks_is_the_unsharded_sum_and_rank_0_writes(tmp_path):
+    """Both ranks get the sum over all shards; only the enabled rank writes its line."""
+    r0, r1 = run_ranks(2, _sharded_checksum, str(tmp_path))
+    total = sum(p.numel() for part in three_parts() for p in part.parameters())
+    assert r0["local"] + r1["local"] == total
+    assert 0 < r0["local"] < total and 0 < r1["local"] < total  # each rank holds only a shard
+    for r in (r0, r1):
+        assert r["plain"] == pytest.approx(r0["exact"], rel=1e-12, abs=1e-12)
+        assert r["sharded"] == pytest.approx(r0["exact"], rel=1e-12, abs=1e-12)
+    assert r0["sharded"] == r1["sharded"]
+    (row,) = _rows(tmp_path)
+    assert row["param_checksum"] == r0["sharded"]
