@@ -48,6 +48,8 @@ class Job:
     accumulation_steps: int
     n_params: int
     ft_manager: Manager | None = None
+    store: dist.TCPStore | None = None
+    """The replica group's store when this process started it (torchft serves peers from it)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,6 +94,7 @@ def build_job(cfg: JobConfig) -> Job:
     """
     device, mesh, rank, world_size = init_distributed()
     ft = cfg.fault_tolerance
+    store = None
     if ft.enable and "MASTER_ADDR" not in os.environ:
         # torchft's manager needs a TCPStore for the replica group; torchrun starts one.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True)
@@ -148,4 +151,5 @@ def build_job(cfg: JobConfig) -> Job:
         accumulation_steps=accum,
         n_params=n_params,
         ft_manager=ft_manager,
+        store=store,
     )

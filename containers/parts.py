@@ -101,6 +101,15 @@ class Precision:
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         return total.full_tensor() if isinstance(total, DTensor) else total
 
+    @torch.no_grad()
+    def clip_(
+        self, params: Sequence[torch.Tensor], grad_norm: torch.Tensor, max_norm: float | None
+    ) -> None:
+        """Scale the gradients of `params` so their norm `grad_norm` is at most `max_norm`
+        (0 or None: leave them); torch's own clip, so results match `clip_grad_norm_`."""
+        if max_norm and params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+
     def decided(self, applied: bool) -> None:
         """Told whether the step's gradients were applied (False: they were non-finite)."""
 
@@ -112,8 +121,8 @@ class Precision:
         max_norm: float | None = None,
     ) -> None:
         """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first."""
-        if max_norm and grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params_with_grad(optimizers), max_norm, grad_norm)
+        if grad_norm is not None:
+            self.clip_(params_with_grad(optimizers), grad_norm, max_norm)
         for opt in optimizers:
             opt.step()
 

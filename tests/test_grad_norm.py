@@ -1,4 +1,5 @@
-"""clip_grad_norm_: parity with torch in one process, and the global norm under FSDP2."""
+"""The fp32 precision's global norm and clip (what `step()` does with `max_norm`): parity with
+torch in one process, and the global norm under FSDP2."""
 
 from __future__ import annotations
 
@@ -12,9 +13,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from components.grad_norm import clip_grad_norm_
 from components.models.llama.model import FLAVORS, Transformer, split_model
+from containers import Precision
 from tests.dist import run_ranks
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """The norm and clip of a container step, on `parameters`."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = Precision().grad_norm(params)
+    Precision().clip_(params, norm, max_norm)
+    return norm
+
 
 SHAPES = [(7, 5), (5,), (3, 4, 2), (1,), (11, 3)]
 

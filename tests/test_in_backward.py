@@ -135,6 +135,32 @@ def test_parameters_without_gradient_in_the_last_backward_still_match(accum):
     assert_same(ib.state_dict(), default.state_dict())
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_mixed_precision_in_backward_equals_mixed_precision_after_backward(accum):
+    """The composition: bf16 parameters, fp32 masters stepped inside backward."""
+    bf16 = [[p.to(torch.bfloat16) for p in _parts()] for _ in range(2)]
+    cfg = load_job_config(
+        [
+            *("--optimizer.container", "mixed_precision", "--optimizer.early_step_in_backward"),
+            *("--training.max_norm", "0", "--optimizer.lr", "3e-3"),
+        ]
+    )
+    ib = build_optimizers(bf16[0], cfg.optimizer, gradient_accumulation_steps=accum, max_norm=0.0)
+    assert isinstance(ib, MixedPrecisionOptimizersContainer) and isinstance(ib.timing, InBackward)
+    ref = MixedPrecisionOptimizersContainer(bf16[1], torch.optim.AdamW, ib.defaults)
+    freed = []
+    # A hook after ours sees the last gradient of each unit already applied and freed.
+    for p in bf16[0][1].parameters():
+        p.register_post_accumulate_grad_hook(lambda p: freed.append(p.grad is None))
+    _train(bf16[0], ib, 4, accum)
+    _train(bf16[1], ref, 4, accum)
+    last = freed[-len(list(bf16[0][1].parameters())) :]
+    assert any(last), freed
+    assert_same(_params(bf16[0]), _params(bf16[1]))
+    assert_same(ib.state_dict(), ref.state_dict())
+    assert ib.last_step_committed and ib.loss_scale == 1.0
+
+
 def test_state_dict_covers_every_trainable_parameter_and_round_trips():
     parts, ib, _, _ = _pair()
     parts[0].layers["0"].requires_grad_(False)  # frozen parameters are allowed
