@@ -25,6 +25,7 @@ __all__ = [
     "DataloaderBuilder",
     "LRSchedulersBuilder",
     "LossBuilder",
+    "LossFn",
     "ModelBuilder",
     "OptimizersBuilder",
     "Parallelizer",
