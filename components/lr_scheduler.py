@@ -56,6 +56,12 @@ class LRSchedulersContainer(Stateful):
     ) -> None:
         self.factor = functools.partial(lr_factor, cfg=cfg, total_steps=total_steps)
         self.schedulers = [LambdaLR(opt, self.factor) for opt in optimizers]
+        for scheduler in self.schedulers:
+            # An optimizer load brings back the checkpoint's lrs, and DCP loads Statefuls in
+            # key order ("lr_scheduler" before "optimizer"): re-apply this run's schedule.
+            scheduler.optimizer.register_load_state_dict_post_hook(
+                lambda _optimizer, s=scheduler: self._apply_schedule(s)
+            )
 
     def __iter__(self) -> Iterator[LambdaLR]:
         return iter(self.schedulers)
@@ -85,10 +91,13 @@ class LRSchedulersContainer(Stateful):
             raise ValueError(f"lr scheduler checkpoint has step = {step}; expected >= 0")
         for scheduler in self.schedulers:
             scheduler.last_epoch = step
-            for group, base in zip(
-                scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True
-            ):
-                group["lr"] = base * self.factor(step)
+            self._apply_schedule(scheduler)
+
+    def _apply_schedule(self, scheduler: LambdaLR) -> None:
+        """Set the groups' lrs to this run's base lrs at the scheduler's current step."""
+        factor = self.factor(scheduler.last_epoch)
+        for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
 
 
 def build_lr_schedulers(

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers, lr_factor
@@ -132,3 +133,24 @@ def test_get_last_lr_is_the_lr_of_the_next_step_after_a_load():
     got = _logged_lrs(parts, resumed, resumed_sched, 4)
     assert got == pytest.approx(expected[4:])
     assert got[0] == pytest.approx(lr_factor(4, cfg, 8)) and got[0] != expected[0]
+
+
+def test_dcp_resume_applies_the_config_lr_whatever_the_load_order(tmp_path):
+    """DCP loads "lr_scheduler" before "optimizer", whose load brings the saved lrs back; the
+    schedule is re-applied after it, so the first resumed step already uses this run's lr."""
+    cfg = LRScheduler(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
+    parts = three_parts()
+    old = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-3})
+    old_sched = build_lr_schedulers(old, cfg, total_steps=5)
+    _logged_lrs(parts, old, old_sched, 4)
+    dcp.save({"optimizer": old, "lr_scheduler": old_sched}, checkpoint_id=tmp_path)
+
+    new = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 2e-3})  # lr and length changed
+    new_sched = build_lr_schedulers(new, cfg, total_steps=10)
+    dcp.load({"optimizer": new, "lr_scheduler": new_sched}, checkpoint_id=tmp_path)
+    expected = 2e-3 * lr_factor(4, cfg, 10)
+    assert new_sched.last_step == 4
+    assert [g["lr"] for g in new.param_groups] == pytest.approx([expected] * 3)
+    assert _logged_lrs(parts, new, new_sched, 2) == pytest.approx(
+        [expected, 2e-3 * lr_factor(5, cfg, 10)]
+    )
