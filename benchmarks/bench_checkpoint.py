@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import markdown_table
 from components.checkpoint import ModelWrapper
 from containers import OptimizersContainer
-from tests.dist import run_ranks
+from tests.harness.dist import run_ranks
 
 
 def disk_write_gbps(folder: Path, nbytes: int) -> float:

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table
-from tests.dist import launch
-from tests.ftjob import FTJob, read_metrics
+from tests.harness.dist import launch
+from tests.harness.ftjob import FTJob, read_metrics
 
 
 def median_step_ms(metrics: dict[int, dict], skip: int = 10) -> float:

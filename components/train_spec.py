@@ -1,14 +1,15 @@
 """`TrainSpec`: the builders a model family plugs into `train.py`, and their registry.
 
 Each builder takes its own config section, never the whole `JobConfig`, so a family's code
-says what it reads. The built-in families (`components.models`) are registered the first time
-a spec is looked up, so no generic module imports a model family.
+says what it reads. Model families register through the `optimizer_containers.train_specs`
+entry points the first time a spec is looked up, so no generic module imports a family.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -97,6 +98,9 @@ class TrainSpec:
     build_optimizers_fn: OptimizersBuilder = build_optimizers
 
 
+ENTRY_POINTS = "optimizer_containers.train_specs"
+"""Entry-point group of model families (pyproject.toml); no generic module imports one."""
+
 _SPECS: dict[str, TrainSpec] = {}
 
 
@@ -110,9 +114,12 @@ def register_train_spec(spec: TrainSpec) -> None:
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    """The spec registered as `name` (the built-in families are registered on first use)."""
-    import components.models  # noqa: F401  (registers the built-ins; lazily, see the docstring)
-
+    """The spec registered as `name`; a family installed under the entry-point group
+    `optimizer_containers.train_specs` is imported (and so registered) on first use."""
+    if name not in _SPECS:
+        for entry in entry_points(group=ENTRY_POINTS):
+            if entry.name == name:
+                entry.load()
     if name not in _SPECS:
         known = ", ".join(sorted(_SPECS)) or "none"
         raise config.ConfigError(

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from config import ConfigError
-from tests.dist import REPO, kill_tree, launch, run_ranks
-from tests.helpers import load_job_state
+from tests.harness.dist import REPO, kill_tree, launch, run_ranks
+from tests.harness.helpers import load_job_state
 
 BASE = [
     "--job.config_file",

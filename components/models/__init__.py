@@ -1,3 +1,2 @@
-"""Built-in model families; importing this registers their train specs."""
-
-from components.models import llama  # noqa: F401  (registers "llama")
+"""Model families, each registered by its entry point in `optimizer_containers.train_specs`
+(pyproject.toml) when `components.train_spec.get_train_spec` first asks for it."""

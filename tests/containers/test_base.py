@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from containers import OptimizersContainer, ParamGroupRule
-from tests.dist import run_ranks
-from tests.helpers import assert_same, batch, forward, full, three_parts, train
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import assert_same, batch, forward, full, three_parts, train
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dist import REPO, free_port, kill_tree
+from tests.harness.dist import REPO, free_port, kill_tree
 
 LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
 

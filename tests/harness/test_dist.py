@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_ranks
+from tests.harness.dist import run_ranks
 
 
 def _allreduce_rank() -> tuple[int, float]:

@@ -108,7 +108,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     return [got[r] for r in range(world_size)]
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None = None) -> Any:

@@ -9,9 +9,17 @@ from components.ft import build_ft_manager, manager_port
 from components.optimizer import build_optimizers
 from config import ConfigError, FaultTolerance, load_job_config
 from containers import FTOptimizersContainer
-from tests.dist import free_port
-from tests.ftjob import FTJob
-from tests.helpers import assert_same, batch, forward, full, load_job_state, three_parts, train
+from tests.harness.dist import free_port
+from tests.harness.ftjob import FTJob
+from tests.harness.helpers import (
+    assert_same,
+    batch,
+    forward,
+    full,
+    load_job_state,
+    three_parts,
+    train,
+)
 
 STEPS = 350
 

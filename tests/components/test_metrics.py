@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from components.metrics import MetricsLogger, param_checksum
 from components.parallelize import shard_parts
 from config import Metrics
-from tests.dist import run_ranks
-from tests.helpers import three_parts
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import three_parts
 
 CPU = torch.device("cpu")
 

@@ -27,8 +27,8 @@ from containers import (
     OptimizersInBackwardContainer,
     ParamGroupRule,
 )
-from tests.dist import launch, run_ranks
-from tests.helpers import assert_same, full
+from tests.harness.dist import launch, run_ranks
+from tests.harness.helpers import assert_same, full
 
 KW = {"lr": 3e-3, "weight_decay": 0.1, "fused": True}
 RULES = [ParamGroupRule("norm", {"weight_decay": 0.0})]
@@ -227,7 +227,7 @@ def test_refused_combinations_name_the_key_and_the_fix():
                 "--fault_tolerance.enable",
             ]
         )
-    with pytest.raises(ConfigError, match=r"loss_scaling 'auto' with param_dtype 'float16'"):
+    with pytest.raises(ConfigError, match=r"loss_scaling = 'auto' with param_dtype 'float16'"):
         load_job_config(
             [
                 *("--optimizer.container", "mixed_precision", "--optimizer.early_step_in_backward"),

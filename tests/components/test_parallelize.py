@@ -16,8 +16,8 @@ from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.models.llama.parallelize import parallelize
 from components.parallelize import shard_parts
 from config import Model as ModelConfig
-from tests.dist import run_ranks
-from tests.helpers import forward, three_parts
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import forward, three_parts
 
 
 def _tokens() -> torch.Tensor:

@@ -16,8 +16,8 @@ from components.optimizer import build_optimizers, build_precision
 from config import ConfigError, load_job_config
 from config import MixedPrecision as MP
 from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
-from tests.dist import launch, run_ranks
-from tests.helpers import assert_same, batch, forward, full, three_parts
+from tests.harness.dist import launch, run_ranks
+from tests.harness.helpers import assert_same, batch, forward, full, three_parts
 
 KW = {"lr": 1e-2}
 SGD = {"lr": 1.0}  # one SGD step at lr 1 moves each master by exactly its (clipped) gradient

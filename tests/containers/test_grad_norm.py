@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from containers import Precision
-from tests.dist import run_ranks
+from tests.harness.dist import run_ranks
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:

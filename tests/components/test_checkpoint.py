@@ -13,8 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState, complete_checkpoints
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer
-from tests.dist import run_ranks
-from tests.helpers import assert_same, full, three_parts, train
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import assert_same, full, three_parts, train
 
 
 def _job(

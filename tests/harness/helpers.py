@@ -77,7 +77,7 @@ class _FTManagerState:
 def load_job_state(dump: str, argv: list[str], ft: bool = False) -> dict:
     """Build the job as train.py does, load its newest checkpoint, return gathered state.
 
-    Runs in one process or on the ranks of `tests.dist.run_ranks`; `ft` reads a checkpoint
+    Runs in one process or on the ranks of `tests.harness.dist.run_ranks`; `ft` reads a checkpoint
     of a fault-tolerant run (which also holds the torchft manager's step).
     """
     from components.job import build_job

@@ -17,7 +17,7 @@ from components.optimizer import (
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer
-from tests.helpers import three_parts, train
+from tests.harness.helpers import three_parts, train
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch.nn as nn
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers, lr_factor
 from config import LRScheduler
 from containers import OptimizersContainer, ParamGroupRule
-from tests.helpers import three_parts, train
+from tests.harness.helpers import three_parts, train
 
 
 def _lrs(cfg: LRScheduler, steps: int) -> list[float]:

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from containers.flat_state import describe_keys, flatten_into, initial_states, unflatten
-from tests.dist import run_ranks
+from tests.harness.dist import run_ranks
 
 # -- describe_keys ---------------------------------------------------------------------------
 
