@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -127,8 +128,13 @@ class CheckpointManager:
 
     # -- resume --------------------------------------------------------------------------
 
-    def load(self) -> int:
-        """Load the checkpoint that `load_step` picks (newest by default); return its step."""
+    def load(self, read_only: bool = False) -> int:
+        """Load the checkpoint that `load_step` picks (newest by default); return its step.
+
+        A run that trains on from a step older than the newest would overwrite and rotate
+        away the newer checkpoints: refused (or, with `set_aside_newer`, they are moved
+        aside first). `read_only` loads to inspect, so it never refuses or moves anything.
+        """
         if not self.cfg.enable:
             return 0
         found = complete_checkpoints(self.folder)
@@ -147,9 +153,31 @@ class CheckpointManager:
             return 0
         path = found[step]
         self._check_matches(path)
+        newer = [s for s in found if s > step]
+        if newer and not read_only:
+            self._protect_newer(step, newer)
         dcp.load(self.states, checkpoint_id=path)
         logger.info("resumed from %s", path)
         return step
+
+    def _protect_newer(self, step: int, newer: list[int]) -> None:
+        """Refuse to train on from `step` over `newer` checkpoints, or move them aside."""
+        names = ", ".join(f"step-{s}" for s in newer)
+        if not self.cfg.set_aside_newer:
+            raise ConfigError(
+                f"[checkpoint] load_step = {step}: {self.folder} also holds {names}, which a "
+                "run from an older step would overwrite or rotate away; resume the newest "
+                f"(load_step = -1), copy step-{step} into another [job] dump_folder, or set "
+                "[checkpoint] set_aside_newer = true to move them aside"
+            )
+        aside = self.folder / f"aside-{time.strftime('%Y%m%d-%H%M%S')}-from-step-{step}"
+        if _rank0():
+            aside.mkdir()
+            for s in newer:
+                os.replace(self.folder / f"step-{s}", aside / f"step-{s}")
+            _fsync_dir(self.folder)
+            logger.warning("moved %s aside to %s; training on from step-%d", names, aside, step)
+        _barrier()
 
     def _check_matches(self, path: Path) -> None:
         """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""

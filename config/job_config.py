@@ -189,7 +189,13 @@ class Checkpoint:
     """Save in the background with `dcp.async_save`."""
 
     load_step: int = bounded(-1, ge=-1)
-    """Step to resume from; -1 resumes from the newest complete checkpoint."""
+    """Step to resume from; -1 resumes from the newest complete checkpoint. A step older than
+    the newest is refused (the run would overwrite or rotate away the newer ones) unless
+    `set_aside_newer` is true."""
+
+    set_aside_newer: bool = False
+    """With an older `load_step`: move the newer checkpoints into `aside-<time>/` in the
+    checkpoint folder (nothing is deleted) and train on from `load_step`."""
 
     export_model: bool = False
     """At the end, also write the full model state dict to one file (`model-step-N.pt`)."""

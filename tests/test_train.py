@@ -164,6 +164,19 @@ def test_bad_config_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):
     assert len(errors) == 1 and pytest.importorskip("re").search(message, errors[0]), result.stdout
 
 
+def test_an_older_load_step_leaves_every_newer_file_byte_identical(tmp_path):
+    _run(2, tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
+    folder = tmp_path / "checkpoint"
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert {p.parent.name for p in before} >= {"step-2", "step-4"}
+    args = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.load_step", "2"]
+    result = launch(2, [*BASE, "--job.dump_folder", str(tmp_path), *args])
+    # torchrun still prints its ChildFailedError block after the ranks' one line (issue 13).
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "load_step = 2:" in result.stdout and "also holds step-4" in result.stdout
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
     _run(0, tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}

@@ -63,7 +63,7 @@ def test_load_step_picks_one_and_a_missing_one_lists_the_available(tmp_path):
     at_three = _snapshot(parts, optimizers)
     _train_and_save(manager, parts, optimizers, state, range(4, 7))
     parts_b, optimizers_b, state_b, manager_b = _job(tmp_path, seed=3, interval=3, load_step=3)
-    assert manager_b.load() == 3 and state_b.step == 3
+    assert manager_b.load(read_only=True) == 3 and state_b.step == 3
     assert_same(_snapshot(parts_b, optimizers_b), at_three)
     with pytest.raises(ConfigError, match=r"load_step = 4: no complete checkpoint.*\[3, 6\]"):
         _job(tmp_path, interval=3, load_step=4)[3].load()
@@ -88,10 +88,40 @@ def test_half_written_and_unpublished_checkpoints_are_never_resumed(tmp_path):
     assert not (folder / "step-4.tmp").exists() and list(complete_checkpoints(folder)) == [2, 4]
 
 
+def _tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_an_older_load_step_never_destroys_newer_checkpoints(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2, keep_latest_k=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 7))
+    folder = tmp_path / "checkpoint"
+    before = _tree_bytes(folder)
+    assert sorted(complete_checkpoints(folder)) == [4, 6]
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=5, interval=2, load_step=4)
+    fresh = _snapshot(parts2, optimizers2)
+    with pytest.raises(ConfigError, match=r"load_step = 4: .* also holds step-6, which a run"):
+        manager2.load()
+    assert _tree_bytes(folder) == before  # nothing moved, nothing loaded
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+
+    # Opted in: step-6 moves aside byte for byte; training on rotates nothing newer away.
+    parts3, optimizers3, state3, manager3 = _job(
+        tmp_path, seed=5, interval=2, keep_latest_k=2, load_step=4, set_aside_newer=True
+    )
+    assert manager3.load() == 4
+    (aside,) = folder.glob("aside-*-from-step-4")
+    assert _tree_bytes(aside) == {k: v for k, v in before.items() if k.startswith("step-6")}
+    _train_and_save(manager3, parts3, optimizers3, state3, range(5, 7))
+    assert sorted(complete_checkpoints(folder)) == [4, 6] and aside.is_dir()
+
+
 def test_resaving_a_step_after_resuming_earlier_replaces_it(tmp_path):
     parts, optimizers, state, manager = _job(tmp_path, interval=2)
     _train_and_save(manager, parts, optimizers, state, range(1, 5))
-    parts2, optimizers2, state2, manager2 = _job(tmp_path, interval=2, load_step=2)
+    parts2, optimizers2, state2, manager2 = _job(
+        tmp_path, interval=2, load_step=2, set_aside_newer=True
+    )
     manager2.load()
     train(parts2, optimizers2, 1, start=100)  # a different step 3 than the first run's
     train(parts2, optimizers2, 1, start=101)
@@ -101,7 +131,8 @@ def test_resaving_a_step_after_resuming_earlier_replaces_it(tmp_path):
     parts3, optimizers3, _, manager3 = _job(tmp_path, seed=2, interval=2)
     assert manager3.load() == 4
     assert_same(_snapshot(parts3, optimizers3), expected)
-    assert {p.name for p in (tmp_path / "checkpoint").iterdir()} == {"step-2", "step-4"}
+    names = {p.name for p in (tmp_path / "checkpoint").iterdir()}
+    assert {"step-2", "step-4"} < names and any(n.startswith("aside-") for n in names)
 
 
 def test_mismatched_checkpoint_is_refused_before_anything_changes(tmp_path):
@@ -140,7 +171,7 @@ def _async_round_trip(folder: str) -> dict:
         manager.maybe_save(step)  # returns at once; the previous save is published here
     manager.close()
     parts2, optimizers2, _, manager2 = _job(Path(folder), seed=4, interval=2, load_step=2)
-    manager2.load()
+    manager2.load(read_only=True)
     at_two = _snapshot(parts2, optimizers2)
     return {
         "two": at_two,
