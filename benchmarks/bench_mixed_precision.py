@@ -108,7 +108,7 @@ def child(kind: str, n: int, parts: int, steps: int) -> dict[str, float]:
             models, torch.optim.AdamW, kw, max_norm=1.0, settings=settings
         )
         optimizers, step = opt.optimizers, opt.step
-        masters = [m for _, m in opt._pairs]
+        masters = [m for o in opt for g in o.param_groups for m in g["params"]]
     else:
         masters = [p.detach().float() for p in params]
         opt = torch.optim.AdamW(masters, **kw)
