@@ -137,6 +137,8 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return 0
+        if not read_only:
+            self._prepare_folder()
         found = complete_checkpoints(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in found:
@@ -159,6 +161,25 @@ class CheckpointManager:
         dcp.load(self.states, checkpoint_id=path)
         logger.info("resumed from %s", path)
         return step
+
+    def _prepare_folder(self) -> None:
+        """Before step 1: the folder must be writable (not found out at the first save), and
+        `step-N.tmp` left by a run killed mid-save is removed."""
+        probe = self.folder / f".write-probe-{os.getpid()}"
+        try:  # on every rank, so all of them stop together
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(
+                f"[checkpoint] folder: {self.folder} is not writable ({e.strerror}); point "
+                "[job] dump_folder at a writable place or set [checkpoint] enable = false"
+            ) from None
+        if _rank0():
+            for stale in sorted(self.folder.glob("step-*.tmp")):
+                shutil.rmtree(stale, ignore_errors=True)
+                logger.warning("removed %s, left by a run stopped while saving", stale)
+        _barrier()
 
     def _protect_newer(self, step: int, newer: list[int]) -> None:
         """Refuse to train on from `step` over `newer` checkpoints, or move them aside."""

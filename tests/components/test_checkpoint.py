@@ -83,9 +83,19 @@ def test_half_written_and_unpublished_checkpoints_are_never_resumed(tmp_path):
 
     parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
     assert manager2.load() == 2
+    assert not (folder / "step-4.tmp").exists()  # a stale .tmp is removed at start
+    assert (folder / "step-6" / "__0_0.distcp").exists()  # not ours to judge: kept
     assert_same(_snapshot(parts2, optimizers2), expected)
     _train_and_save(manager2, parts2, optimizers2, state2, range(3, 5))
     assert not (folder / "step-4.tmp").exists() and list(complete_checkpoints(folder)) == [2, 4]
+
+
+def test_an_unwritable_folder_is_refused_before_step_one(tmp_path):
+    # A file where the folder should be: unwritable even for root (chmod is not).
+    (tmp_path / "checkpoint").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] folder: .* is not writable"):
+        _job(tmp_path)[3].load()
+    assert (tmp_path / "checkpoint").read_text() == "not a folder"
 
 
 def _tree_bytes(folder: Path) -> dict[str, bytes]:
