@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from config import ConfigError
+from config import ConfigError, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
 from containers import (
@@ -253,7 +253,6 @@ def build_optimizers(
     device = _device(model_parts)
     cls, kwargs = resolve_optimizer(cfg)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")
-    in_backward = cfg.early_step_in_backward or cfg.container == "in_backward"
     try:
         return _CONTAINERS[cfg.container](
             list(model_parts),
@@ -262,7 +261,7 @@ def build_optimizers(
             param_groups=_rules(cfg, cls, kwargs, device),
             precision=precision if precision is not None else build_precision(cfg),
             gate=gate,
-            timing=InBackward(gradient_accumulation_steps) if in_backward else None,
+            timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,
             max_norm=max_norm,
             **runtime,
         )
@@ -284,18 +283,13 @@ def _build_default(
     timing: Timing | None,
     max_norm: float | None,
 ) -> OptimizersContainer:
-    if isinstance(precision, MasterWeights):
-        return MixedPrecisionOptimizersContainer(
-            model_parts,
-            optimizer_cls,
-            optimizer_kwargs,
-            param_groups=param_groups,
-            precision=precision,
-            gate=gate,
-            timing=timing,
-            max_norm=max_norm or 0.0,
-        )
-    return OptimizersContainer(
+    # Master weights get the class that also offers offload() and the scaler's figures.
+    container = (
+        MixedPrecisionOptimizersContainer
+        if isinstance(precision, MasterWeights)
+        else OptimizersContainer
+    )
+    return container(
         model_parts,
         optimizer_cls,
         optimizer_kwargs,

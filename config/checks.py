@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from config.errors import ConfigError
 from config.job_config import JobConfig, Training
+from config.job_config import Optimizer as OptimizerConfig
 
 __all__ = ["accumulation_steps", "cross_check", "steps_in_backward"]
 
 
-def steps_in_backward(cfg: JobConfig) -> bool:
-    """Whether the job's container steps units inside backward."""
-    return cfg.optimizer.early_step_in_backward or cfg.optimizer.container == "in_backward"
+def steps_in_backward(cfg: OptimizerConfig) -> bool:
+    """Whether the `[optimizer]` section asks for units stepped inside backward."""
+    return cfg.early_step_in_backward or cfg.container == "in_backward"
 
 
 def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
@@ -56,7 +57,7 @@ def cross_check(cfg: JobConfig) -> None:
             f"[mixed_precision] initial_scale = {mp.initial_scale!r}: must lie within "
             f"min_scale = {mp.min_scale!r} and max_scale = {mp.max_scale!r}; adjust one of them"
         )
-    if steps_in_backward(cfg):
+    if steps_in_backward(cfg.optimizer):
         problems += _in_backward_conflicts(cfg)
     container = cfg.optimizer.container
     if container == "fault_tolerant" and not ft.enable:

@@ -261,7 +261,7 @@ class OptimizersContainer(Optimizer, Stateful):
             norm = self.precision.grad_norm(params)
             value = norm.item()  # the one host sync of a step
         if not self.gate.commit():
-            return StepReport(committed=False, skipped="not committed by torchft", grad_norm=value)
+            return StepReport(committed=False, skipped=self.gate.refusal, grad_norm=value)
         finite = value is None or math.isfinite(value) or not self.precision.skips_nonfinite
         self.precision.decided(applied=finite)
         if not finite:

@@ -32,6 +32,8 @@ class TorchFTGate(Gate):
         manager: the replica group's `torchft.Manager`.
     """
 
+    refusal = "not committed by torchft"
+
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
 

@@ -61,6 +61,7 @@ class MasterWeights(Precision):
         self.compile = self.settings.compile
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
+        self._sharded = False  # any DTensor parameter: the norm needs a collective
         self._unscale = 1.0
 
     def in_backward_conflict(self) -> str | None:
@@ -83,10 +84,8 @@ class MasterWeights(Precision):
             )
         master = param.detach().to(self.master_dtype)
         self._model_param[id(master)] = param
+        self._sharded |= isinstance(param, DTensor)
         return master
-
-    def model_param(self, stepped: torch.Tensor) -> torch.Tensor:
-        return self._model_param[id(stepped)]
 
     def _pairs(self, optimizers: Sequence[Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, master) of `optimizers`' parameters that have a gradient."""
@@ -121,8 +120,7 @@ class MasterWeights(Precision):
             total_sq = torch.stack(norms).square().sum()
         else:
             total_sq = torch.zeros(())
-        sharded = any(isinstance(p, DTensor) for p in self._model_param.values())
-        if sharded and dist.is_initialized():
+        if self._sharded and dist.is_initialized():
             # Shards of every mesh in one sum; the sum of squares of inf/nan stays non-finite.
             dist.all_reduce(total_sq)
         return total_sq.sqrt() * self._unscale
@@ -275,7 +273,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         settings: the `[mixed_precision]` settings; default `config.MixedPrecision()`.
         precision: a `MasterWeights` built already (e.g. the one the model was cast with);
             replaces `settings`.
-        max_norm: clip the global gradient norm to this; 0 leaves gradients unclipped.
+        max_norm: clip the global gradient norm to this; 0 or None leaves gradients
+            unclipped (the norm is measured either way, for the overflow check).
         gate: whether a step commits (e.g. `containers.TorchFTGate`).
         timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
     """
@@ -289,7 +288,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         param_groups: Sequence[ParamGroupRule] = (),
         settings: MixedPrecisionConfig | None = None,
         precision: MasterWeights | None = None,
-        max_norm: float = 0.0,
+        max_norm: float | None = 0.0,
         gate: Gate | None = None,
         timing: Timing | None = None,
     ) -> None:

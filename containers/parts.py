@@ -83,10 +83,6 @@ class Precision:
         """The tensor the inner optimizer steps for the model parameter `param`."""
         return param
 
-    def model_param(self, stepped: torch.Tensor) -> torch.Tensor:
-        """The model parameter whose gradient `stepped` is updated from."""
-        return stepped
-
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
@@ -147,6 +143,9 @@ class Precision:
 
 class Gate:
     """No gate: every step commits."""
+
+    refusal = "not committed"
+    """What `StepReport.skipped` says when `commit()` returns False."""
 
     def in_backward_conflict(self) -> str | None:
         return None
