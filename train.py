@@ -1,9 +1,13 @@
 """Train a model with an OptimizersContainer, with DCP checkpoints that resume and reshard.
 
-    torchrun --standalone --nproc_per_node 2 train.py --job.config_file config/debug.toml
-    python train.py --job.config_file config/debug.toml --training.steps 20   # one process
+    python train.py --nproc_per_node 2 --job.config_file config/debug.toml     # 2 ranks
+    python train.py --job.config_file config/debug.toml --training.steps 20     # one process
+    torchrun --standalone --nproc_per_node 2 train.py --job.config_file ...     # works too
 
-gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`.
+gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`. The built-in
+launcher (`components.launcher`) checks the config once before any rank starts and exits 0
+when a signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM or
+SIGINT: every rank finishes its step, saves and exits 0; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -16,17 +20,24 @@ import torch
 import torch.distributed as dist
 
 from components.job import build_job
+from components.launcher import launch, split_nproc
 from components.metrics import MetricsLogger, param_checksum
+from components.preemption import StopRequest, watch_parent
 from config import ConfigError, load_job_config
 
 logger = logging.getLogger("train")
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """Train; return the exit code (0 done or stopped by a signal and saved, 1 diverged)."""
+    watch_parent()
+    stop = StopRequest()
     # -- config and build -------------------------------------------------------------------
     cfg = load_job_config(argv)
     job = build_job(cfg)
     logging.getLogger().setLevel(logging.INFO if job.rank == 0 else logging.WARNING)
+    # What every rank agrees on is said once, by rank 0.
+    warn, fail = (logger.warning, logger.error) if job.rank == 0 else (logger.debug, logger.debug)
     job.checkpoint.load()
     optimizers, state, steps = job.optimizers, job.train_state, cfg.training.steps
     metrics = MetricsLogger(
@@ -54,12 +65,15 @@ def main(argv: list[str]) -> None:
         )
 
     # -- train ------------------------------------------------------------------------------
+    retry = None  # the micro-batches of a step the gate did not commit: run again as they are
+    skipped_in_a_row: list[int] = []
+    exit_code = 0
     while state.step < steps:
         start = time.perf_counter()
+        batches = retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
         optimizers.zero_grad()
         loss_sum = torch.zeros((), device=job.device)
-        for _ in range(job.accumulation_steps):
-            inputs, labels = next(job.dataloader)
+        for inputs, labels in batches:
             h = inputs.to(job.device)
             for part in job.model_parts:
                 h = part(h)
@@ -68,34 +82,90 @@ def main(argv: list[str]) -> None:
             loss_sum += loss.detach()
         optimizers.step()  # averages across replica groups, clips, decides, applies
         report = optimizers.last_report
-        if not report.committed:
+        if not report.committed and not report.nonfinite:
+            retry = batches
             logger.warning(
-                "step %d was not applied (%s); running it again", state.step + 1, report.skipped
+                "step %d was not committed (%s); running it again on the same batch",
+                state.step + 1,
+                report.skipped,
             )
             continue
+        retry = None
         state.step += 1
         lr = job.lr_schedulers.get_last_lr()  # read after step(): healing may have replaced it
-        job.lr_schedulers.step()
+        if report.committed:
+            job.lr_schedulers.step()
+            skipped_in_a_row.clear()
+        else:
+            state.skipped_steps += 1
+            skipped_in_a_row.append(state.step)
+            warn(
+                "step %d skipped: %s; weights, optimizer state and lr schedule unchanged, its "
+                "batch spent",
+                state.step,
+                report.skipped,
+            )
+        # One collective for the loss and for a stop signal that reached any rank.
+        shared = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=job.device)])
         if job.world_size > 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            dist.all_reduce(shared)
+            shared[0] /= job.world_size
         extra = report.metrics()
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)
         elapsed = time.perf_counter() - start
-        metrics.log(state.step, loss_sum.item(), elapsed, job.tokens_per_step, lr=lr, **extra)
-        job.checkpoint.maybe_save(state.step)
+        metrics.log(
+            state.step,
+            shared[0].item(),
+            elapsed,
+            job.tokens_per_step,
+            lr=lr,
+            skipped_steps=state.skipped_steps,
+            **extra,
+        )
+        stopping = shared[1].item() > 0
+        job.checkpoint.maybe_save(state.step, force=stopping)
+        if stopping:
+            warn(
+                "stopped by %s at step %d of %d%s; the same command resumes",
+                stop.signal.name if stop.signal else "a signal to another rank",
+                state.step,
+                steps,
+                f", saved in {job.checkpoint.folder}"
+                if cfg.checkpoint.enable
+                else " (checkpoint.enable = false: nothing saved)",
+            )
+            break
+        if len(skipped_in_a_row) >= cfg.training.max_consecutive_skips:
+            fail(
+                "steps %d-%d were all skipped for non-finite numbers ([training] "
+                "max_consecutive_skips = %d): stopping; the checkpoints in %s hold only "
+                "finite values (lower [optimizer] lr, or resume an earlier step)",
+                skipped_in_a_row[0],
+                skipped_in_a_row[-1],
+                cfg.training.max_consecutive_skips,
+                job.checkpoint.folder,
+            )
+            exit_code = 1
+            break
 
     # -- close ------------------------------------------------------------------------------
-    if cfg.checkpoint.export_model:
+    if cfg.checkpoint.export_model and state.step >= steps:
         job.checkpoint.export_model(job.model_parts, state.step)
     metrics.close()
     job.close()
+    stop.close()
+    return exit_code
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        main(sys.argv[1:])
+        nproc, args = split_nproc(sys.argv[1:])
+        if nproc is None:
+            sys.exit(main(args))
+        load_job_config(args)  # a bad config is found before any rank starts
+        sys.exit(launch(__file__, nproc, args))
     except ConfigError as e:
         logger.error("error: %s", e)
         sys.exit(2)

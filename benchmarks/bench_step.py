@@ -225,7 +225,15 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
     cfg = OptimizerConfig()
     kw = resolve_optimizer(cfg)[1]  # the hyperparameters build_optimizers uses
 
-    container = OptimizersContainer(clone_model(model), torch.optim.AdamW, {**kw, "fused": True})
+    def make(**options: Any) -> OptimizersContainer:
+        return OptimizersContainer(
+            clone_model(model), torch.optim.AdamW, {**kw, "fused": True}, **options
+        )
+
+    container = make()  # skips non-finite steps: measures the global norm, one host sync
+    unchecked = make(skip_nonfinite=False)
+    clipped = make(max_norm=1.0)  # the trainer's default: the norm is measured anyway
+    clipped_unchecked = make(max_norm=1.0, skip_nonfinite=False)
     per_part = [
         torch.optim.AdamW(part.parameters(), **kw, fused=True) for part in clone_model(model)
     ]
@@ -241,6 +249,9 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
     t = time_interleaved(
         {
             "container": container.step,
+            "unchecked": unchecked.step,
+            "clipped": clipped.step,
+            "clipped_unchecked": clipped_unchecked.step,
             "per_part": step_per_part,
             "auto": auto.step,
             "fused": fused.step,
@@ -278,7 +289,21 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
             notes=f"{settings.parts} x AdamW(fused=True)",
         ),
         ratio_row(
-            "1 OptimizersContainer.step() / per-part loop", t["container"], t["per_part"], 1.05
+            "1 container, skip_nonfinite=False / per-part loop",
+            t["unchecked"],
+            t["per_part"],
+            1.05,
+        ),
+        ratio_row(
+            "1 container (finite check: norm + 1 sync) / per-part loop",
+            t["container"],
+            t["per_part"],
+        ),
+        ratio_row(
+            "1 max_norm=1: finite check / none (norm measured anyway)",
+            t["clipped"],
+            t["clipped_unchecked"],
+            1.05,
         ),
         Row("2 AdamW(fused=True), one optimizer", median_ms(t["fused"]), notes="baseline"),
         Row("2 AdamW(foreach=True), one optimizer", median_ms(t["foreach"]), notes="baseline"),

@@ -55,16 +55,23 @@ class ModelWrapper(Stateful):
 
 
 class TrainState(Stateful):
-    """The step counter and the CPU RNG state."""
+    """The step counter (batches spent, skipped steps included), the steps skipped for
+    non-finite numbers, and the CPU RNG state."""
 
     def __init__(self) -> None:
         self.step = 0
+        self.skipped_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "rng": torch.get_rng_state()}
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "rng": torch.get_rng_state(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
         torch.set_rng_state(state_dict["rng"])
 
 
@@ -230,13 +237,14 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------
 
-    def maybe_save(self, step: int) -> None:
-        """Save at multiples of `interval` and at the last step; finish earlier async saves."""
+    def maybe_save(self, step: int, force: bool = False) -> None:
+        """Save at multiples of `interval`, at the last step and when `force`d; finish earlier
+        async saves."""
         if not self.cfg.enable:
             return
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
-        if step % self.cfg.interval and step != self.total_steps:
+        if step % self.cfg.interval and step != self.total_steps and not force:
             return
         self._finish_pending()
         tmp = self.folder / f"step-{step}.tmp"

@@ -151,6 +151,10 @@ class Training:
     max_norm: float = bounded(1.0, ge=0.0)
     """Global gradient-norm clip threshold; 0 disables clipping."""
 
+    max_consecutive_skips: int = bounded(10, ge=1)
+    """Steps skipped in a row for a non-finite loss or gradients (weights, optimizer state
+    and lr schedule left unchanged, the batch spent) before the run stops with exit code 1."""
+
     seed: int = bounded(0, ge=0)
     """Seed for model init and data order."""
 

@@ -3,12 +3,16 @@
 Every variant is this class with other parts plugged in (`containers.parts`): one step,
 
     prepare   gate.reduce_gradients            average across replica groups (torchft)
-    measure   precision.grad_norm, one sync    only when clipping or skipping non-finite steps
+    measure   precision.grad_norm, one sync    the global norm: for clipping and the finite check
     decide    gate.commit, finite check        a skipped step changes nothing
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
 
-run in `step()` after backward, or unit by unit inside backward (`containers.in_backward`).
+run in `step()` after backward, or unit by unit inside backward (`containers.in_backward`),
+where each unit checks its own gradients and a non-finite unit is skipped.
+
+A non-finite loss passed to `backward()` turns every gradient it reaches into NaN (a
+multiply by a scalar factor, no host sync), so the one norm check catches it too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
@@ -28,7 +33,7 @@ from torch.optim import Optimizer
 
 from containers.flat_state import PG, STATE, flatten_into, initial_states, plan_load
 from containers.param_groups import ParamGroupRule, assign
-from containers.parts import Gate, Named, Precision, StepReport, Timing
+from containers.parts import Gate, Named, Precision, StepReport, Timing, all_finite
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
@@ -71,7 +76,10 @@ class OptimizersContainer(Optimizer, Stateful):
         gate: whether a step commits (default: always).
         timing: when units apply (default: after backward, in `step()`).
         max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
-            None (default) neither measures nor clips.
+            None (default) does not clip.
+        skip_nonfinite: skip a step whose loss (given to `backward`) or gradients hold inf
+            or NaN, so that none reaches the weights or the optimizer state; costs one host
+            sync per step (per unit inside backward) where nothing else needs the norm.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class OptimizersContainer(Optimizer, Stateful):
         gate: Gate | None = None,
         timing: Timing | None = None,
         max_norm: float | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         self.model_parts = list(model_parts)
         if not self.model_parts or not all(isinstance(m, nn.Module) for m in self.model_parts):
@@ -97,6 +106,8 @@ class OptimizersContainer(Optimizer, Stateful):
         self.gate = gate if gate is not None else Gate()
         self.timing = timing if timing is not None else Timing()
         self.max_norm = max_norm
+        self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
+        self._skipped_units = 0
         self._refuse_impossible_composition()
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, self._trainable())
@@ -196,6 +207,11 @@ class OptimizersContainer(Optimizer, Stateful):
         return self.precision.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`, scaled; a non-finite loss makes every gradient NaN, so the
+        step that follows is skipped (where `skip_nonfinite`)."""
+        if self.skip_nonfinite:
+            finite = loss.detach().isfinite()
+            loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
         self.scale_loss(loss).backward()
 
     # -- the torch.optim.Optimizer contract ------------------------------------------------
@@ -248,7 +264,7 @@ class OptimizersContainer(Optimizer, Stateful):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:
                 self._with_hooks(lambda: self.timing.finish(self))
-                self.last_report = StepReport(**self.precision.report())
+                self.last_report = self._report_units()
             else:
                 self.last_report = self._step_after_backward()
         return loss
@@ -257,17 +273,18 @@ class OptimizersContainer(Optimizer, Stateful):
         params = [p for unit in self.units for p in unit.params if p.grad is not None]
         self.gate.reduce_gradients(params)
         norm, value = None, None
-        if self.max_norm is not None or self.precision.skips_nonfinite:
+        if self.max_norm is not None or self.skip_nonfinite:
             norm = self.precision.grad_norm(params)
             value = norm.item()  # the one host sync of a step
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal, grad_norm=value)
-        finite = value is None or math.isfinite(value) or not self.precision.skips_nonfinite
+        finite = value is None or math.isfinite(value) or not self.skip_nonfinite
         self.precision.decided(applied=finite)
         if not finite:
             return StepReport(
                 committed=False,
-                skipped="non-finite gradients",
+                skipped=f"non-finite loss or gradients (global norm {value})",
+                nonfinite=True,
                 grad_norm=value,
                 **self.precision.report(),
             )
@@ -290,10 +307,35 @@ class OptimizersContainer(Optimizer, Stateful):
             hook(self, args, kwargs)
 
     def apply_unit(self, unit: Unit) -> None:
-        """Step one unit now and drop its gradients (timings that apply inside backward)."""
-        self.precision.apply(unit.optimizers)
+        """Step one unit now, unless its gradients are non-finite, and drop its gradients
+        (timings that apply inside backward)."""
+        grads = [p.grad for p in unit.params if p.grad is not None]
+        if self.skip_nonfinite and not all_finite(grads):
+            self._skipped_units += 1
+        else:
+            self.precision.apply(unit.optimizers)
         for p in unit.params:
             p.grad = None
+
+    def _report_units(self) -> StepReport:
+        """The report of a step applied unit by unit: skipped if any unit on any rank was."""
+        skipped = self._skipped_units
+        self._skipped_units = 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Ranks hold different shards: they must agree, or their trainers would part ways.
+            device = self.units[0].params[0].device
+            count = torch.tensor(float(skipped), device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            skipped = int(count.item())
+        if not skipped:
+            return StepReport(**self.precision.report())
+        others = " (the others applied)" if skipped < len(self.units) else ""
+        return StepReport(
+            committed=False,
+            skipped=f"non-finite loss or gradients in {skipped} of {len(self.units)} units{others}",
+            nonfinite=True,
+            **self.precision.report(),
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with record_function(self._zero_grad_profile_name):
@@ -302,6 +344,7 @@ class OptimizersContainer(Optimizer, Stateful):
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)
             self.timing.on_zero_grad()
+            self._skipped_units = 0
 
     # -- flat FQN-keyed state dict -----------------------------------------------------------
 

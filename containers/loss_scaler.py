@@ -28,12 +28,10 @@ class LossScaler:
         self.min_scale, self.max_scale = s.min_scale, s.max_scale
         self.good_steps = 0
         self.overflows_left = s.hysteresis
-        self.skipped_steps = 0
 
     def update(self, overflow: bool) -> None:
         """Record one step's outcome and adapt the scale."""
         if overflow:
-            self.skipped_steps += 1
             self.good_steps = 0
             if self.mode != "dynamic":
                 return
@@ -51,7 +49,7 @@ class LossScaler:
             self.overflows_left = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
-        keys = ("scale", "good_steps", "overflows_left", "skipped_steps")
+        keys = ("scale", "good_steps", "overflows_left")
         return {k: getattr(self, k) for k in keys}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

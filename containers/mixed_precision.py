@@ -47,8 +47,6 @@ class MasterWeights(Precision):
         settings: the `[mixed_precision]` settings (dtypes, loss scaling, compile).
     """
 
-    skips_nonfinite = True
-
     def __init__(self, settings: MixedPrecisionConfig | None = None) -> None:
         self.settings = settings if settings is not None else MixedPrecisionConfig()
         self.param_dtype = getattr(torch, self.settings.param_dtype)
@@ -63,6 +61,10 @@ class MasterWeights(Precision):
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._sharded = False  # any DTensor parameter: the norm needs a collective
         self._unscale = 1.0
+
+    @property
+    def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
+        return self.scaler.mode != "none"
 
     def in_backward_conflict(self) -> str | None:
         if self.scaler.mode != "none":
@@ -128,9 +130,6 @@ class MasterWeights(Precision):
     def decided(self, applied: bool) -> None:
         self.scaler.update(overflow=not applied)
         if not applied:
-            logger.warning(
-                "non-finite gradients: step skipped, loss scale now %g", self.scaler.scale
-            )
             for p in self._model_param.values():
                 p.grad = None
 
@@ -171,7 +170,7 @@ class MasterWeights(Precision):
                     p.grad.zero_()
 
     def report(self) -> dict[str, Any]:
-        return {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped_steps}
+        return {"loss_scale": self.scaler.scale}
 
     # -- state: masters and scaler beside the optimizer state --------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -28,7 +29,7 @@ from torch.optim import Optimizer
 if TYPE_CHECKING:
     from containers.base import OptimizersContainer
 
-__all__ = ["Gate", "Named", "Precision", "StepReport", "Timing"]
+__all__ = ["Gate", "Named", "Precision", "StepReport", "Timing", "all_finite", "params_with_grad"]
 
 Named = list[tuple[str, torch.Tensor]]
 """(FQN, parameter) pairs of one model part or one unit."""
@@ -39,10 +40,15 @@ class StepReport:
     """What one `step()` did, for the trainer to log as it is."""
 
     committed: bool = True
-    """Whether the step counts (False: nothing changed; the trainer runs the step again)."""
+    """Whether the step was applied (False: nothing changed, except, inside backward, the
+    units whose gradients were finite)."""
 
     skipped: str | None = None
     """Why the step was not applied, if it was not."""
+
+    nonfinite: bool = False
+    """Skipped for a non-finite loss or gradients: the batch is spent (running it again
+    would give the same), unlike a step the gate did not commit, which the trainer retries."""
 
     grad_norm: float | None = None
     """Global gradient norm before clipping (unscaled); None where it was not measured."""
@@ -50,13 +56,32 @@ class StepReport:
     loss_scale: float | None = None
     """The loss scale the next backward uses, for precisions that scale the loss."""
 
-    skipped_steps: int | None = None
-    """Steps skipped for non-finite gradients so far, for precisions that skip them."""
-
     def metrics(self) -> dict[str, float]:
         """The numeric fields that were measured, by name."""
-        fields = ("grad_norm", "loss_scale", "skipped_steps")
+        fields = ("grad_norm", "loss_scale")
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
+
+
+@torch.no_grad()
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of `tensors` is finite, agreed by every rank that holds a shard
+    of them (the DTensors' mesh): one fused pass, one collective, one host sync for the list.
+    """
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [t for t in local if t.numel()]
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    device = local[0].device if local else torch.device(mesh.device_type if mesh else "cpu")
+    flag = torch.zeros((), device=device)
+    if local:
+        # The max-abs norm cannot overflow, and NaN propagates through it.
+        norms = torch.stack(torch._foreach_norm(local, float("inf")))
+        flag = (~norms.isfinite().all()).to(torch.float32)
+    if mesh is None:
+        return not bool(flag)
+    # Every rank of the mesh takes part, an empty shard too: the decision must be the same.
+    for dim in range(mesh.ndim):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return not bool(flag)
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
@@ -69,8 +94,9 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters."""
 
-    skips_nonfinite = False
-    """Whether a step with non-finite gradients is skipped (and the norm always measured)."""
+    must_skip_nonfinite = False
+    """Whether steps with non-finite gradients must be skipped even where the container
+    would apply them (loss scaling finds its overflows this way)."""
 
     def in_backward_conflict(self) -> str | None:
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from config import ConfigError
-from tests.harness.dist import REPO, kill_tree, launch, run_ranks
+from tests.harness.dist import REPO, finish, kill_tree, launch, run_ranks, start, worker_pids
+from tests.harness.ftjob import FTJob
 from tests.harness.helpers import load_job_state
 
 BASE = [
@@ -207,3 +209,140 @@ def test_accumulation_follows_the_global_batch_across_ranks_and_replica_groups()
         accumulation_steps(
             load_job_config([*argv, "--training.gradient_accumulation_steps", "3"]).training, 2
         )
+
+
+# -- non-finite numbers ---------------------------------------------------------------------
+
+
+def _checkpoint_tensors(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+@pytest.mark.parametrize(
+    "config", ["config/debug.toml", "config/in_backward.toml", "config/mixed_precision.toml"]
+)
+def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(tmp_path, config):
+    dump = tmp_path / "run"
+    args = [*BASE, "--job.config_file", config, "--job.dump_folder", str(dump)]
+    args += ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+    args += ["--training.steps", "40", "--training.max_consecutive_skips", "3"]
+    args += ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
+    result = launch(2, args)
+    assert result.returncode == 1, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "steps 2-4 were all skipped" in errors[0], result.stdout[-3000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # strict JSON: NaN is null
+    assert rows[1]["loss"] is None and rows[-1]["skipped_steps"] == 3
+    steps = sorted((dump / "checkpoint").glob("step-*"))
+    assert [p.name for p in steps] == ["step-1", "step-2", "step-3", "step-4"]
+    first = _checkpoint_tensors(steps[0], tmp_path)
+    for step_dir in steps:
+        tensors = _checkpoint_tensors(step_dir, tmp_path)
+        assert all(t.isfinite().all() for t in tensors.values()), step_dir
+        # A skipped step changes no weight and no optimizer state.
+        assert all(torch.equal(t, first[k]) for k, t in tensors.items() if "rng" not in k)
+
+
+# -- preemption -----------------------------------------------------------------------------
+
+LONG = ["--training.steps", "150", "--checkpoint.interval", "1000", "--metrics.log_freq", "1"]
+
+
+def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int = 3) -> None:
+    deadline = time.monotonic() + 120
+    while not (dump / "metrics.jsonl").exists() or len(_losses(dump)) < steps:
+        assert proc.poll() is None and time.monotonic() < deadline, "it did not train"
+        time.sleep(0.02)
+
+
+def _stop_while_training(dump: Path, signal_to: str) -> tuple[subprocess.CompletedProcess, int]:
+    """Start a 2-rank run, send SIGTERM to `signal_to` once it trains: "launcher" (train.py's
+    own) or "rank1" (under torchrun, which exits 1 when signalled itself)."""
+    args = [*BASE, "--job.dump_folder", str(dump), *LONG]
+    proc = start(2, args, torchrun=signal_to != "launcher")
+    try:
+        _wait_for_steps(proc, dump)
+        pid = proc.pid if signal_to == "launcher" else worker_pids(proc.pid)[1]
+        os.kill(pid, signal.SIGTERM)
+        result = finish(proc, timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    return result, max(_losses(dump))
+
+
+@pytest.mark.parametrize("signal_to", ["launcher", "rank1"])
+def test_sigterm_saves_the_step_reached_exits_0_and_the_same_command_resumes_bitwise(
+    tmp_path, signal_to
+):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _run(2, ref, *LONG)
+    result, reached = _stop_while_training(run, signal_to)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert reached < 150 and (run / "checkpoint" / f"step-{reached}").is_dir()
+    lines = [line for line in result.stdout.splitlines() if "stopped by" in line]
+    assert len(lines) == 1 and f"at step {reached} of 150" in lines[0], result.stdout[-3000:]
+    out = _run(2, run, *LONG)
+    assert f"step-{reached}" in out
+    assert _losses(run) == _losses(ref)  # bitwise, every step
+
+
+def _ft_losses(folder: Path, script: tuple[str, ...]) -> tuple[dict[int, float], str]:
+    job = FTJob(folder, steps=6, extra=["--fault_tolerance.group_size", "1"])
+    try:
+        job.start_replica(0, script)
+        assert job.wait_exit("replica_0", timeout=180) == 0, job.log("replica_0")[-3000:]
+    finally:
+        job.close()
+    return {s: row["loss"] for s, row in job.metrics(0).items()}, job.log("replica_0")
+
+
+def test_a_step_torchft_does_not_commit_is_retried_on_the_same_batch_bitwise(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    clean, _ = _ft_losses(tmp_path / "a", ("train.py",))
+    retried, log = _ft_losses(tmp_path / "b", ("-m", "tests.harness.noncommit", "3"))
+    assert "step 3 was not committed" in log and "running it again on the same batch" in log
+    assert sorted(clean) == list(range(1, 7)) and retried == clean  # bitwise
+
+
+@pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "train.py"])
+def test_sigkill_of_the_launcher_alone_leaves_no_rank_alive(tmp_path, torchrun):
+    proc = start(2, [*BASE, "--job.dump_folder", str(tmp_path), *LONG], torchrun=torchrun)
+    ranks: dict[int, int] = {}
+    try:
+        _wait_for_steps(proc, tmp_path)
+        ranks = worker_pids(proc.pid)
+        assert len(ranks) == 2
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: ranks run in their own sessions
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks.values()):
+            assert time.monotonic() < deadline, "a rank outlived its launcher by 10 s"
+            time.sleep(0.05)
+    finally:
+        kill_tree(proc.pid)
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False

@@ -18,7 +18,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from containers import OptimizersContainer, ParamGroupRule
+from containers import (
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+    OptimizersInBackwardContainer,
+    ParamGroupRule,
+)
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import assert_same, batch, forward, full, three_parts, train
 
@@ -340,3 +345,103 @@ def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
 
     for world_size in (2, 3):
         assert_same(run_ranks(world_size, _load_sharded, path)[0], saved)
+
+
+# -- non-finite steps are skipped -----------------------------------------------------------
+
+
+def _container(kind: str, parts: list[nn.Module]) -> OptimizersContainer:
+    if kind == "mixed_precision":
+        return MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    if kind == "in_backward":
+        return OptimizersInBackwardContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    return OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, max_norm=1.0)
+
+
+def _skip_run(kind: str, poison_step: int | None, drop_step: int | None) -> dict:
+    """Six steps on FSDP2 ranks; at `poison_step` rank 1's loss is NaN, at `drop_step` the
+    batch is drawn but never used (the run without that step's update)."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parts = three_parts()
+    for part in parts:
+        if kind == "mixed_precision":
+            part.to(torch.bfloat16)
+        fully_shard(part, mesh=mesh)
+    opt = _container(kind, parts)
+    reports = []
+    for step in range(6):
+        x = batch(step, rank)
+        if step == drop_step:
+            continue
+        opt.zero_grad()
+        loss = forward(parts, x.to(parts[0].embed.weight.dtype)).float().square().mean()
+        if step == poison_step and rank == 1:
+            loss = loss * torch.tensor(float("nan"))
+        opt.backward(loss)
+        opt.step()
+        reports.append(opt.last_report)
+    state = {k: full(v) for k, v in opt.state_dict().items()}
+    params = {k: full(v) for part in parts for k, v in part.state_dict().items()}
+    return {"reports": reports, "state": state, "params": params}
+
+
+def _skip_pair(kind: str) -> tuple[dict, dict]:
+    return _skip_run(kind, poison_step=2, drop_step=None), _skip_run(kind, None, drop_step=2)
+
+
+@pytest.mark.parametrize("kind", ["default", "in_backward", "mixed_precision"])
+def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_bitwise(kind):
+    for poisoned, dropped in run_ranks(2, _skip_pair, kind):
+        skipped = poisoned["reports"].pop(2)
+        assert not skipped.committed and skipped.nonfinite, skipped
+        assert all(r.committed for r in poisoned["reports"] + dropped["reports"])
+        assert_same(poisoned["params"], dropped["params"])
+        assert_same(poisoned["state"], dropped["state"])
+        assert all(
+            v.isfinite().all() for v in poisoned["state"].values() if isinstance(v, torch.Tensor)
+        )
+
+
+def test_in_backward_skips_only_the_units_whose_gradients_are_not_finite():
+    parts, ref_parts = three_parts(), three_parts()
+    opt = OptimizersInBackwardContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    ref = OptimizersInBackwardContainer(ref_parts, torch.optim.AdamW, {"lr": 1e-2})
+    mid = parts[1].mid.weight
+    handle = mid.register_hook(lambda g: g * float("nan"))
+    for model, o in ((parts, opt), (ref_parts, ref)):
+        o.zero_grad()
+        o.backward(forward(model, batch(0)).square().mean())
+        o.step()
+    handle.remove()
+    report = opt.last_report
+    assert (
+        not report.committed
+        and report.nonfinite
+        and f"1 of {len(opt.units)} units" in report.skipped
+    )
+    stepped = {k: v for k, v in parts[1].state_dict().items()}
+    assert torch.equal(stepped["mid.weight"], three_parts()[1].mid.weight)  # skipped
+    assert torch.equal(stepped["mid.bias"], three_parts()[1].mid.bias)  # same unit: skipped
+    assert not opt.state.get(mid)
+    assert_same(parts[0].state_dict(), ref_parts[0].state_dict())  # other units applied
+    assert_same(parts[2].state_dict(), ref_parts[2].state_dict())
+
+
+def test_backward_through_the_container_is_bitwise_plain_backward_when_finite():
+    parts, ref_parts = three_parts(), three_parts()
+    opt = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    opt.backward(forward(parts, batch(0)).square().mean())
+    forward(ref_parts, batch(0)).square().mean().backward()
+    for p, q in zip(
+        (p for m in parts for p in m.parameters()), (q for m in ref_parts for q in m.parameters())
+    ):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_without_skip_nonfinite_a_nan_gradient_reaches_the_weights():
+    parts = three_parts()
+    opt = OptimizersContainer(parts, torch.optim.SGD, {"lr": 1e-2}, skip_nonfinite=False)
+    opt.backward(forward(parts, batch(0)).square().mean() * float("inf"))
+    opt.step()
+    assert opt.last_report.committed and parts[2].head.weight.isnan().any()

@@ -62,7 +62,7 @@ def test_non_finite_gradients_skip_the_step_and_back_off(dtype, bad):
     parts[1].mid.weight.grad[0, 0] = bad  # a single bad element (0 * inf = nan must not hide it)
     mp.step()
     assert mp.last_step_skipped and not mp.last_step_committed
-    assert mp.loss_scale == 512.0 and mp.scaler.skipped_steps == 1
+    assert mp.loss_scale == 512.0 and mp.last_report.nonfinite
     state, params = _snapshot(parts, mp)
     optimizer_state = {k: v for k, v in state.items() if not k.startswith("loss_scaler.")}
     assert_same(optimizer_state, {k: v for k, v in before[0].items() if k in optimizer_state})
@@ -83,7 +83,7 @@ def test_scale_grows_after_the_interval_and_hysteresis_delays_backoff():
         assert scaler.scale == expected
     static = LossScaler(MP(loss_scaling="static", initial_scale=4.0))
     static.update(True)
-    assert static.scale == 4.0 and static.skipped_steps == 1
+    assert static.scale == 4.0 and static.good_steps == 0
     assert LossScaler(MP(loss_scaling="none", initial_scale=4.0)).scale == 1.0
     # "auto": dynamic for fp16; none for bf16, whose range needs no scale
     assert LossScaler(MP(), fp16=True).mode == "dynamic"

@@ -111,17 +111,20 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None = None) -> Any:
-    """Run `train.py args` under torchrun with `nproc` processes (or plainly if 0).
-
-    Returns the CompletedProcess; the whole process group is killed on timeout.
+def start(
+    nproc: int, args: list[str], env: dict | None = None, torchrun: bool = True
+) -> subprocess.Popen:
+    """Start `train.py args` with `nproc` ranks under torchrun (or train.py's own launcher),
+    or plainly if 0, in a session of its own, its output (stdout and stderr) in `proc.stdout`.
     """
-    if nproc:
+    if nproc and torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc_per_node={nproc}", "train.py", *args]
+    elif nproc:
+        cmd = [sys.executable, "train.py", f"--nproc_per_node={nproc}", *args]
     else:
         cmd = [sys.executable, "train.py", *args]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -130,17 +133,49 @@ def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None
         start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Wait for `proc` (from `start`); on timeout kill its process group and raise."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
-        raise RuntimeError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+        raise RuntimeError(f"{proc.args} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process descended from it (torchrun's workers included)."""
+def launch(
+    nproc: int,
+    args: list[str],
+    timeout: float = 240.0,
+    env: dict | None = None,
+    torchrun: bool = True,
+) -> Any:
+    """Run `train.py args` as `start` does and wait for it: the CompletedProcess.
+
+    The whole process tree is killed on timeout.
+    """
+    return finish(start(nproc, args, env, torchrun), timeout)
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """The processes below `launcher` that run train.py as a rank: rank -> pid."""
+    found = {}
+    for pid in _descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and pid != launcher:
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process descended from it, parents first."""
     children: dict[int, list[int]] = {}
     for stat in os.listdir("/proc"):
         if stat.isdigit():
@@ -154,7 +189,12 @@ def kill_tree(pid: int) -> None:
     while todo:
         tree.append(todo.pop())
         todo.extend(children.get(tree[-1], []))
-    for p in reversed(tree):  # workers first, so none outlives its launcher
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process descended from it (torchrun's workers included)."""
+    for p in reversed(_descendants(pid)):  # workers first, so none outlives its launcher
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

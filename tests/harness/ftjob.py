@@ -66,8 +66,8 @@ class FTJob:
         )
         log.close()
 
-    def start_replica(self, replica: int) -> None:
-        cmd = [sys.executable, "train.py", *self.args]
+    def start_replica(self, replica: int, script: tuple[str, ...] = ("train.py",)) -> None:
+        cmd = [sys.executable, *script, *self.args]
         cmd += ["--fault_tolerance.replica_id", str(replica)]
         cmd += ["--fault_tolerance.manager_port", str(self.manager_ports[replica])]
         self._start(f"replica_{replica}", cmd)

@@ -1,0 +1,98 @@
+"""`python train.py --nproc_per_node N ...`: the ranks of one machine, started and stopped well.
+
+torchrun works as well; this launcher adds what a preempted or mistaken run needs:
+- a bad config is one line and exit 2, found before any rank starts;
+- SIGTERM or SIGINT goes to every rank, which finish their step, save and exit 0, and so does
+  the launcher (torchrun exits 1 with a traceback whenever it is signalled); a second signal
+  kills the ranks at once;
+- a rank that fails ends the others at once, and the launcher exits with its code;
+- ranks exit when the launcher dies (`components.preemption.watch_parent`), even of SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import FrameType
+
+from components.preemption import LAUNCHER_ENV
+from config import ConfigError
+
+__all__ = ["launch", "split_nproc"]
+
+
+def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """`--nproc_per_node N` (or `=N`) taken out of `argv`: (N or None, the rest)."""
+    rest, nproc = [], None
+    args = iter(argv)
+    for arg in args:
+        if arg == "--nproc_per_node" or arg.startswith("--nproc_per_node="):
+            value = arg.partition("=")[2] if "=" in arg else next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(
+                    f"--nproc_per_node {value!r}: expected the number of ranks to start (>= 1)"
+                )
+            nproc = int(value)
+        else:
+            rest.append(arg)
+    return nproc, rest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, nproc: int, argv: list[str]) -> int:
+    """Run `script argv` as `nproc` ranks on this machine; return the exit code for the run."""
+    env = {
+        **os.environ,
+        LAUNCHER_ENV: str(os.getpid()),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not oversubscribe
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, script, *argv],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(nproc)
+    ]
+    signals: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+        for p in ranks:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL if len(signals) > 1 else signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            codes = [p.poll() for p in ranks]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        exit_code = failed[0] if failed else 0
+        if failed:
+            # The others would wait in a collective for the failed rank: end them now.
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        for p in ranks:
+            p.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if len(signals) > 1:
+        return 128 + signals[-1]
+    return exit_code if exit_code >= 0 else 128 - exit_code  # killed by a signal: 128 + it

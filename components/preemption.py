@@ -1,0 +1,66 @@
+"""Stopping well: a signal ends the run at a step boundary; a dead launcher ends its workers.
+
+A cluster sends SIGTERM (or a user SIGINT) some time before it kills a job. `StopRequest`
+turns the first one into a flag that the trainer reads once per step; the ranks agree on it
+inside a collective the step makes anyway, finish that step, save and exit 0. A second signal
+exits at once. `watch_parent` ends a worker whose launcher died (torchrun starts workers in
+sessions of their own, so killing the launcher's process group does not reach them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+__all__ = ["LAUNCHER_ENV", "StopRequest", "watch_parent"]
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_ENV = "OPTIMIZER_CONTAINERS_LAUNCHER"
+"""Set in every rank that `components.launcher` starts (to the launcher's pid)."""
+
+_LAUNCHED_BY = (LAUNCHER_ENV, "TORCHELASTIC_RUN_ID")
+"""Environment variables a launcher sets in its ranks: only those watch their parent."""
+
+
+class StopRequest:
+    """Catches SIGTERM and SIGINT for the life of the run; `requested` once one arrived."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            # Asked twice: the user wants out now, not after a save.
+            os._exit(128 + signum)
+        self.signal = signal.Signals(signum)
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def watch_parent(poll_seconds: float = 0.5) -> None:
+    """Exit this process soon after its launcher dies (only under a launcher)."""
+    if not any(v in os.environ for v in _LAUNCHED_BY):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        logger.error("the launcher (pid %d) died: this worker stops too", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
