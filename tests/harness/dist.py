@@ -139,8 +139,9 @@ def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process descended from it (torchrun's workers included)."""
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` (SIGKILL) to `pid` and every process descended from it (torchrun's workers
+    included)."""
     children: dict[int, list[int]] = {}
     for stat in os.listdir("/proc"):
         if stat.isdigit():
@@ -156,6 +157,6 @@ def kill_tree(pid: int) -> None:
         todo.extend(children.get(tree[-1], []))
     for p in reversed(tree):  # workers first, so none outlives its launcher
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
