@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch
 
 from components.checkpoint import complete_checkpoints
 from config import ConfigError
-from tests.harness.dist import REPO, kill_tree, launch, run_ranks
+from tests.harness.dist import kill_tree, launch, run_ranks, start_train
 from tests.harness.helpers import load_job_state
 
 BASE = [
@@ -121,15 +119,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
         "--checkpoint.interval",
         "2",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*cmd, "train.py", *args],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = start_train(2, args, stdout=subprocess.DEVNULL)
     ckpt = dump / "checkpoint"
     deadline = time.monotonic() + 240
     try:
@@ -150,17 +140,8 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
 
 
 def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(tmp_path):
-    args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "20"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    first = subprocess.Popen(
-        [*cmd, "train.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    first = start_train(2, [*args, "--checkpoint.interval", "2"])
     lock = tmp_path / "run.lock"
     try:
         deadline = time.monotonic() + 120
@@ -184,8 +165,8 @@ def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(
 
     assert first.returncode == 0, out[-4000:]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == list(range(1, 21))
-    assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [10, 20]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [2, 4]
     assert lock.read_text() == ""  # released at exit
 
 

@@ -111,25 +111,34 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None = None) -> Any:
-    """Run `train.py args` under torchrun with `nproc` processes (or plainly if 0).
-
-    Returns the CompletedProcess; the whole process group is killed on timeout.
-    """
+def start_train(
+    nproc: int, args: list[str], env: dict | None = None, stdout: Any = subprocess.PIPE
+) -> subprocess.Popen:
+    """Start `train.py args` under torchrun with `nproc` processes (or plainly if 0), in a
+    session of its own, output (stdout and stderr) to `stdout`; do not wait."""
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc_per_node={nproc}", "train.py", *args]
     else:
         cmd = [sys.executable, "train.py", *args]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+def launch(nproc: int, args: list[str], timeout: float = 240.0, env: dict | None = None) -> Any:
+    """Run `train.py args` as `start_train` does and wait for it.
+
+    Returns the CompletedProcess; the whole process group is killed on timeout.
+    """
+    proc = start_train(nproc, args, env)
+    cmd = proc.args
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
