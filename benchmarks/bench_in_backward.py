@@ -23,21 +23,28 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, run_fresh
-from containers import OptimizersContainer, OptimizersInBackwardContainer
+from containers import InBackward, OptimizersContainer, OptimizersInBackwardContainer
 
 
 def child(container: str, width: int, layers: int, steps: int) -> dict[str, float]:
     """Train `steps` steps; return peak RSS and per-step times."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-    cls = OptimizersInBackwardContainer if container == "in_backward" else OptimizersContainer
-    optimizers = cls([model], torch.optim.AdamW, {"lr": 1e-4, "fused": True})
+    kwargs = {"lr": 1e-4, "fused": True}
+    if container == "in_backward_unchecked":  # no finite check per unit: what it costs
+        optimizers = OptimizersContainer(
+            [model], torch.optim.AdamW, kwargs, timing=InBackward(), skip_nonfinite=False
+        )
+    elif container == "in_backward":
+        optimizers = OptimizersInBackwardContainer([model], torch.optim.AdamW, kwargs)
+    else:
+        optimizers = OptimizersContainer([model], torch.optim.AdamW, kwargs)
     x = torch.randn(4, width)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         optimizers.zero_grad()
-        model(x).square().mean().backward()
+        optimizers.backward(model(x).square().mean())
         optimizers.step()
         times.append(time.perf_counter() - start)
     return {
@@ -58,14 +65,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
-    parser.add_argument("--child", choices=["default", "in_backward"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child",
+        choices=["default", "in_backward", "in_backward_unchecked"],
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.steps = 256, 4, 3
     if args.child:
         print(json.dumps(child(args.child, args.width, args.layers, args.steps)))
         return
-    runs: dict[str, list[dict[str, float]]] = {"default": [], "in_backward": []}
+    runs: dict[str, list[dict[str, float]]] = {
+        "default": [],
+        "in_backward": [],
+        "in_backward_unchecked": [],
+    }
     for _ in range(2):
         for name in runs:
             runs[name].append(run_child(name, args))
@@ -87,6 +102,12 @@ def main(argv: list[str]) -> None:
             f"{step['in_backward'] * 1e3:.1f} vs {step['default'] * 1e3:.1f} ms",
             f"{step['in_backward'] / step['default']:.2f}",
             "<= 1.10",
+        ),
+        (
+            "step time, in-backward: finite check per unit / none",
+            f"{step['in_backward'] * 1e3:.1f} vs {step['in_backward_unchecked'] * 1e3:.1f} ms",
+            f"{step['in_backward'] / step['in_backward_unchecked']:.2f}",
+            "<= 1.05",
         ),
     ]
     print(markdown_table(rows))

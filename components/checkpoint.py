@@ -2,17 +2,20 @@
 
 A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has finished (its
 `.metadata` is written last), so a process killed during a save never leaves a directory that
-resume would take; the previous checkpoint stays the newest complete one.
+resume would take; the previous checkpoint stays the newest complete one. A `step-N` damaged
+afterwards (files removed, truncated or overwritten) is reported when it would be loaded, never
+skipped for an older one (`components.checkpoint_files`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +32,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from components.checkpoint_files import (
+    Damaged,
+    checkpoint_steps,
+    damaged_checkpoint_error,
+    verify,
+)
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
 from containers.flat_state import describe_keys
@@ -36,7 +45,6 @@ from containers.flat_state import describe_keys
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 
 logger = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class ModelWrapper(Stateful):
@@ -76,14 +84,11 @@ class TrainState(Stateful):
 
 
 def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """Checkpoints under `folder` that finished saving, by step."""
-    found = {}
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and (path / ".metadata").is_file():
-                found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
+    """Checkpoints under `folder` that finished saving (`step-N`, not `step-N.tmp`), by step.
+
+    Intact or not: `CheckpointManager.load` verifies the one it loads and reports it if damaged.
+    """
+    return checkpoint_steps(folder)
 
 
 def _rank0() -> bool:
@@ -101,6 +106,16 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass
+class _AsyncSave:
+    """An async save in flight and whether its `step-N` is published yet."""
+
+    future: Future
+    step: int
+    published: bool = False
+    error: BaseException | None = None
 
 
 class CheckpointManager:
@@ -124,7 +139,9 @@ class CheckpointManager:
         self.folder = Path(dump_folder) / cfg.folder
         self.states = states
         self.total_steps = total_steps
-        self._pending: tuple[Future, int] | None = None
+        self._pending: _AsyncSave | None = None
+        # Guards publishing between DCP's save thread (done-callback) and the training thread.
+        self._publish_lock = threading.Lock()
         # Async saves run collectives from a background thread: give them a group of their
         # own so they never interleave with the training's collectives.
         self._pg = (
@@ -161,7 +178,11 @@ class CheckpointManager:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
         path = found[step]
-        self._check_matches(path)
+        try:
+            metadata = verify(path)
+        except Damaged as damage:
+            raise damaged_checkpoint_error(step, damage, found) from None
+        self._check_matches(path, metadata)
         newer = [s for s in found if s > step]
         if newer and not read_only:
             self._protect_newer(step, newer)
@@ -207,15 +228,8 @@ class CheckpointManager:
             logger.warning("moved %s aside to %s; training on from step-%d", names, aside, step)
         _barrier()
 
-    def _check_matches(self, path: Path) -> None:
+    def _check_matches(self, path: Path, metadata: Metadata) -> None:
         """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
-        try:
-            metadata = dcp.FileSystemReader(path).read_metadata()
-        except Exception as e:
-            raise ConfigError(
-                f"[checkpoint] checkpoint {path} is unreadable ({e}); delete it or pick "
-                "another with load_step"
-            ) from e
         saved = metadata.state_dict_metadata
         ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
         missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
@@ -242,8 +256,8 @@ class CheckpointManager:
         async saves."""
         if not self.cfg.enable:
             return
-        if self._pending is not None and self._pending[0].done():
-            self._finish_pending()
+        if self._pending is not None and self._pending.future.done():
+            self._finish_pending()  # published already; raise what failed
         if step % self.cfg.interval and step != self.total_steps and not force:
             return
         self._finish_pending()
@@ -254,19 +268,37 @@ class CheckpointManager:
         _barrier()
         if self._pg is not None:
             future = dcp.async_save(self.states, checkpoint_id=tmp, process_group=self._pg)
-            self._pending = (future, step)
+            save = self._pending = _AsyncSave(future, step)
+            future.add_done_callback(lambda _: self._publish_when_saved(save))
         else:
             dcp.save(self.states, checkpoint_id=tmp)
             self._publish(step)
             _barrier()
 
+    def _publish_when_saved(self, save: _AsyncSave) -> None:
+        """In DCP's save thread, as soon as the save is complete: rename it to `step-N` then,
+        not at a later step, so a kill in between keeps the checkpoint."""
+        try:
+            if save.future.exception() is None:  # a failed save is raised by _finish_pending
+                self._publish_once(save)
+        except BaseException as e:  # the future would only log it: hand it to the trainer
+            save.error = e
+
+    def _publish_once(self, save: _AsyncSave) -> None:
+        with self._publish_lock:
+            if not save.published:
+                save.published = True
+                self._publish(save.step)
+
     def _finish_pending(self) -> None:
+        """Wait for the async save in flight; raise if it or its publishing failed."""
         if self._pending is None:
             return
-        future, step = self._pending
-        self._pending = None
-        future.result()
-        self._publish(step)
+        save, self._pending = self._pending, None
+        save.future.result()
+        if save.error is not None:
+            raise save.error
+        self._publish_once(save)
 
     def _publish(self, step: int) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints."""

@@ -19,6 +19,7 @@ from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
 from components.ft import build_ft_manager, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision
+from components.run_lock import RunLock, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import JobConfig, accumulation_steps
 from containers import OptimizersContainer, TorchFTGate
@@ -50,6 +51,8 @@ class Job:
     ft_manager: Manager | None = None
     store: dist.TCPStore | None = None
     """The replica group's store when this process started it (torchft serves peers from it)."""
+    run_lock: RunLock | None = None
+    """This run's hold on its dump folder (rank 0; None on the other ranks)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -60,12 +63,18 @@ class Job:
         return [p for part in self.model_parts for p in part.parameters()]
 
     def close(self) -> None:
-        """Finish checkpoints in flight and end torchft and the process group."""
+        """Finish checkpoints in flight, end torchft and the process group, free the folder."""
         self.checkpoint.close()
         if self.ft_manager is not None:
             self.ft_manager.shutdown(wait=False)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.release_folder()
+
+    def release_folder(self) -> None:
+        """Let another run use the dump folder (also done by the kernel when this one dies)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def init_distributed() -> tuple[torch.device, DeviceMesh | None, int, int]:
@@ -90,9 +99,35 @@ def init_distributed() -> tuple[torch.device, DeviceMesh | None, int, int]:
 def build_job(cfg: JobConfig) -> Job:
     """Build model parts, container, LR schedules, data and checkpointed state for `cfg`.
 
-    Nothing is loaded yet: `job.checkpoint.load()` resumes.
+    Nothing is loaded yet: `job.checkpoint.load()` resumes. The dump folder is locked first
+    (one live run per folder), before torchft connects or anything is written.
     """
     device, mesh, rank, world_size = init_distributed()
+    ft = cfg.fault_tolerance
+    # Each replica group reads its own share of the data and keeps its own files.
+    dump_folder = cfg.job.dump_folder
+    if ft.enable:
+        dump_folder = os.path.join(dump_folder, f"replica_{ft.replica_id}")
+    run_lock = lock_dump_folder(dump_folder)
+    try:
+        return _build_locked(cfg, device, mesh, rank, world_size, dump_folder, run_lock)
+    except BaseException:
+        # A refused config must not keep the folder locked for the rest of this process.
+        if run_lock is not None:
+            run_lock.release()
+        raise
+
+
+def _build_locked(
+    cfg: JobConfig,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    rank: int,
+    world_size: int,
+    dump_folder: str,
+    run_lock: RunLock | None,
+) -> Job:
+    """`build_job` once the dump folder is this run's."""
     ft = cfg.fault_tolerance
     store = None
     if ft.enable and "MASTER_ADDR" not in os.environ:
@@ -100,11 +135,7 @@ def build_job(cfg: JobConfig) -> Job:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     ft_manager = build_ft_manager(ft, rank, world_size, device)
-    # Each replica group reads its own share of the data and keeps its own files.
     dp_rank, dp_world_size = ft.replica_id * world_size + rank, ft.group_size * world_size
-    dump_folder = cfg.job.dump_folder
-    if ft.enable:
-        dump_folder = os.path.join(dump_folder, f"replica_{ft.replica_id}")
     accum = accumulation_steps(cfg.training, dp_world_size)
 
     spec = get_train_spec(cfg.model.name)
@@ -152,4 +183,5 @@ def build_job(cfg: JobConfig) -> Job:
         n_params=n_params,
         ft_manager=ft_manager,
         store=store,
+        run_lock=run_lock,
     )

@@ -30,7 +30,8 @@ class Job:
     """TOML file the rest of the config was read from (set by `--job.config_file`)."""
 
     dump_folder: str = "./outputs"
-    """Folder for checkpoints, metrics and logs of this run."""
+    """Folder for checkpoints, metrics and logs of this run; one live run at a time (a second
+    one exits 2 naming the holder of `run.lock` there)."""
 
 
 @dataclass(kw_only=True)
@@ -190,7 +191,8 @@ class Checkpoint:
     """Keep only the newest k checkpoints; 0 keeps all."""
 
     async_mode: Literal["disabled", "async"] = "disabled"
-    """Save in the background with `dcp.async_save`."""
+    """Save in the background with `dcp.async_save`; each save becomes `step-N` as soon as it
+    completes."""
 
     load_step: int = bounded(-1, ge=-1)
     """Step to resume from; -1 resumes from the newest complete checkpoint. A step older than

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from components.checkpoint import complete_checkpoints
 from config import ConfigError
-from tests.harness.dist import REPO, finish, kill_tree, launch, run_ranks, start, worker_pids
+from tests.harness.dist import finish, kill_tree, launch, run_ranks, start, worker_pids
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import load_job_state
 
@@ -120,15 +121,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
         "--checkpoint.interval",
         "2",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*cmd, "train.py", *args],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = start(2, args, stdout=subprocess.DEVNULL)
     ckpt = dump / "checkpoint"
     deadline = time.monotonic() + 240
     try:
@@ -148,6 +141,37 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     assert {p.name for p in ckpt.iterdir()} == {"step-2", "step-4", "step-6"}
 
 
+def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(tmp_path):
+    args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    first = start(2, [*args, "--checkpoint.interval", "2"])
+    lock = tmp_path / "run.lock"
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().endswith("\n")):
+            assert first.poll() is None and time.monotonic() < deadline, "run 1 never locked"
+            time.sleep(0.05)
+        holder = json.loads(lock.read_text())
+        # Paused, so it is surely still live while the second run starts; nothing else.
+        kill_tree(first.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        second = launch(0, args, timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_tree(first.pid, signal.SIGCONT)
+    out, _ = first.communicate(timeout=240)
+    assert second.returncode == 2 and elapsed < 30, (elapsed, second.stdout[-3000:])
+    errors = [line for line in second.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in second.stdout, second.stdout
+    assert f"dump_folder: {tmp_path} is in use by a live run (pid {holder['pid']} " in errors[0]
+    assert f"on host {holder['host']}, started {holder['started']}" in errors[0]
+
+    assert first.returncode == 0, out[-4000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [2, 4]
+    assert lock.read_text() == ""  # released at exit
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -163,7 +187,7 @@ def test_bad_config_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):
     assert result.returncode == 2
     assert "Traceback" not in result.stdout
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and pytest.importorskip("re").search(message, errors[0]), result.stdout
+    assert len(errors) == 1 and re.search(message, errors[0]), result.stdout
 
 
 def test_an_older_load_step_leaves_every_newer_file_byte_identical(tmp_path):
@@ -190,10 +214,17 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
     after = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}
     assert before == after
 
-    (tmp_path / "checkpoint" / "step-2" / ".metadata").write_bytes(b"garbage")
+    # A damaged newest checkpoint: named with its file and the fix, never skipped for step-1.
+    with open(tmp_path / "checkpoint" / "step-2" / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
-    assert result.returncode == 2 and "Traceback" not in result.stdout
-    assert "step-2 is unreadable" in result.stdout
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stdout
+    assert re.search(r"step-2 is damaged: __0_0\.distcp is truncated: 1000 bytes", errors[0])
+    assert "load_step = 1 and set_aside_newer = true" in errors[0]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_accumulation_follows_the_global_batch_across_ranks_and_replica_groups():

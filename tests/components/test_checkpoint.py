@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -69,25 +70,75 @@ def test_load_step_picks_one_and_a_missing_one_lists_the_available(tmp_path):
         _job(tmp_path, interval=3, load_step=4)[3].load()
 
 
-def test_half_written_and_unpublished_checkpoints_are_never_resumed(tmp_path):
+def test_an_unpublished_save_is_removed_at_start_and_never_resumed(tmp_path):
     parts, optimizers, state, manager = _job(tmp_path, interval=2)
     _train_and_save(manager, parts, optimizers, state, range(1, 3))
     expected = _snapshot(parts, optimizers)
     folder = tmp_path / "checkpoint"
-    # What a crash leaves: an unpublished .tmp (complete or not) and a dir without .metadata.
+    # What a kill during a save leaves: step-4.tmp, here even with its .metadata written.
     (folder / "step-4.tmp").mkdir()
-    (folder / "step-4.tmp" / ".metadata").write_bytes(b"partial")
-    (folder / "step-6").mkdir()
-    (folder / "step-6" / "__0_0.distcp").write_bytes(b"partial")
+    (folder / "step-4.tmp" / ".metadata").write_bytes(
+        (folder / "step-2" / ".metadata").read_bytes()
+    )
     assert list(complete_checkpoints(folder)) == [2]
 
     parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
     assert manager2.load() == 2
     assert not (folder / "step-4.tmp").exists()  # a stale .tmp is removed at start
-    assert (folder / "step-6" / "__0_0.distcp").exists()  # not ours to judge: kept
     assert_same(_snapshot(parts2, optimizers2), expected)
     _train_and_save(manager2, parts2, optimizers2, state2, range(3, 5))
     assert not (folder / "step-4.tmp").exists() and list(complete_checkpoints(folder)) == [2, 4]
+
+
+def _truncate(step: Path) -> None:
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 1)  # one byte short of what the metadata references
+
+
+def _empty(step: Path) -> None:
+    for path in step.iterdir():
+        path.unlink()
+
+
+DAMAGE = {
+    "truncated .distcp": (
+        _truncate,
+        r"__0_0\.distcp is truncated: \d+ bytes, the \.metadata needs",
+    ),
+    "missing .distcp": (lambda s: (s / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
+    "missing .metadata": (lambda s: (s / ".metadata").unlink(), r"\.metadata is missing"),
+    "garbage .metadata": (
+        lambda s: (s / ".metadata").write_bytes(b"garbage"),
+        r"\.metadata is unreadable \(UnpicklingError",
+    ),
+    "empty step folder": (_empty, r"the folder is empty"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_checkpoint_is_named_with_its_file_and_fix_before_anything_changes(
+    tmp_path, case
+):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 5))
+    folder = tmp_path / "checkpoint"
+    damage, problem = DAMAGE[case]
+    damage(folder / "step-4")
+    before = _tree_bytes(folder)
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    fresh = _snapshot(parts2, optimizers2)
+    fix = r"load_step = 2 and set_aside_newer = true .*; intact: \[2\]$"
+    with pytest.raises(ConfigError, match=rf"step-4 is damaged: {problem}.*{fix}") as error:
+        manager2.load()  # never a silent fallback to step-2
+    assert "\n" not in str(error.value)
+    assert _tree_bytes(folder) == before and {p.name for p in folder.iterdir()} == {
+        "step-2",
+        "step-4",
+    }
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+    # The fix the line names works: step-4 moves aside and training goes on from step-2.
+    manager3 = _job(tmp_path, interval=2, load_step=2, set_aside_newer=True)[3]
+    assert manager3.load() == 2 and not (folder / "step-4").exists()
 
 
 def test_an_unwritable_folder_is_refused_before_step_one(tmp_path):
@@ -171,6 +222,15 @@ def test_export_writes_the_full_model_in_one_file(tmp_path):
     assert_same(saved, {k: v for p in parts for k, v in p.state_dict().items()})
 
 
+def _published_without_another_call(step: Path) -> float:
+    """Seconds until `step` is published while the trainer makes no checkpoint call."""
+    start = time.monotonic()
+    while not (step / ".metadata").is_file() or step.with_suffix(".tmp").exists():
+        assert time.monotonic() - start < 60, f"{step} not published after its save completed"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
 def _async_round_trip(folder: str) -> dict:
     parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode="async")
     snapshots = {}
@@ -178,7 +238,10 @@ def _async_round_trip(folder: str) -> dict:
         train(parts, optimizers, 1, rank=dist.get_rank(), start=step)
         state.step = step
         snapshots[step] = _snapshot(parts, optimizers)
-        manager.maybe_save(step)  # returns at once; the previous save is published here
+        manager.maybe_save(step)  # returns at once
+        if step == 2 and dist.get_rank() == 0:
+            # Published as soon as complete, not at the next save: a kill now keeps it.
+            _published_without_another_call(Path(folder) / "checkpoint" / "step-2")
     manager.close()
     parts2, optimizers2, _, manager2 = _job(Path(folder), seed=4, interval=2, load_step=2)
     manager2.load(read_only=True)
@@ -190,7 +253,7 @@ def _async_round_trip(folder: str) -> dict:
     }
 
 
-def test_async_saves_publish_complete_checkpoints_on_two_ranks(tmp_path):
+def test_async_saves_are_published_as_soon_as_complete_on_two_ranks(tmp_path):
     result = run_ranks(2, _async_round_trip, str(tmp_path))[0]
     assert result["found"] == [2, 4]
     assert_same(result["two"], result["expected_two"])

@@ -112,11 +112,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def start(
-    nproc: int, args: list[str], env: dict | None = None, torchrun: bool = True
+    nproc: int,
+    args: list[str],
+    env: dict | None = None,
+    torchrun: bool = True,
+    stdout: Any = subprocess.PIPE,
 ) -> subprocess.Popen:
     """Start `train.py args` with `nproc` ranks under torchrun (or train.py's own launcher),
-    or plainly if 0, in a session of its own, its output (stdout and stderr) in `proc.stdout`.
-    """
+    or plainly if 0, in a session of its own, output (stdout and stderr) to `stdout`; do not
+    wait."""
     if nproc and torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc_per_node={nproc}", "train.py", *args]
@@ -127,7 +131,7 @@ def start(
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
@@ -136,7 +140,7 @@ def start(
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Wait for `proc` (from `start`); on timeout kill its process group and raise."""
+    """Wait for `proc` (from `start`); on timeout kill its process tree and raise."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -192,10 +196,11 @@ def _descendants(pid: int) -> list[int]:
     return tree
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process descended from it (torchrun's workers included)."""
-    for p in reversed(_descendants(pid)):  # workers first, so none outlives its launcher
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` (SIGKILL) to `pid` and every process descended from it (torchrun's workers
+    included), workers first, so none outlives its launcher."""
+    for p in reversed(_descendants(pid)):
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass

@@ -88,6 +88,7 @@ def load_job_state(dump: str, argv: list[str], ft: bool = False) -> dict:
     if ft:
         job.checkpoint.states["ft_manager"] = _FTManagerState()
     job.checkpoint.load(read_only=True)
+    job.release_folder()  # the job object outlives this call: let later runs use the folder
     return {
         "model": {k: full(v) for part in job.model_parts for k, v in part.state_dict().items()},
         "optim": {k: full(v) for k, v in job.optimizers.state_dict().items()},

@@ -1,0 +1,143 @@
+"""One live run per dump folder: `{dump_folder}/run.lock`, held with `flock` for the run's life.
+
+The kernel releases an `flock` when its holder dies (crash, SIGKILL, OOM), so a lock left by a
+dead run is simply taken over; nothing has to judge whether a recorded pid still lives. The file
+records the holder (pid, host, start time) so a refused run can name it. Rank 0 of each run (of
+each replica group under torchft) takes the lock; the other ranks learn the outcome from it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from config import ConfigError
+
+__all__ = ["LOCK_NAME", "RunLock", "lock_dump_folder"]
+
+logger = logging.getLogger(__name__)
+LOCK_NAME = "run.lock"
+# Filesystems without flock (some Lustre mounts): run unguarded rather than refuse to run.
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def _describe(record: str) -> str:
+    """`pid P on host H, started T` from a lock file's record, or what is known of it."""
+    try:
+        holder = json.loads(record)
+        return f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder not recorded yet"
+
+
+class RunLock:
+    """An exclusive `flock` on `folder/run.lock`, taken by `acquire`, kept until `release`.
+
+    Args:
+        folder: the dump folder; created if missing.
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ConfigError naming the folder and the live holder."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(
+                f"[job] dump_folder: {self.folder} is not writable ({e.strerror}); point "
+                "--job.dump_folder at a writable place"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _NO_FLOCK:
+                os.close(fd)
+                logger.warning(
+                    "cannot lock %s (%s): nothing stops a second run on this folder",
+                    self.path,
+                    e.strerror,
+                )
+                return
+            holder = self._read_holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"[job] dump_folder: {self.folder} is in use by a live run ({holder}; lock "
+                f"{self.path}); wait for it to end, stop it, or pick another --job.dump_folder"
+            ) from None
+        previous = os.pread(fd, 4096, 0).decode(errors="replace")
+        if previous.strip():
+            # A run that ends normally clears its record: this one crashed or was killed.
+            logger.warning(
+                "took over %s from a run that ended without releasing it (%s)",
+                self.path,
+                _describe(previous),
+            )
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        # Any exit of the interpreter (an error included) clears the record; only a process
+        # killed outright leaves it, which the next run reports when it takes over.
+        atexit.register(self.release)
+
+    @staticmethod
+    def _read_holder(fd: int) -> str:
+        # The holder writes its record right after locking: give it a moment to land.
+        for _ in range(20):
+            record = os.pread(fd, 4096, 0).decode(errors="replace")
+            if record.endswith("\n"):
+                break
+            time.sleep(0.05)
+        return _describe(record)
+
+    def release(self) -> None:
+        """Clear the record and unlock (the file stays: deleting it would race a new holder)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        atexit.unregister(self.release)
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)  # closing the last descriptor releases the flock
+
+
+def lock_dump_folder(folder: str) -> RunLock | None:
+    """Rank 0 takes the run lock of `folder`; every rank raises the same ConfigError if it fails.
+
+    Returns the lock on rank 0 (None on the other ranks). Call it before anything connects or
+    writes, so a refused run leaves the live one untouched.
+    """
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    lock, error = None, None
+    if not distributed or dist.get_rank() == 0:
+        lock = RunLock(folder)
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            lock, error = None, str(e)
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return lock
