@@ -2,28 +2,36 @@
 
     torchrun --standalone --nproc_per_node 2 train.py --job.config_file config/debug.toml
     python train.py --job.config_file config/debug.toml --training.steps 20   # one process
+    python train.py --help   # every section and key, with its default
 
-gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`.
+gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`. A bad config is
+one line and exit code 2; a collective that gets no answer within `[comm]
+train_timeout_seconds` is one line naming it and exit code 1.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from components.comm import collective_failure, speak_once
 from components.job import build_job
 from components.metrics import MetricsLogger, param_checksum
-from config import ConfigError, load_job_config
+from config import ConfigError, load_job_config, usage
 
 logger = logging.getLogger("train")
 
 
 def main(argv: list[str]) -> None:
     # -- config and build -------------------------------------------------------------------
+    if {"-h", "--help"} & set(argv):
+        print(usage(), end="")
+        return
     cfg = load_job_config(argv)
     job = build_job(cfg)
     logging.getLogger().setLevel(logging.INFO if job.rank == 0 else logging.WARNING)
@@ -97,5 +105,14 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except ConfigError as e:
-        logger.error("error: %s", e)
+        speak_once(f"error: {e}", root_cause=True)  # under torchrun: rank 0's line only
         sys.exit(2)
+    except Exception as e:
+        failure = collective_failure(e)
+        if failure is None:
+            raise
+        # A peer that exited first has its own line; one that stopped answering has none.
+        speak_once(f"error: {failure.line}", root_cause=failure.timed_out)
+        logging.shutdown()
+        # The process group is broken: its teardown at interpreter exit can abort the process.
+        os._exit(1)
