@@ -146,8 +146,8 @@ def speak_once(line: str, *, root_cause: bool) -> bool:
 
     Under torchrun every rank usually meets the same problem (a bad config), or a rank only
     sees a consequence (a peer that hung up). Rank 0 speaks at once when `root_cause`; any
-    other rank first waits up to `PEER_GRACE_S` for a peer's line (torchrun usually ends it
-    sooner, once the failing peer exits) and stays silent if one came. A rank that speaks
+    other rank first waits up to `PEER_GRACE_S` for a peer's line and, if one came, stays
+    silent and lets the peer exit first (torchrun ends the waiting ranks). A rank that speaks
     also writes the line to torchrun's error file, so torchrun's failure summary shows it as
     the root cause instead of a link.
     """
@@ -156,6 +156,9 @@ def speak_once(line: str, *, root_cause: bool) -> bool:
     if not (alone or first):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends the wait
         if _a_peer_spoke(PEER_GRACE_S):
+            # Exit after the peer: torchrun then ends this rank and shows the peer's exit
+            # code (not a SIGTERM it sent because this rank exited first).
+            time.sleep(PEER_GRACE_S)
             return False
     logger.error("%s", line)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
