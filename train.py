@@ -3,27 +3,32 @@
     python train.py --nproc_per_node 2 --job.config_file config/debug.toml     # 2 ranks
     python train.py --job.config_file config/debug.toml --training.steps 20     # one process
     torchrun --standalone --nproc_per_node 2 train.py --job.config_file ...     # works too
+    python train.py --help   # every section and key, with its default
 
-gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`. The built-in
-launcher (`components.launcher`) checks the config once before any rank starts and exits 0
-when a signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM or
-SIGINT: every rank finishes its step, saves and exits 0; a second signal exits at once.
+gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`. A bad config is
+one line and exit code 2; a collective that gets no answer within `[comm]
+train_timeout_seconds` is one line naming it and exit code 1. The built-in launcher
+(`components.launcher`) checks the config once before any rank starts and exits 0 when a
+signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM or SIGINT:
+every rank finishes its step, saves and exits 0; a second signal exits at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from components.job import build_job
+from components.comm import collective_failure, speak_once
+from components.job import build_job, validate_job
 from components.launcher import launch, split_nproc
 from components.metrics import MetricsLogger, param_checksum
 from components.preemption import StopRequest, watch_parent
-from config import ConfigError, load_job_config
+from config import ConfigError, load_job_config, usage
 
 logger = logging.getLogger("train")
 
@@ -160,12 +165,24 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage(), end="")
+        sys.exit(0)
     try:
         nproc, args = split_nproc(sys.argv[1:])
         if nproc is None:
             sys.exit(main(args))
-        load_job_config(args)  # a bad config is found before any rank starts
+        validate_job(load_job_config(args), world_size=nproc)  # before any rank starts
         sys.exit(launch(__file__, nproc, args))
     except ConfigError as e:
-        logger.error("error: %s", e)
+        speak_once(f"error: {e}", root_cause=True)  # under torchrun: rank 0's line only
         sys.exit(2)
+    except Exception as e:
+        failure = collective_failure(e)
+        if failure is None:
+            raise
+        # A peer that exited first has its own line; one that stopped answering has none.
+        speak_once(f"error: {failure.line}", root_cause=failure.timed_out)
+        logging.shutdown()
+        # The process group is broken: its teardown at interpreter exit can abort the process.
+        os._exit(1)

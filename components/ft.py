@@ -16,7 +16,7 @@ from config import FaultTolerance as FaultToleranceConfig
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["build_ft_manager", "manager_port", "serve_state"]
+__all__ = ["build_ft_manager", "check_ft_config", "manager_port", "serve_state"]
 
 logger = logging.getLogger(__name__)
 _MANAGER_PORT_BASE = 29_600
@@ -25,6 +25,20 @@ _MANAGER_PORT_BASE = 29_600
 def manager_port(cfg: FaultToleranceConfig) -> int:
     """The replica group's fixed manager port (a restarted group must find it again)."""
     return cfg.manager_port if cfg.manager_port >= 0 else _MANAGER_PORT_BASE + cfg.replica_id
+
+
+def check_ft_config(cfg: FaultToleranceConfig, device: torch.device) -> None:
+    """Raise `ConfigError` for a `[fault_tolerance]` section that cannot run on `device`
+    (checked before any connection: a wrong address would cost a connect timeout)."""
+    if not cfg.enable:
+        return
+    if not (cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(
+            "[fault_tolerance] lighthouse = '': no lighthouse address; set it (e.g. "
+            "http://127.0.0.1:29510) or export TORCHFT_LIGHTHOUSE"
+        )
+    if cfg.process_group == "nccl" and device.type != "cuda":
+        raise ConfigError("[fault_tolerance] process_group = 'nccl': needs CUDA; use 'gloo' on CPU")
 
 
 def build_ft_manager(
@@ -43,14 +57,8 @@ def build_ft_manager(
         logging.getLogger(name).setLevel(logging.WARNING)
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if not (cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
-        raise ConfigError(
-            "[fault_tolerance] lighthouse = '': no lighthouse address; set it (e.g. "
-            "http://127.0.0.1:29510) or export TORCHFT_LIGHTHOUSE"
-        )
+    check_ft_config(cfg, device)
     timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
-    if cfg.process_group == "nccl" and device.type != "cuda":
-        raise ConfigError("[fault_tolerance] process_group = 'nccl': needs CUDA; use 'gloo' on CPU")
     # ProcessGroupBabyGloo never commits on CPU here, so the plain reconfigurable ones.
     pg = (
         ProcessGroupNCCL(timeout=timeout)

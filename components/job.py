@@ -16,18 +16,20 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
-from components.ft import build_ft_manager, serve_state
+from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
+from components.ft import build_ft_manager, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
-from components.optimizer import build_precision
+from components.optimizer import build_precision, check_names
 from components.run_lock import RunLock, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
+from config import Comm as CommConfig
 from config import JobConfig, accumulation_steps
 from containers import OptimizersContainer, TorchFTGate
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["Job", "build_job", "init_distributed"]
+__all__ = ["Job", "build_job", "init_distributed", "validate_job"]
 
 
 @dataclass(kw_only=True)
@@ -77,32 +79,60 @@ class Job:
             self.run_lock.release()
 
 
-def init_distributed() -> tuple[torch.device, DeviceMesh | None, int, int]:
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(
+    comm: CommConfig | None = None,
+) -> tuple[torch.device, DeviceMesh | None, int, int]:
     """This process's device, its 1-D data-parallel mesh (None alone), rank and world size.
 
-    Starts the process group under torchrun (nccl on CUDA, gloo on CPU) unless it exists.
+    Starts the process group under torchrun (nccl on CUDA, gloo on CPU) unless it exists,
+    with `[comm] init_timeout_seconds` for every wait until the first step is done.
     """
+    comm = comm if comm is not None else CommConfig()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = _device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world_size == 1:
         return device, None, rank, world_size
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        enable_flight_recorder(comm)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=init_timeout(comm))
     return device, init_device_mesh(device.type, (world_size,)), rank, world_size
+
+
+def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Raise `ConfigError` for anything in `cfg` this job cannot run, before any process group
+    or connection exists: registry names, the world size (default: the launcher's
+    `WORLD_SIZE`), torchft's address and the model family's own rules
+    (`TrainSpec.validate_config_fn`)."""
+    spec = get_train_spec(cfg.model.name)
+    check_names(cfg.optimizer)
+    ft = cfg.fault_tolerance
+    check_ft_config(ft, _device())
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation_steps(cfg.training, ft.group_size * world_size)
+    if spec.validate_config_fn is not None:
+        spec.validate_config_fn(cfg)
 
 
 def build_job(cfg: JobConfig) -> Job:
     """Build model parts, container, LR schedules, data and checkpointed state for `cfg`.
 
-    Nothing is loaded yet: `job.checkpoint.load()` resumes. The dump folder is locked first
-    (one live run per folder), before torchft connects or anything is written.
+    Nothing is loaded yet: `job.checkpoint.load()` resumes. `cfg` is validated first
+    (`validate_job`), so a config this job cannot run costs no start-up; then the dump folder
+    is locked (one live run per folder), before torchft connects or anything is written.
     """
-    device, mesh, rank, world_size = init_distributed()
+    validate_job(cfg)
+    device, mesh, rank, world_size = init_distributed(cfg.comm)
     ft = cfg.fault_tolerance
     # Each replica group reads its own share of the data and keeps its own files.
     dump_folder = cfg.job.dump_folder
@@ -152,6 +182,8 @@ def _build_locked(
         max_norm=cfg.training.max_norm,
         gradient_accumulation_steps=accum,
     )
+    if world_size > 1:
+        train_timeout_after_first_step(optimizers, cfg.comm)
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
     dataloader = spec.build_dataloader_fn(cfg.training, dp_rank, dp_world_size)
     train_state = TrainState()

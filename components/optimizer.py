@@ -35,6 +35,7 @@ __all__ = [
     "OptimizersBuilder",
     "build_optimizers",
     "build_precision",
+    "check_names",
     "implementation_kwargs",
     "register_container",
     "register_optimizer",
@@ -181,6 +182,20 @@ def resolve_optimizer(
     return _OPTIMIZERS[name](cfg)
 
 
+def check_names(cfg: OptimizerConfig) -> None:
+    """Raise `ConfigError` unless the container and every optimizer `cfg` names are
+    registered (cheap: `build_job` checks it before any process group exists)."""
+    if cfg.container not in _CONTAINERS:
+        raise ConfigError(
+            f"[optimizer] container = {cfg.container!r}: unknown container; registered: "
+            f"{', '.join(registered_containers())}"
+        )
+    resolve_optimizer(cfg)
+    for i, group in enumerate(cfg.param_groups):
+        if group.name is not None:
+            resolve_optimizer(cfg, group.name, f"[optimizer.param_groups[{i}]]")
+
+
 def _device(model_parts: Sequence[nn.Module]) -> torch.device:
     devices = {p.device for m in model_parts for p in m.parameters() if p.requires_grad}
     if len(devices) > 1:
@@ -245,11 +260,7 @@ def build_optimizers(
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
         **runtime: runtime objects a third-party container needs.
     """
-    if cfg.container not in _CONTAINERS:
-        raise ConfigError(
-            f"[optimizer] container = {cfg.container!r}: unknown container; registered: "
-            f"{', '.join(registered_containers())}"
-        )
+    check_names(cfg)
     device = _device(model_parts)
     cls, kwargs = resolve_optimizer(cfg)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")

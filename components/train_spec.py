@@ -22,6 +22,7 @@ from components.optimizer import OptimizersBuilder, build_optimizers
 from containers import OptimizersContainer
 
 __all__ = [
+    "ConfigValidator",
     "Dataloader",
     "DataloaderBuilder",
     "LRSchedulersBuilder",
@@ -83,6 +84,18 @@ class LRSchedulersBuilder(Protocol):
     ) -> LRSchedulersContainer: ...
 
 
+class ConfigValidator(Protocol):
+    """`(cfg: the whole job config) -> None`, raising `config.ConfigError` (one line naming
+    the key, the value and the fix) for what the family cannot run.
+
+    The one builder that sees every section, since its rules cross them (e.g. `[training]
+    seq_len` against the `[model] flavor`'s positions). `build_job` calls it before any process
+    group or connection exists, so a bad config costs no start-up.
+    """
+
+    def __call__(self, cfg: config.JobConfig, /) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """How to build each piece of a training job for one model family."""
@@ -96,6 +109,7 @@ class TrainSpec:
     build_dataloader_fn: DataloaderBuilder
     build_lr_schedulers_fn: LRSchedulersBuilder = build_lr_schedulers
     build_optimizers_fn: OptimizersBuilder = build_optimizers
+    validate_config_fn: ConfigValidator | None = None
 
 
 ENTRY_POINTS = "optimizer_containers.train_specs"

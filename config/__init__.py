@@ -4,6 +4,7 @@ from config.checks import accumulation_steps, steps_in_backward
 from config.errors import ConfigError
 from config.job_config import (
     Checkpoint,
+    Comm,
     FaultTolerance,
     Job,
     JobConfig,
@@ -16,9 +17,11 @@ from config.job_config import (
     Training,
 )
 from config.loader import load_job_config
+from config.usage import field_docs, usage
 
 __all__ = [
     "Checkpoint",
+    "Comm",
     "ConfigError",
     "FaultTolerance",
     "Job",
@@ -31,6 +34,8 @@ __all__ = [
     "ParamGroup",
     "Training",
     "accumulation_steps",
+    "field_docs",
     "load_job_config",
     "steps_in_backward",
+    "usage",
 ]

@@ -1,7 +1,9 @@
 """Typed job config: one kw-only dataclass per TOML section.
 
-Section and key names follow torchtitan v0.2 where one exists. Numeric bounds live in field
-metadata (see `bounded`) so the loader can name the section, key, value and fix in its errors.
+Section and key names follow torchtitan v0.2 where one exists. The defaults are a job that
+runs: the debug model on stdlib text for 200 steps (`config/debug.toml` spells it out).
+Numeric bounds live in field metadata (see `bounded`) so the loader can name the section, key,
+value and fix in its errors.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class Optimizer:
     name: str = "AdamW"
     """Optimizer from the registry (`components.optimizer.register_optimizer`)."""
 
-    lr: float = bounded(8e-4, gt=0.0)
+    lr: float = bounded(3e-3, gt=0.0)
     """Peak learning rate."""
 
     beta1: float = bounded(0.9, ge=0.0, lt=1.0)
@@ -117,29 +119,29 @@ class Optimizer:
 
 @dataclass(kw_only=True)
 class LRScheduler:
-    warmup_steps: int = bounded(200, ge=0)
+    warmup_steps: int = bounded(10, ge=0)
     """Steps of linear warmup from near zero to the peak lr."""
 
     decay_ratio: float | None = bounded(None, ge=0.0, le=1.0)
     """Fraction of the steps spent decaying (WSD); None decays over all steps after warmup."""
 
-    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    decay_type: Literal["linear", "sqrt", "cosine"] = "cosine"
     """Shape of the decay."""
 
-    min_lr_factor: float = bounded(0.0, ge=0.0, le=1.0)
+    min_lr_factor: float = bounded(0.1, ge=0.0, le=1.0)
     """Lr at the end of the decay, as a fraction of the peak lr."""
 
 
 @dataclass(kw_only=True)
 class Training:
-    steps: int = bounded(10_000, ge=1)
+    steps: int = bounded(200, ge=1)
     """Optimizer steps to train for."""
 
     local_batch_size: int = bounded(8, ge=1)
     """Sequences per micro-batch on each data-parallel rank."""
 
-    seq_len: int = bounded(2048, ge=1)
-    """Tokens per sequence."""
+    seq_len: int = bounded(128, ge=1)
+    """Tokens per sequence; at most the model flavor's maximum (checked before the job starts)."""
 
     gradient_accumulation_steps: int = bounded(1, ge=1)
     """Micro-batches per optimizer step on each rank (derived when global_batch_size is set)."""
@@ -160,7 +162,8 @@ class Training:
     """Seed for model init and data order."""
 
     dataset: str = "stdlib"
-    """Text corpus to train on."""
+    """Corpus the model family's dataloader reads; the llama family offers "stdlib" (the
+    Python sources of the interpreter's standard library, present on every machine)."""
 
 
 @dataclass(kw_only=True)
@@ -276,6 +279,21 @@ class MixedPrecision:
 
 
 @dataclass(kw_only=True)
+class Comm:
+    init_timeout_seconds: int = bounded(300, ge=1)
+    """Longest wait of a collective until the first step is done (process-group start,
+    sharding, checkpoint load, the first step's own collectives)."""
+
+    train_timeout_seconds: int = bounded(100, ge=1)
+    """Longest wait of a collective after the first applied step: a rank that stops answering
+    ends the run after this long with one line naming the collective."""
+
+    trace_buf_size: int = bounded(20_000, ge=0)
+    """Collectives torch's flight recorder keeps per process group (`TORCH_FR_BUFFER_SIZE`,
+    unless set in the environment); the line of a timed-out run names the last one. 0: off."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -286,3 +304,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    comm: Comm = field(default_factory=Comm)

@@ -156,7 +156,8 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
         token = argv[i]
         if not token.startswith("--") or "." not in token:
             raise ConfigError(
-                f"unexpected argument {token!r}; overrides look like --section.key value"
+                f"unexpected argument {token!r}; overrides look like --section.key value "
+                "(--help lists every key)"
             )
         name, eq, inline = token[2:].partition("=")
         section, _, key = name.partition(".")

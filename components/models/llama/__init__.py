@@ -2,27 +2,72 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from components.models.llama.data import ByteTextLoader
-from components.models.llama.model import FLAVORS, Transformer
+from components.models.llama.data import ByteTextLoader, load_corpus
+from components.models.llama.model import FLAVORS, ModelArgs, Transformer
 from components.models.llama.parallelize import parallelize
 from components.train_spec import LossFn, TrainSpec, register_train_spec
-from config import ConfigError
+from config import ConfigError, JobConfig
 from config import Model as ModelConfig
 from config import Training as TrainingConfig
 
-__all__ = ["build_dataloader", "build_loss", "build_model", "parallelize"]
+__all__ = [
+    "DATASETS",
+    "build_dataloader",
+    "build_loss",
+    "build_model",
+    "parallelize",
+    "validate_config",
+]
+
+DATASETS: dict[str, Callable[[], torch.Tensor]] = {"stdlib": load_corpus}
+"""`[training] dataset` -> the function that returns its bytes (uint8)."""
 
 
-def build_model(cfg: ModelConfig) -> Transformer:
-    """The model of `[model] flavor`, initialized from torch's current RNG state."""
+def _flavor(cfg: ModelConfig) -> ModelArgs:
     if cfg.flavor not in FLAVORS:
         raise ConfigError(
             f"[model] flavor = {cfg.flavor!r}: unknown flavor; valid: {', '.join(FLAVORS)}"
         )
-    return Transformer(FLAVORS[cfg.flavor])
+    return FLAVORS[cfg.flavor]
+
+
+def _dataset(cfg: TrainingConfig) -> Callable[[], torch.Tensor]:
+    if cfg.dataset not in DATASETS:
+        raise ConfigError(
+            f"[training] dataset = {cfg.dataset!r}: not a llama dataset; valid: "
+            f"{', '.join(DATASETS)}"
+        )
+    return DATASETS[cfg.dataset]
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Refuse, in one line, what the llama family cannot run (before any process starts)."""
+    args = _flavor(cfg.model)
+    seq_len = cfg.training.seq_len
+    if seq_len > args.max_seq_len:
+        # Beyond its rotary table the model would fail deep inside attention.
+        sizes = ", ".join(f"{name}: {a.max_seq_len}" for name, a in FLAVORS.items())
+        raise ConfigError(
+            f"[training] seq_len = {seq_len}: above the {args.max_seq_len} positions of llama "
+            f"flavor {cfg.model.flavor!r}; use seq_len <= {args.max_seq_len} or a flavor "
+            f"with more ({sizes})"
+        )
+    if cfg.model.num_parts > args.n_layers:
+        raise ConfigError(
+            f"[model] num_parts = {cfg.model.num_parts}: llama flavor {cfg.model.flavor!r} has "
+            f"{args.n_layers} layers to split; use num_parts <= {args.n_layers}"
+        )
+    _dataset(cfg.training)
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The model of `[model] flavor`, initialized from torch's current RNG state."""
+    return Transformer(_flavor(cfg))
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -35,8 +80,12 @@ def build_loss(cfg: TrainingConfig) -> LossFn:
 
 
 def build_dataloader(cfg: TrainingConfig, dp_rank: int, dp_world_size: int) -> ByteTextLoader:
-    """This rank's share of `[training] local_batch_size` x `seq_len` windows of stdlib bytes."""
-    return ByteTextLoader(cfg.seq_len, cfg.local_batch_size, dp_rank, dp_world_size, cfg.seed)
+    """This rank's share of `[training] local_batch_size` x `seq_len` windows of the bytes of
+    `[training] dataset`."""
+    corpus = _dataset(cfg)()
+    return ByteTextLoader(
+        cfg.seq_len, cfg.local_batch_size, dp_rank, dp_world_size, cfg.seed, corpus=corpus
+    )
 
 
 register_train_spec(
@@ -46,5 +95,6 @@ register_train_spec(
         parallelize_fn=parallelize,
         build_loss_fn=build_loss,
         build_dataloader_fn=build_dataloader,
+        validate_config_fn=validate_config,
     )
 )

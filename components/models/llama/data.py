@@ -82,16 +82,23 @@ class ByteTextLoader:
         dp_rank: this rank's index among the data-parallel ranks.
         dp_world_size: number of data-parallel ranks.
         seed: seed of the window order.
+        corpus: the bytes (uint8) to cut into windows; None: `load_corpus()`.
     """
 
     def __init__(
-        self, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
+        self,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        seed: int,
+        corpus: torch.Tensor | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(
                 f"dp_rank = {dp_rank}: must lie in [0, dp_world_size = {dp_world_size})"
             )
-        self.corpus = load_corpus()
+        self.corpus = load_corpus() if corpus is None else corpus
         self.windows = (len(self.corpus) - 1) // seq_len
         if self.windows < 1:
             raise ValueError(

@@ -1,0 +1,153 @@
+"""Defaults that run, config errors before any process group, and hangs that end (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from components.job import build_job, validate_job
+from config import ConfigError, load_job_config
+from tests.harness.dist import REPO, free_port, kill_tree, launch
+from tests.test_train import BASE
+
+
+def _error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if " ERROR " in line]
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_lists_the_keys_and_reads_nothing(flag, capsys):
+    """`train.py --help` prints the keys and returns (exit 0) before reading any file."""
+    import train
+
+    train.main(["--job.config_file", "nope.toml", flag])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: train.py")
+    assert "\n[training]\n  steps: int = 200\n" in out
+    assert "train_timeout_seconds: int = 100" in out
+
+
+def test_no_arguments_run_the_debug_job(tmp_path):
+    """The defaults alone (no config file) train; an empty TOML gives the same config
+    (tests/config/test_defaults.py)."""
+    result = launch(0, ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--training.seq_len", "4096"],
+            "[training] seq_len = 4096: above the 1024 positions of llama flavor 'debug'; "
+            "use seq_len <= 1024 or a flavor with more (tiny: 256, debug: 1024, small: 2048)",
+        ),
+        (["--training.dataset", "c4"], "[training] dataset = 'c4': not a llama dataset"),
+        (["--model.num_parts", "5"], "[model] num_parts = 5: llama flavor 'debug' has 4 layers"),
+        (["--model.flavor", "huge"], "[model] flavor = 'huge': unknown flavor"),
+        (["--optimizer.container", "x"], "[optimizer] container = 'x': unknown container"),
+        (["--training.global_batch_size", "12"], "global_batch_size = 12: not a multiple"),
+    ],
+)
+def test_what_the_job_cannot_run_is_refused_before_any_process_group(args, message):
+    with pytest.raises(ConfigError) as refused:
+        validate_job(load_job_config(args))
+    assert message in str(refused.value)
+    assert not dist.is_initialized()
+
+
+def test_a_refused_ft_job_never_connects(tmp_path):
+    """An unknown optimizer under torchft is refused before the lighthouse (a closed port
+    here, which would cost torchft's connect timeout) or any store is contacted."""
+    port = free_port()
+    cfg = load_job_config(
+        [
+            *("--fault_tolerance.enable", "--optimizer.name", "Adamm"),
+            *("--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"),
+            *("--job.dump_folder", str(tmp_path)),
+        ]
+    )
+    store_port = os.environ.get("MASTER_PORT")  # build_job starts a store after validating
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"\[optimizer\] name = 'Adamm': unknown optimizer"):
+        build_job(cfg)
+    assert time.monotonic() - start < 5
+    assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == store_port
+
+
+def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    result = launch(2, [*BASE, "--job.dump_folder", str(tmp_path), "--training.seq_len", "300"])
+    out = result.stdout
+    assert result.returncode != 0  # torchrun itself exits 1 for any failed worker
+    lines = _error_lines(out)
+    assert len(lines) == 1 and "error: [training] seq_len = 300: above the 256" in lines[0], out
+    assert 'train.py", line' not in out  # torchrun's own traceback is all there is
+    # torchrun's summary names rank 0 as the root cause, with the line instead of a link.
+    cause = out.split("Root Cause")[1]
+    assert "rank      : 0" in cause and "exitcode  : 2" in cause and "seq_len = 300" in cause
+
+
+def _worker_pid(launcher: int, local_rank: int) -> int:
+    """The pid of the train.py worker with `local_rank` under the torchrun `launcher`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == launcher and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry)
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under pid {launcher}")
+
+
+def test_a_stopped_rank_ends_the_run_within_the_train_timeout(tmp_path):
+    """SIGSTOP one rank after the first step: the other names the collective after
+    `train_timeout_seconds` (not gloo's 30 min) and exits; the launcher then exits nonzero."""
+    args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "1000"]
+    args += ["--comm.train_timeout_seconds", "3", "--checkpoint.enable", "false"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    log = tmp_path / "out.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [*cmd, "train.py", *args],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        # Step 2 logged: the first step is done, so the train timeout is in force.
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        worker = _worker_pid(proc.pid, local_rank=1)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not _error_lines(log.read_text()):
+            assert time.monotonic() - stopped < 30, log.read_text()[-3000:]
+            time.sleep(0.05)
+        # Rank 0 exits at once; torchrun would wait 30 s for the stopped one to end.
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+    (line,) = _error_lines(log.read_text())
+    assert re.search(r"collective gloo:\w+ #\d+ \(.*timeout 3 s\) got no answer in time", line)
