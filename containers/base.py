@@ -13,9 +13,10 @@ run in `step()` after backward, or unit by unit inside backward (`containers.in_
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -26,11 +27,21 @@ from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
-from containers.flat_state import PG, STATE, flatten_into, initial_states, plan_load
+from containers.flat_state import (
+    PG,
+    STATE,
+    changed_settings,
+    flatten_into,
+    plan_load,
+    refuse_other_layout,
+)
+from containers.initial_state import derive
 from containers.param_groups import ParamGroupRule, assign
 from containers.parts import Gate, Named, Precision, StepReport, Timing
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
+
+logger = logging.getLogger(__name__)
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -305,26 +316,32 @@ class OptimizersContainer(Optimizer, Stateful):
 
     # -- flat FQN-keyed state dict -----------------------------------------------------------
 
-    def _states(self, opt: Optimizer, materialize: bool) -> dict[torch.Tensor, dict[str, Any]]:
-        """Each parameter's live state, or its optimizer's initial state if it has none yet."""
+    def _states(
+        self, opt: Optimizer, materialize: bool
+    ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, frozenset[str]]]:
+        """Each parameter's live state, or its optimizer's initial state if it has none yet;
+        and the state names that the optimizer's first update creates (see `derive`)."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
-        init = initial_states(opt, fresh, materialize) if fresh else {}
-        return {p: opt.state.get(p) or init[p] for p in params}
+        # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
+        derived = derive(opt, fresh if materialize else params, materialize)
+        states = {p: opt.state.get(p) or derived.states[p] for p in params}
+        return states, derived.created
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
         plus the precision's own entries (e.g. `master_weights.<fqn>`).
 
         Parameters that have not stepped yet appear with their optimizer's initial state
-        (zeros, step 0), built without running a step, so the dict always covers every
-        trainable parameter and serves as the template that DCP loads into.
+        (torch's own start values, e.g. zeros and step 0 for Adam), built without running a
+        step, so the dict always covers every trainable parameter and serves as the template
+        that DCP loads into.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         flat: dict[str, Any] = {}
         for opt in self.optimizers:
-            for p, st in self._states(opt, materialize=True).items():
+            for p, st in self._states(opt, materialize=True)[0].items():
                 flatten_into(flat, f"{STATE}.{self._fqns[p]}", st)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -340,15 +357,26 @@ class OptimizersContainer(Optimizer, Stateful):
         return flat
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict; on any problem raise and leave the optimizer as it was."""
+        """Load a flat state dict; on any problem raise and leave the optimizer as it was.
+
+        The dict gives state (moments, step counts, the precision's masters and scaler); the
+        container keeps its own hyperparameters and param groups, which its constructor built
+        from this run's config. What the dict's groups would have set differently is logged
+        in one line. A dict of another state layout (AdamW's into SGD) is refused.
+        """
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         taken = self.precision.take_state(state_dict, self._fqns)
-        layout = [self._states(opt, materialize=False) for opt in self.optimizers]
-        plans = plan_load(self.optimizers, layout, self._fqns, state_dict)
+        layout, created = [], {}
+        for opt in self.optimizers:
+            states, news = self._states(opt, materialize=False)
+            layout.append(states)
+            created.update(news)
+        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict)
+        changes = changed_settings(self.optimizers, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:
             for opt, osd in zip(self.optimizers, plans):
@@ -358,5 +386,13 @@ class OptimizersContainer(Optimizer, Stateful):
                 opt.load_state_dict(backup)
             raise
         self.precision.load_state(taken)
+        if changes:
+            logger.info("resume: from the config, not the checkpoint: %s", ", ".join(changes))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def check_checkpoint_keys(self, keys: Collection[str]) -> None:
+        """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
+        another layout than this container's (e.g. AdamW's for SGD), before anything loads."""
+        layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
+        refuse_other_layout(self.optimizers, layout, self._fqns, keys)
