@@ -86,7 +86,7 @@ def refuse_other_layout(
         fqns: each parameter's FQN.
         keys: the flat keys of the state dict or checkpoint.
     """
-    fqns_saved = {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in keys if k.startswith(f"{PG}.")}
+    fqns_saved = _group_fqns(keys)
     saved = state_names(keys, set(fqns.values()))
     for opt, states in zip(optimizers, layout):
         differ = []
@@ -136,28 +136,19 @@ def plan_load(
     for states in layout:
         for p, st in states.items():
             flatten_into(expected, f"{STATE}.{fqns[p]}", st)
-    owners: dict[str, str] = {}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                owners[fqns[p]] = type(opt).__name__
                 for key in group:
                     if key != "params":
                         expected[f"{PG}.{fqns[p]}.{key}"] = None
     if not isinstance(flat.get(STATE), dict):
         refuse_other_layout(optimizers, layout, fqns, flat.keys())
-    saved_groups = {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in flat if k.startswith(f"{PG}.")}
-    # Group settings come from this container: only which parameters they cover must match.
-    missing = {
-        k
-        for k in expected.keys() - flat.keys()
-        if not k.startswith(f"{PG}.") or k[len(PG) + 1 :].rsplit(".", 1)[0] not in saved_groups
-    }
-    unexpected = {
-        k
-        for k in flat.keys() - expected.keys()
-        if not k.startswith(f"{PG}.") or k[len(PG) + 1 :].rsplit(".", 1)[0] not in owners
-    }
+    # Group settings come from this container: only which parameters they cover must match
+    # (a state key names no group, and the empty set is a subset: state keys always count).
+    ours, theirs = _group_fqns(expected), _group_fqns(flat)
+    missing = {k for k in expected.keys() - flat.keys() if _group_fqns([k]) <= ours - theirs}
+    unexpected = {k for k in flat.keys() - expected.keys() if _group_fqns([k]) <= theirs - ours}
     if missing or unexpected:
         hint = ""
         if isinstance(flat.get(STATE), dict):
@@ -210,19 +201,26 @@ def changed_settings(
 ) -> list[str]:
     """What `flat`'s groups set differently from the optimizers' own (the config's) groups,
     one entry per setting, e.g. ``weight_decay 0.1 -> 0.01`` or ``optimizer AdamW -> Adam``;
-    a setting that changed in several ways counts the parameters of each."""
+    a setting that changed in several ways counts the parameters of each. Under an LR
+    scheduler, ``lr`` compares the base lrs (``initial_lr``)."""
     changes: dict[str, Counter[tuple[str, str]]] = {}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                for key, now in group.items():
+                for name, now in group.items():
+                    key = name
+                    if name == "lr" and "initial_lr" in group:
+                        # An LR scheduler sets lr from its base (initial_lr) and its position,
+                        # which it loads itself (maybe after this load): the base is the setting.
+                        key, now = "initial_lr", group["initial_lr"]
                     was = flat.get(f"{PG}.{fqns[p]}.{key}", now)
-                    if key == "params" or key in _IMPLEMENTATION_KEYS or _same(was, now):
+                    skip = ("params", "initial_lr", *_IMPLEMENTATION_KEYS)
+                    if name in skip or _same(was, now):
                         continue
-                    if key == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
+                    if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
                         # The one setting that tells Adam from AdamW (their state is the same).
-                        key, was, now = "optimizer", _adam_name(was), _adam_name(now)
-                    changes.setdefault(key, Counter())[(_show(was), _show(now))] += 1
+                        name, was, now = "optimizer", _adam_name(was), _adam_name(now)
+                    changes.setdefault(name, Counter())[(_show(was), _show(now))] += 1
     lines = []
     for key, pairs in changes.items():
         if len(pairs) == 1:
@@ -232,6 +230,11 @@ def changed_settings(
             ways = " / ".join(f"{was} -> {now} ({n} params)" for (was, now), n in pairs.items())
             lines.append(f"{key} {ways}")
     return lines
+
+
+def _group_fqns(keys: Iterable[str]) -> set[str]:
+    """The FQNs that `param_groups.<fqn>.<key>` entries among `keys` name."""
+    return {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in keys if k.startswith(f"{PG}.")}
 
 
 def _adam_name(decoupled: Any) -> str:
