@@ -40,6 +40,7 @@ from components.checkpoint_files import (
 )
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
+from containers import OptimizersContainer
 from containers.flat_state import describe_keys
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
@@ -231,6 +232,19 @@ class CheckpointManager:
     def _check_matches(self, path: Path, metadata: Metadata) -> None:
         """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
         saved = metadata.state_dict_metadata
+        for name, state in self.states.items():
+            # A container says in its own words when the optimizer state is of another layout
+            # (AdamW's for SGD): clearer than the key listing below.
+            if isinstance(state, OptimizersContainer):
+                try:
+                    state.check_checkpoint_keys(
+                        [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
+                    )
+                except ValueError as e:
+                    raise ConfigError(
+                        f"[checkpoint] checkpoint {path}: {e} ([optimizer] name and its "
+                        "settings pick the optimizer; another [job] dump_folder starts over)"
+                    ) from None
         ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
         missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
         reshaped = [

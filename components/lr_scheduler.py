@@ -57,8 +57,9 @@ class LRSchedulersContainer(Stateful):
         self.factor = functools.partial(lr_factor, cfg=cfg, total_steps=total_steps)
         self.schedulers = [LambdaLR(opt, self.factor) for opt in optimizers]
         for scheduler in self.schedulers:
-            # An optimizer load brings back the checkpoint's lrs, and DCP loads Statefuls in
-            # key order ("lr_scheduler" before "optimizer"): re-apply this run's schedule.
+            # Our containers keep their own lrs on a load, but an optimizer of another make
+            # brings back the checkpoint's, after DCP loaded "lr_scheduler" (key order):
+            # re-apply this run's schedule, so the first resumed step uses this run's lr.
             scheduler.optimizer.register_load_state_dict_post_hook(
                 lambda _optimizer, s=scheduler: self._apply_schedule(s)
             )

@@ -17,9 +17,10 @@ multiply by a scalar factor, no host sync), so the one norm check catches it too
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -31,14 +32,21 @@ from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
-from containers.flat_state import PG, STATE, flatten_into, initial_states, plan_load
-from containers.param_groups import ParamGroupRule, assign
-from containers.parts import Gate, Named, Precision, StepReport, Timing, all_finite
+from containers.flat_state import (
+    PG,
+    STATE,
+    changed_settings,
+    flatten_into,
+    plan_load,
+    refuse_other_layout,
+)
+from containers.initial_state import derive
+from containers.param_groups import ParamGroupRule, assign, trainable
+from containers.parts import Gate, Precision, StepReport, Timing, all_finite
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
-# Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -48,12 +56,6 @@ class Unit:
 
     params: list[torch.Tensor]
     optimizers: list[Optimizer] = field(default_factory=list)
-
-
-def _fqn(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 class OptimizersContainer(Optimizer, Stateful):
@@ -110,7 +112,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._skipped_units = 0
         self._refuse_impossible_composition()
         self._fqns: dict[torch.Tensor, str] = {}
-        named_units = self.timing.units(self.model_parts, self._trainable())
+        named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
         stepped_units = [
             [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
         ]
@@ -167,33 +169,6 @@ class OptimizersContainer(Optimizer, Stateful):
                     f"{type(self.timing).__name__} steps units inside backward, which this "
                     f"{part} cannot work with: {reason}"
                 )
-
-    def _trainable(self) -> list[Named]:
-        """Each part's trainable (FQN, parameter) pairs; a parameter or FQN in two parts is
-        an error."""
-        owner: dict[torch.Tensor, int] = {}
-        fqn_owner: dict[str, int] = {}
-        parts = []
-        for part_idx, part in enumerate(self.model_parts):
-            named = []
-            for name, p in part.named_parameters():
-                if not p.requires_grad:
-                    continue
-                fqn = _fqn(name)
-                if p in owner:
-                    raise ValueError(
-                        f"parameter {fqn!r} of model part {part_idx} is also in model part "
-                        f"{owner[p]}; a parameter must be owned by exactly one part"
-                    )
-                if fqn in fqn_owner:
-                    raise ValueError(
-                        f"FQN {fqn!r} appears in model parts {fqn_owner[fqn]} and {part_idx}; "
-                        "checkpoint keys must be unique, so keep the original FQNs per part"
-                    )
-                owner[p], fqn_owner[fqn] = part_idx, part_idx
-                named.append((fqn, p))
-            parts.append(named)
-        return parts
 
     # -- what the trainer asks -----------------------------------------------------------
 
@@ -348,26 +323,32 @@ class OptimizersContainer(Optimizer, Stateful):
 
     # -- flat FQN-keyed state dict -----------------------------------------------------------
 
-    def _states(self, opt: Optimizer, materialize: bool) -> dict[torch.Tensor, dict[str, Any]]:
-        """Each parameter's live state, or its optimizer's initial state if it has none yet."""
+    def _states(
+        self, opt: Optimizer, materialize: bool
+    ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, frozenset[str]]]:
+        """Each parameter's live state, or its optimizer's initial state if it has none yet;
+        and the state names that the optimizer's first update creates (see `derive`)."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
-        init = initial_states(opt, fresh, materialize) if fresh else {}
-        return {p: opt.state.get(p) or init[p] for p in params}
+        # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
+        derived = derive(opt, fresh if materialize else params, materialize)
+        states = {p: opt.state.get(p) or derived.states[p] for p in params}
+        return states, derived.created
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
         plus the precision's own entries (e.g. `master_weights.<fqn>`).
 
         Parameters that have not stepped yet appear with their optimizer's initial state
-        (zeros, step 0), built without running a step, so the dict always covers every
-        trainable parameter and serves as the template that DCP loads into.
+        (torch's own start values, e.g. zeros and step 0 for Adam), built without running a
+        step, so the dict always covers every trainable parameter and serves as the template
+        that DCP loads into.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         flat: dict[str, Any] = {}
         for opt in self.optimizers:
-            for p, st in self._states(opt, materialize=True).items():
+            for p, st in self._states(opt, materialize=True)[0].items():
                 flatten_into(flat, f"{STATE}.{self._fqns[p]}", st)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -383,15 +364,26 @@ class OptimizersContainer(Optimizer, Stateful):
         return flat
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict; on any problem raise and leave the optimizer as it was."""
+        """Load a flat state dict; on any problem raise and leave the optimizer as it was.
+
+        The dict gives state (moments, step counts, the precision's masters and scaler); the
+        container keeps its own hyperparameters and param groups, which its constructor built
+        from this run's config. What the dict's groups would have set differently is logged
+        in one line. A dict of another state layout (AdamW's into SGD) is refused.
+        """
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         taken = self.precision.take_state(state_dict, self._fqns)
-        layout = [self._states(opt, materialize=False) for opt in self.optimizers]
-        plans = plan_load(self.optimizers, layout, self._fqns, state_dict)
+        layout, created = [], {}
+        for opt in self.optimizers:
+            states, news = self._states(opt, materialize=False)
+            layout.append(states)
+            created.update(news)
+        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict)
+        changes = changed_settings(self.optimizers, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:
             for opt, osd in zip(self.optimizers, plans):
@@ -401,5 +393,13 @@ class OptimizersContainer(Optimizer, Stateful):
                 opt.load_state_dict(backup)
             raise
         self.precision.load_state(taken)
+        if changes:
+            logger.info("resume: from the config, not the checkpoint: %s", ", ".join(changes))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def check_checkpoint_keys(self, keys: Collection[str]) -> None:
+        """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
+        another layout than this container's (e.g. AdamW's for SGD), before anything loads."""
+        layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
+        refuse_other_layout(self.optimizers, layout, self._fqns, keys)

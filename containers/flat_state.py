@@ -1,9 +1,14 @@
-"""Helpers for torch's flat optimizer state-dict format, shared by every container."""
+"""Torch's flat optimizer state-dict format, shared by every container.
+
+A load takes state from the dict (moments, step counts) and hyperparameters from the container
+(its groups were built from this run's config): `plan_load` validates and unflattens, and
+`changed_settings` says what the dict's groups would have set otherwise.
+"""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,12 +18,9 @@ from torch.optim import Optimizer
 STATE = "state"
 PG = "param_groups"
 
-# Group keys that would make a throwaway step on meta tensors fail or touch real devices.
-# Group keys that say how an optimizer runs, not where training is: a checkpoint written with
-# one kernel must load into a run that chose another (or whose device lacks it).
+# Group keys that say how an optimizer runs, not what it computes: not worth a line when a
+# checkpoint written with one kernel loads into a run that chose another.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
-
-_SHADOW_OFF = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
 
 
 def describe_keys(keys: Iterable[str], limit: int = 8) -> str:
@@ -50,84 +52,83 @@ def unflatten(flat: Mapping[str, Any], prefix: str, like: Mapping[str, Any]) -> 
     }
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+def state_names(keys: Iterable[str], fqns: Collection[str]) -> dict[str, set[str]]:
+    """Each FQN's state names (`exp_avg`, `factors.row`) among flat `keys`; other keys skipped."""
+    names: dict[str, set[str]] = {}
+    for key in keys:
+        if not key.startswith(f"{STATE}."):
+            continue
+        parts = key.split(".")[1:]
+        # The longest FQN prefix: a parameter has no children, so at most one prefix is an FQN.
+        for cut in range(len(parts) - 1, 0, -1):
+            fqn = ".".join(parts[:cut])
+            if fqn in fqns:
+                names.setdefault(fqn, set()).add(".".join(parts[cut:]))
+                break
+    return names
 
 
-def initial_states(
-    opt: Optimizer, params: list[torch.Tensor], materialize: bool
-) -> dict[torch.Tensor, dict[str, Any]]:
-    """The state `opt` would give `params` before their first step, without stepping `opt`.
+def refuse_other_layout(
+    optimizers: Sequence[Optimizer],
+    layout: Sequence[Mapping[torch.Tensor, Mapping[str, Any]]],
+    fqns: Mapping[torch.Tensor, str],
+    keys: Collection[str],
+) -> None:
+    """Raise ValueError if flat `keys` hold another optimizer's state for these parameters.
 
-    A throwaway optimizer of the same class steps once on meta-device stand-ins, which
-    reveals the names, shapes and dtypes of the state at no memory cost. Initial values are
-    zeros (and step 0), the start state of the Adam family and of SGD momentum.
+    Which optimizer wrote a checkpoint is known by its state names: Adam and AdamW share
+    theirs (`exp_avg`, `exp_avg_sq`, `step`), so either loads the other's; SGD keeps
+    `momentum_buffer` and cannot take them.
 
     Args:
-        opt: the optimizer that owns `params`.
-        params: parameters of `opt` that have no state yet.
-        materialize: allocate zero tensors (DTensors for sharded parameters) for a state
-            dict; otherwise return tensors that only carry shape and type, for validation.
+        optimizers: the inner optimizers.
+        layout: per optimizer, each parameter's state (live or initial).
+        fqns: each parameter's FQN.
+        keys: the flat keys of the state dict or checkpoint.
     """
-    wanted = set(params)
-    stand_ins: dict[torch.Tensor, torch.Tensor] = {}
-    groups = []
-    for group in opt.param_groups:
-        metas = []
-        for p in group["params"]:
-            if p in wanted:
-                meta = torch.empty_like(_local(p).detach(), device="meta")
-                meta.grad = torch.empty_like(meta)
-                stand_ins[p] = meta
-                metas.append(meta)
-        if metas:
-            settings = {k: v for k, v in group.items() if k != "params"}
-            settings.update({k: v for k, v in _SHADOW_OFF.items() if k in settings})
-            if "lr" in settings:
-                settings["lr"] = 0.0
-            groups.append({**settings, "params": metas})
-    # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay).
-    accepted = inspect.signature(type(opt)).parameters
-    defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
-    defaults.update({k: v for k, v in _SHADOW_OFF.items() if k in defaults})
-    try:
-        shadow = type(opt)(groups, **defaults)
-        shadow.step()
-    except Exception as e:
-        raise RuntimeError(
-            f"cannot derive the initial state of {type(opt).__name__} on meta tensors ({e}); "
-            "step the optimizer once before taking its state dict"
-        ) from e
-
-    def make(p: torch.Tensor, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: make(p, v) for k, v in value.items()}
-        if isinstance(value, (int, float)):
-            return type(value)(0)
-        if not isinstance(value, torch.Tensor):
-            return value
-        if value.dim() == 0:
-            return torch.zeros((), dtype=value.dtype)
-        if value.shape == _local(p).shape:
-            return torch.zeros_like(p, dtype=value.dtype) if materialize else p.detach()
-        if materialize:
-            return torch.zeros(value.shape, dtype=value.dtype, device=_local(p).device)
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-
-    return {p: make(p, shadow.state.get(m, {})) for p, m in stand_ins.items()}
+    fqns_saved = _group_fqns(keys)
+    saved = state_names(keys, set(fqns.values()))
+    for opt, states in zip(optimizers, layout):
+        differ = []
+        for p, st in states.items():
+            flat: dict[str, Any] = {}
+            flatten_into(flat, "", st)
+            fqn, ours = fqns[p], {k[1:] for k in flat}
+            if fqn in fqns_saved:
+                differ.append((fqn, ours) if saved.get(fqn, set()) != ours else None)
+        # Every parameter of the optimizer differs: another optimizer wrote it (a damaged
+        # dict, missing a key here and there, gets the key listing instead).
+        if differ and all(differ):
+            fqn, ours = differ[0]
+            cls = type(opt).__name__
+            raise ValueError(
+                f"the checkpoint's optimizer state does not carry over to {cls}: it keeps "
+                f"{describe_keys(saved.get(fqn, set()))} per parameter (e.g. {fqn!r}), {cls} "
+                f"keeps {describe_keys(ours)}; load it with an optimizer whose state has the "
+                "checkpoint's names (the one that wrote it, or Adam <-> AdamW), or start "
+                "without this checkpoint"
+            )
 
 
 def plan_load(
     optimizers: Sequence[Optimizer],
     layout: Sequence[Mapping[torch.Tensor, Mapping[str, Any]]],
+    created: Mapping[torch.Tensor, Collection[str]],
     fqns: Mapping[torch.Tensor, str],
     flat: Mapping[str, Any],
 ) -> list[dict[str, Any]]:
     """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
 
+    State comes from `flat`; every group setting (lr, betas, weight decay, kernel flags) is
+    the optimizer's own, built from this run's config, so `flat`'s groups only have to cover
+    the same parameters. A state name the first update creates (`created`) that is still all
+    zeros is a never-stepped parameter's placeholder: it is left out, so the next step is the
+    optimizer's first, as in a fresh run.
+
     Args:
         optimizers: the inner optimizers.
         layout: per optimizer, each parameter's state (live or initial), for keys and shapes.
+        created: each parameter's state names that its optimizer's first update creates.
         fqns: each parameter's FQN.
         flat: the flat state dict to load.
     """
@@ -141,8 +142,13 @@ def plan_load(
                 for key in group:
                     if key != "params":
                         expected[f"{PG}.{fqns[p]}.{key}"] = None
-    missing = expected.keys() - flat.keys()
-    unexpected = flat.keys() - expected.keys()
+    if not isinstance(flat.get(STATE), dict):
+        refuse_other_layout(optimizers, layout, fqns, flat.keys())
+    # Group settings come from this container: only which parameters they cover must match
+    # (a state key names no group, and the empty set is a subset: state keys always count).
+    ours, theirs = _group_fqns(expected), _group_fqns(flat)
+    missing = {k for k in expected.keys() - flat.keys() if _group_fqns([k]) <= ours - theirs}
+    unexpected = {k for k in flat.keys() - expected.keys() if _group_fqns([k]) <= theirs - ours}
     if missing or unexpected:
         hint = ""
         if isinstance(flat.get(STATE), dict):
@@ -175,29 +181,80 @@ def plan_load(
         groups = []
         index = 0
         for group in opt.param_groups:
-            loaded: dict[str, Any] = {"params": []}
+            loaded: dict[str, Any] = {k: v for k, v in group.items() if k != "params"}
+            loaded["params"] = []
             for p in group["params"]:
-                fqn = fqns[p]
-                osd_state[index] = unflatten(flat, f"{STATE}.{fqn}", states[p])
+                state = unflatten(flat, f"{STATE}.{fqns[p]}", states[p])
+                for name in created.get(p, ()):
+                    if name in state and _all_zero(state[name]):
+                        del state[name]
+                osd_state[index] = state
                 loaded["params"].append(index)
                 index += 1
-                for key in group:
-                    if key == "params":
-                        continue
-                    value = flat[f"{PG}.{fqn}.{key}"]
-                    if key in loaded and not _same(loaded[key], value):
-                        raise ValueError(
-                            f"param_groups.{fqn}.{key} = {value!r} differs from "
-                            f"{loaded[key]!r} of other parameters in its group; the "
-                            "checkpoint's groups do not match this container's param_groups"
-                        )
-                    loaded[key] = value
-            for key in _IMPLEMENTATION_KEYS:
-                if key in group:
-                    loaded[key] = group[key]
             groups.append(loaded)
         plans.append({"state": osd_state, "param_groups": groups})
     return plans
+
+
+def changed_settings(
+    optimizers: Sequence[Optimizer], fqns: Mapping[torch.Tensor, str], flat: Mapping[str, Any]
+) -> list[str]:
+    """What `flat`'s groups set differently from the optimizers' own (the config's) groups,
+    one entry per setting, e.g. ``weight_decay 0.1 -> 0.01`` or ``optimizer AdamW -> Adam``;
+    a setting that changed in several ways counts the parameters of each. Under an LR
+    scheduler, ``lr`` compares the base lrs (``initial_lr``)."""
+    changes: dict[str, Counter[tuple[str, str]]] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for name, now in group.items():
+                    key = name
+                    if name == "lr" and "initial_lr" in group:
+                        # An LR scheduler sets lr from its base (initial_lr) and its position,
+                        # which it loads itself (maybe after this load): the base is the setting.
+                        key, now = "initial_lr", group["initial_lr"]
+                    was = flat.get(f"{PG}.{fqns[p]}.{key}", now)
+                    skip = ("params", "initial_lr", *_IMPLEMENTATION_KEYS)
+                    if name in skip or _same(was, now):
+                        continue
+                    if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
+                        # The one setting that tells Adam from AdamW (their state is the same).
+                        name, was, now = "optimizer", _adam_name(was), _adam_name(now)
+                    changes.setdefault(name, Counter())[(_show(was), _show(now))] += 1
+    lines = []
+    for key, pairs in changes.items():
+        if len(pairs) == 1:
+            ((was, now),) = pairs
+            lines.append(f"{key} {was} -> {now}")
+        else:
+            ways = " / ".join(f"{was} -> {now} ({n} params)" for (was, now), n in pairs.items())
+            lines.append(f"{key} {ways}")
+    return lines
+
+
+def _group_fqns(keys: Iterable[str]) -> set[str]:
+    """The FQNs that `param_groups.<fqn>.<key>` entries among `keys` name."""
+    return {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in keys if k.startswith(f"{PG}.")}
+
+
+def _adam_name(decoupled: Any) -> str:
+    return "AdamW" if decoupled else "Adam"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return repr(value.item())
+    return value if isinstance(value, str) else repr(value)
+
+
+def _all_zero(value: Any) -> bool:
+    """Whether a state tensor is all zeros (over every shard of a DTensor)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    nonzero = value.ne(0).any()
+    if isinstance(nonzero, DTensor):
+        nonzero = nonzero.full_tensor()  # one shard's answer is not the tensor's
+    return not bool(nonzero)
 
 
 def _shape_of(value: Any) -> str:

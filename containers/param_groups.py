@@ -8,11 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
 from containers.parts import Named
 
-__all__ = ["GroupSpecs", "ParamGroupRule", "assign"]
+__all__ = ["GroupSpecs", "ParamGroupRule", "assign", "trainable"]
+
+# Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 GroupSpecs = dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]
 """One unit's inner optimizers: class -> [(params, group kwargs)]."""
@@ -92,3 +96,37 @@ def assign(
             f"param group patterns {unused} match no trainable parameter; fix or remove them"
         )
     return assigned
+
+
+def _fqn(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
+    """Each part's trainable (FQN, parameter) pairs, FQNs as DCP writes them; a parameter or
+    FQN in two parts is an error."""
+    owner: dict[torch.Tensor, int] = {}
+    fqn_owner: dict[str, int] = {}
+    parts = []
+    for part_idx, part in enumerate(model_parts):
+        named = []
+        for name, p in part.named_parameters():
+            if not p.requires_grad:
+                continue
+            fqn = _fqn(name)
+            if p in owner:
+                raise ValueError(
+                    f"parameter {fqn!r} of model part {part_idx} is also in model part "
+                    f"{owner[p]}; a parameter must be owned by exactly one part"
+                )
+            if fqn in fqn_owner:
+                raise ValueError(
+                    f"FQN {fqn!r} appears in model parts {fqn_owner[fqn]} and {part_idx}; "
+                    "checkpoint keys must be unique, so keep the original FQNs per part"
+                )
+            owner[p], fqn_owner[fqn] = part_idx, part_idx
+            named.append((fqn, p))
+        parts.append(named)
+    return parts

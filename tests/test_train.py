@@ -377,3 +377,64 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except OSError:
         return False
+
+
+def _checkpoint(dump: Path, step: int, tmp: Path) -> dict:
+    """A checkpoint as saved, read without building a job (which would apply its config)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", tmp / f"step-{step}.pt")
+    return torch.load(tmp / f"step-{step}.pt", weights_only=False)
+
+
+def test_a_resume_takes_every_optimizer_setting_from_the_config(tmp_path):
+    dump = tmp_path / "run"
+    _run(0, dump, "--training.steps", "2")  # AdamW: lr 3e-3, betas (0.9, 0.95), wd 0.1
+
+    # Another state layout: refused before anything changes, in one line.
+    before = {p: p.stat().st_mtime_ns for p in (dump / "checkpoint").rglob("*")}
+    sgd = ["--training.steps", "3", "--optimizer.name", "SGD", "--optimizer.momentum", "0.9"]
+    result = launch(0, [*BASE, "--job.dump_folder", str(dump), *sgd], timeout=120)
+    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert len(errors) == 1, result.stdout[-3000:]
+    for part in ["SGD: it keeps [exp_avg, exp_avg_sq, step]", "SGD keeps [momentum_buffer]"]:
+        assert part in errors[0] and "[optimizer] name" in errors[0], errors[0]
+    assert {p: p.stat().st_mtime_ns for p in (dump / "checkpoint").rglob("*")} == before
+
+    # Every setting changed, Adam for AdamW: lr 1e-30 moves no weight by a single ulp.
+    changed = ["--optimizer.name", "Adam", "--optimizer.lr", "1e-30", "--optimizer.beta1", "0.8"]
+    changed += ["--optimizer.beta2", "0.99", "--optimizer.eps", "1e-6"]
+    changed += ["--optimizer.weight_decay", "0.01", "--training.steps", "3"]
+    out = _run(0, dump, *changed)
+    lines = [line for line in out.splitlines() if "resume: from the config" in line]
+    assert len(lines) == 1, out[-3000:]
+    for change in [
+        "lr 0.003 -> 1e-30,",  # the base lr that the schedule scales
+        "betas (0.9, 0.95) -> (0.8, 0.99)",
+        "eps 1e-08 -> 1e-06",
+        "weight_decay 0.1 -> 0.01,",  # the no-decay group keeps 0.0: not a change
+        "optimizer AdamW -> Adam",
+    ]:
+        assert change in lines[0], lines[0]
+
+    # Step 3 ran from the saved state at the new settings, and saved them.
+    old, new = _checkpoint(dump, 2, tmp_path), _checkpoint(dump, 3, tmp_path)
+    assert new["optimizer"]["state.layers.0.attention.wq.weight.step"].item() == 3
+    groups = {k: v for k, v in new["optimizer"].items() if k.startswith("param_groups.")}
+    assert {k.rsplit(".", 1)[1] for k in groups} >= {"lr", "betas", "eps", "weight_decay"}
+    for key, value in groups.items():
+        name = key.rsplit(".", 1)[1]
+        no_decay = "norm" in key or "tok_embeddings" in key
+        want = {
+            "betas": (0.8, 0.99),
+            "eps": 1e-6,
+            "weight_decay": 0.0 if no_decay else 0.01,
+            "decoupled_weight_decay": False,
+            "initial_lr": 1e-30,
+        }
+        assert value == want.get(name, value), key
+        if name == "lr":
+            assert 0 < value <= 1e-30, key  # the lr of step 4 on this run's schedule
+    assert old["model"].keys() == new["model"].keys()
+    assert all(torch.equal(old["model"][k], new["model"][k]) for k in old["model"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import pytest
@@ -68,7 +69,7 @@ def test_schedulers_drive_every_inner_optimizer_and_group():
     assert schedulers.get_last_lr() == pytest.approx(0.5) and schedulers.last_step == 1
 
 
-def test_resume_keeps_the_step_but_takes_the_lr_from_the_config():
+def test_resume_keeps_the_step_but_takes_the_lr_from_the_config(caplog):
     cfg = LRScheduler(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
     parts = three_parts()
     old = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-3})
@@ -81,8 +82,13 @@ def test_resume_keeps_the_step_but_takes_the_lr_from_the_config():
 
     new = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 2e-3})  # lr changed in config
     new_sched = build_lr_schedulers(new, cfg, total_steps=10)
-    new.load_state_dict(saved_optim)  # brings the old lr back into the groups...
-    new_sched.load_state_dict(saved_sched)  # ...and the schedule re-applies the config's
+    with caplog.at_level(logging.INFO, logger="containers.base"):
+        new.load_state_dict(saved_optim)  # keeps the config's lr in the groups...
+    new_sched.load_state_dict(saved_sched)  # ...and the schedule applies its position
+    # The base lrs are compared, not the scheduled ones (this load came before the schedule's).
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: from the config, not the checkpoint: lr 0.001 -> 0.002"
+    ]
     expected = 2e-3 * lr_factor(5, cfg, 10)
     assert [g["lr"] for g in new.param_groups] == pytest.approx([expected] * 3)
     assert new_sched.last_step == 5 and new_sched.get_last_lr() == pytest.approx(expected)
@@ -136,8 +142,8 @@ def test_get_last_lr_is_the_lr_of_the_next_step_after_a_load():
 
 
 def test_dcp_resume_applies_the_config_lr_whatever_the_load_order(tmp_path):
-    """DCP loads "lr_scheduler" before "optimizer", whose load brings the saved lrs back; the
-    schedule is re-applied after it, so the first resumed step already uses this run's lr."""
+    """DCP loads "lr_scheduler" before "optimizer", whose load keeps this run's lrs (and the
+    schedule is re-applied after it), so the first resumed step already uses this run's lr."""
     cfg = LRScheduler(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
     parts = three_parts()
     old = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-3})

@@ -1,0 +1,243 @@
+"""The state an optimizer gives a parameter before its first step, derived without stepping it.
+
+A container's state dict covers parameters that have not stepped yet (it is the template DCP
+loads into), so it needs each optimizer's start state, exact, for any `torch.optim` optimizer:
+
+- Torch's optimizers create their state in `_init_group`, just before the first update. Running
+  it on a throwaway optimizer of the same class and group settings, over stand-ins that alias
+  the parameters, gives torch's own start values: zeros and step 0 for the Adam family, ASGD's
+  `eta` = lr and `mu` = 1, Adagrad's `sum` at `initial_accumulator_value`, NAdam's `mu_product`
+  1, Rprop's `step_size` at lr. Nothing is stepped, so nothing real changes.
+- A step of another throwaway on meta-device stand-ins (no memory) reveals the keys that the
+  first update creates rather than `_init_group` (SGD's `momentum_buffer`: the first gradient
+  itself). Zeros stand in for them; they are listed in `Derived.created`, and a load drops them
+  while still zero, so the next step is torch's first (`plan_load`).
+- Optimizers without `_init_group` (third-party ones, SparseAdam) get the meta step's layout
+  with zeros and step 0, the start state of most optimizers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+__all__ = ["Derived", "derive", "initial_states"]
+
+# Settings that meta tensors cannot run with (kernel flags; maximize negates a sparse
+# gradient, which has no meta kernel); none of them changes which state exists.
+_SHADOW_OFF = {
+    "fused": False,
+    "foreach": False,
+    "capturable": False,
+    "differentiable": False,
+    "maximize": False,
+}
+
+State = dict[str, Any]
+
+
+@dataclass
+class Derived:
+    """What `derive` found for each parameter asked.
+
+    Attributes:
+        states: the start state (see `initial_states`).
+        created: top-level state names that the first update creates, for which `states` holds
+            zero placeholders (SGD's `momentum_buffer`).
+    """
+
+    states: dict[torch.Tensor, State]
+    created: dict[torch.Tensor, frozenset[str]]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _shadow(opt: Optimizer, groups: list[dict[str, Any]], meta: bool) -> Optimizer:
+    """A throwaway optimizer of `opt`'s class over `groups` (meta: kernel flags off)."""
+    # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay).
+    accepted = inspect.signature(type(opt)).parameters
+    defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+    if meta:
+        defaults.update({k: v for k, v in _SHADOW_OFF.items() if k in defaults})
+    return type(opt)(groups, **defaults)
+
+
+def _groups(
+    opt: Optimizer, stand_ins: Mapping[torch.Tensor, torch.Tensor], meta: bool
+) -> list[dict[str, Any]]:
+    """`opt`'s groups over the stand-ins of their wanted parameters, settings kept."""
+    groups = []
+    for group in opt.param_groups:
+        params = [stand_ins[p] for p in group["params"] if p in stand_ins]
+        if params:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            if meta:
+                settings.update({k: v for k, v in _SHADOW_OFF.items() if k in settings})
+                if "lr" in settings:
+                    settings["lr"] = 0.0  # a tensor lr would sit on another device
+            groups.append({**settings, "params": params})
+    return groups
+
+
+def _zero_grad(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient shaped like `p` that owns no parameter-sized memory."""
+    local = _local(p)
+    zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            zero, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return zero
+
+
+def _init_group_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.Tensor, State]:
+    """Torch's own start state: `_init_group` on a throwaway over aliases of `params`."""
+    stand_ins = {}
+    for p in params:
+        alias = p.detach()  # the same storage: states that copy the parameter see its values
+        alias.grad = _zero_grad(p)
+        stand_ins[p] = alias
+    return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=False), meta=False), stand_ins)
+
+
+def _meta_init_group_states(
+    opt: Optimizer, params: list[torch.Tensor]
+) -> dict[torch.Tensor, State]:
+    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values."""
+    stand_ins = {}
+    for p in params:
+        meta = torch.empty_like(_local(p).detach(), device="meta")
+        meta.grad = torch.empty_like(meta)
+        stand_ins[p] = meta
+    return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=True), meta=True), stand_ins)
+
+
+def _run_init_group(
+    shadow: Optimizer, stand_ins: Mapping[torch.Tensor, torch.Tensor]
+) -> dict[torch.Tensor, State]:
+    init = shadow._init_group  # type: ignore[attr-defined]
+    lists = len(inspect.signature(init).parameters) - 1  # the lists it fills, after `group`
+    for group in shadow.param_groups:
+        init(group, *([] for _ in range(lists)))
+    return {p: dict(shadow.state.get(s, {})) for p, s in stand_ins.items()}
+
+
+def _meta_step_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.Tensor, State]:
+    """The state one step gives, on meta stand-ins: names, shapes and dtypes, no values."""
+    error: Exception | None = None
+    for sparse in (False, True):  # SparseAdam takes sparse gradients only
+        stand_ins = {}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # sparse meta tensors warn about invariants
+                for p in params:
+                    meta = torch.empty_like(_local(p).detach(), device="meta")
+                    meta.grad = _meta_grad(meta, sparse)
+                    stand_ins[p] = meta
+                shadow = _shadow(opt, _groups(opt, stand_ins, meta=True), meta=True)
+                shadow.step()
+        except Exception as e:
+            error = error or e
+            continue
+        return {p: dict(shadow.state.get(m, {})) for p, m in stand_ins.items()}
+    assert error is not None
+    raise error
+
+
+def _meta_grad(meta: torch.Tensor, sparse: bool) -> torch.Tensor:
+    if not sparse:
+        return torch.empty_like(meta)
+    indices = torch.empty((meta.dim(), 0), dtype=torch.long, device="meta")
+    values = torch.empty((0,), dtype=meta.dtype, device="meta")
+    return torch.sparse_coo_tensor(indices, values, meta.shape)
+
+
+def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Derived:
+    """The start state `opt` would give `params`, and which of its names the first update
+    creates; `opt` and the parameters are left as they were.
+
+    Args:
+        opt: the optimizer that owns `params`.
+        params: parameters of `opt` (their live state, if any, is ignored).
+        materialize: allocate the state (DTensors for sharded parameters) for a state dict;
+            otherwise return tensors that only carry shape and dtype, for validation.
+    """
+    if not params:
+        return Derived({}, {})
+    exact: dict[torch.Tensor, State] | None = None
+    if hasattr(opt, "_init_group"):
+        try:
+            exact = (_init_group_states if materialize else _meta_init_group_states)(opt, params)
+        except (TypeError, RuntimeError, ValueError):
+            exact = None  # a private API of another shape: fall back to the meta step
+    try:
+        stepped = _meta_step_states(opt, params)
+    except Exception as e:
+        if exact is None:
+            raise RuntimeError(
+                f"cannot derive the initial state of {type(opt).__name__} on meta tensors ({e}); "
+                "step the optimizer once before taking its state dict"
+            ) from e
+        stepped = {}  # e.g. ASGD and Adafactor read values (.item()); _init_group has it all
+    states, created = {}, {}
+    for p in params:
+        start = dict(exact[p]) if exact is not None else {}
+        added = {k: v for k, v in stepped.get(p, {}).items() if k not in start}
+        created[p] = frozenset(added) if exact is not None else frozenset()
+        states[p] = {
+            **{k: _as_template(p, v, materialize, real=materialize) for k, v in start.items()},
+            **{k: _as_template(p, v, materialize, real=False) for k, v in added.items()},
+        }
+    return Derived(states, created)
+
+
+def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> Any:
+    """`value` as a state-dict entry of `p`: kept when `real` (exact values), else zeros (or,
+    unmaterialized, a tensor carrying only shape and dtype)."""
+    if isinstance(value, Mapping):
+        return {k: _as_template(p, v, materialize, real) for k, v in value.items()}
+    if real:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value)(0)
+    if not isinstance(value, torch.Tensor):
+        return value
+    full_shape = value.shape == _local(p).shape and value.dim() > 0
+    if not materialize:
+        if value.dim() == 0:
+            return torch.zeros((), dtype=value.dtype)
+        if full_shape and value.dtype == p.dtype:
+            return p.detach()  # shape and placements of the parameter, no new memory
+        shape = p.shape if full_shape else value.shape
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+    if value.dim() == 0:
+        return torch.zeros((), dtype=value.dtype)
+    if full_shape:
+        return torch.zeros_like(p, dtype=value.dtype)
+    return torch.zeros(value.shape, dtype=value.dtype, device=_local(p).device)
+
+
+def initial_states(
+    opt: Optimizer, params: list[torch.Tensor], materialize: bool
+) -> dict[torch.Tensor, State]:
+    """The state `opt` would give `params` before their first step, without stepping `opt`.
+
+    Every name one real step gives is present: torch's own start values where the optimizer
+    creates them before its update, zeros where only the update creates them (`derive`).
+
+    Args:
+        opt: the optimizer that owns `params`.
+        params: parameters of `opt`.
+        materialize: allocate the state (DTensors for sharded parameters) for a state dict;
+            otherwise return tensors that only carry shape and type, for validation.
+    """
+    return derive(opt, params, materialize).states
