@@ -62,12 +62,17 @@ class StepReport:
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """The values of a sparse gradient (SparseAdam's embeddings), which norms cannot take."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
 @torch.no_grad()
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of `tensors` is finite, agreed by every rank that holds a shard
     of them (the DTensors' mesh): one fused pass, one collective, one host sync for the list.
     """
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [_dense(t.to_local() if isinstance(t, DTensor) else t) for t in tensors]
     local = [t for t in local if t.numel()]
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
     device = local[0].device if local else torch.device(mesh.device_type if mesh else "cpu")
@@ -120,7 +125,8 @@ class Precision:
         """Global L2 norm of the gradients of `params` (model parameters), over every mesh."""
         if not params:
             return torch.zeros(())
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        grads = [_dense(p.grad) for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return total.full_tensor() if isinstance(total, DTensor) else total
 
     @torch.no_grad()

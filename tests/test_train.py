@@ -438,3 +438,12 @@ def test_a_resume_takes_every_optimizer_setting_from_the_config(tmp_path):
             assert 0 < value <= 1e-30, key  # the lr of step 4 on this run's schedule
     assert old["model"].keys() == new["model"].keys()
     assert all(torch.equal(old["model"][k], new["model"][k]) for k in old["model"])
+
+
+def test_the_launcher_refuses_a_bad_config_in_one_line_before_any_rank_starts(tmp_path):
+    args = [*BASE, "--job.dump_folder", str(tmp_path), "--model.flavor", "nope"]
+    result = launch(2, args, timeout=60, torchrun=False)
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ERROR" in lines[0] and "flavor" in lines[0], result.stdout
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no rank ran
