@@ -35,9 +35,12 @@ logger = logging.getLogger("train")
 
 def main(argv: list[str]) -> int:
     """Train; return the exit code (0 done or stopped by a signal and saved, 1 diverged)."""
+    # -- config and build -------------------------------------------------------------------
+    if {"-h", "--help"} & set(argv):
+        print(usage(), end="")
+        return 0
     watch_parent()
     stop = StopRequest()
-    # -- config and build -------------------------------------------------------------------
     cfg = load_job_config(argv)
     job = build_job(cfg)
     logging.getLogger().setLevel(logging.INFO if job.rank == 0 else logging.WARNING)
@@ -165,12 +168,9 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if {"-h", "--help"} & set(sys.argv[1:]):
-        print(usage(), end="")
-        sys.exit(0)
     try:
         nproc, args = split_nproc(sys.argv[1:])
-        if nproc is None:
+        if nproc is None or {"-h", "--help"} & set(args):
             sys.exit(main(args))
         validate_job(load_job_config(args), world_size=nproc)  # before any rank starts
         sys.exit(launch(__file__, nproc, args))

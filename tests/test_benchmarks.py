@@ -15,4 +15,4 @@ def test_bench_step_quick_prints_its_table(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    assert "OptimizersContainer.step() / per-part loop" in out and "copy bandwidth" in out
+    assert "container, skip_nonfinite=False / per-part loop" in out and "copy bandwidth" in out

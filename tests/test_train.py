@@ -291,7 +291,7 @@ def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(t
 
 # -- preemption -----------------------------------------------------------------------------
 
-LONG = ["--training.steps", "150", "--checkpoint.interval", "1000", "--metrics.log_freq", "1"]
+LONG = ["--training.steps", "60", "--checkpoint.interval", "1000", "--metrics.log_freq", "1"]
 
 
 def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int = 3) -> None:
@@ -316,20 +316,27 @@ def _stop_while_training(dump: Path, signal_to: str) -> tuple[subprocess.Complet
     return result, max(_losses(dump))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """The losses of the LONG run, never stopped."""
+    ref = tmp_path_factory.mktemp("ref")
+    _run(2, ref, *LONG)
+    return _losses(ref)
+
+
 @pytest.mark.parametrize("signal_to", ["launcher", "rank1"])
 def test_sigterm_saves_the_step_reached_exits_0_and_the_same_command_resumes_bitwise(
-    tmp_path, signal_to
+    tmp_path, signal_to, uninterrupted
 ):
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    _run(2, ref, *LONG)
+    run = tmp_path / "run"
     result, reached = _stop_while_training(run, signal_to)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert reached < 150 and (run / "checkpoint" / f"step-{reached}").is_dir()
+    assert reached < 60 and (run / "checkpoint" / f"step-{reached}").is_dir()
     lines = [line for line in result.stdout.splitlines() if "stopped by" in line]
-    assert len(lines) == 1 and f"at step {reached} of 150" in lines[0], result.stdout[-3000:]
+    assert len(lines) == 1 and f"at step {reached} of 60" in lines[0], result.stdout[-3000:]
     out = _run(2, run, *LONG)
     assert f"step-{reached}" in out
-    assert _losses(run) == _losses(ref)  # bitwise, every step
+    assert _losses(run) == uninterrupted  # bitwise, every step
 
 
 def _ft_losses(folder: Path, script: tuple[str, ...]) -> tuple[dict[int, float], str]:
