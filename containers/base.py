@@ -3,7 +3,8 @@
 Every variant is this class with other parts plugged in (`containers.parts`): one step,
 
     prepare   gate.reduce_gradients            average across replica groups (torchft)
-    measure   precision.grad_norm, one sync    the global norm: for clipping and the finite check
+    measure   precision.grad_norm, one sync    the global norm for the clip, or (no clip)
+              or all_finite, one sync          a cheaper pass that only checks
     decide    gate.commit, finite check        a skipped step changes nothing
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
@@ -12,7 +13,7 @@ run in `step()` after backward, or unit by unit inside backward (`containers.in_
 where each unit checks its own gradients and a non-finite unit is skipped.
 
 A non-finite loss passed to `backward()` turns every gradient it reaches into NaN (a
-multiply by a scalar factor, no host sync), so the one norm check catches it too.
+multiply by a scalar factor, no host sync), so the one check catches it too.
 """
 
 from __future__ import annotations
@@ -247,18 +248,23 @@ class OptimizersContainer(Optimizer, Stateful):
     def _step_after_backward(self) -> StepReport:
         params = [p for unit in self.units for p in unit.params if p.grad is not None]
         self.gate.reduce_gradients(params)
-        norm, value = None, None
-        if self.max_norm is not None or self.skip_nonfinite:
+        norm, value, finite = None, None, True
+        if self.max_norm is not None:
             norm = self.precision.grad_norm(params)
             value = norm.item()  # the one host sync of a step
+            finite = math.isfinite(value) or not self.skip_nonfinite
+        elif self.skip_nonfinite:
+            # Without a clip, a check costs half a norm; the world agrees, as a norm would.
+            world = dist.is_initialized() and dist.get_world_size() > 1
+            finite = all_finite([p.grad for p in params], groups=[None] if world else [])
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal, grad_norm=value)
-        finite = value is None or math.isfinite(value) or not self.skip_nonfinite
         self.precision.decided(applied=finite)
         if not finite:
             return StepReport(
                 committed=False,
-                skipped=f"non-finite loss or gradients (global norm {value})",
+                skipped="non-finite loss or gradients"
+                + (f" (global norm {value})" if value is not None else ""),
                 nonfinite=True,
                 grad_norm=value,
                 **self.precision.report(),

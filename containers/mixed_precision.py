@@ -3,7 +3,8 @@
 The model keeps bf16/fp16 parameters (FSDP2 shards, so all-gathers move half the bytes); the
 inner optimizers step fp32 masters sharded the same way. A step: one pass over the gradients
 for the global norm (non-finite gradients make it non-finite, so overflow detection cannot be
-defeated by 0 * inf), one collective, one host sync for the skip decision; then, optimizer by
+defeated by 0 * inf) or, without a clip, the container's finite check; one collective, one
+host sync for the skip decision; then, optimizer by
 optimizer, the gradients are cast, unscaled and clipped in one multiply into fp32, stepped,
 and the masters written back to the parameters.
 """

@@ -68,25 +68,33 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of `tensors` is finite, agreed by every rank that holds a shard
-    of them (the DTensors' mesh): one fused pass, one collective, one host sync for the list.
+def all_finite(
+    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
+) -> bool:
+    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
+    dimension of the DTensors' mesh, so each rank holding a shard decides the same): one fused
+    pass, one collective per group, one host sync for the list.
     """
     local = [_dense(t.to_local() if isinstance(t, DTensor) else t) for t in tensors]
-    local = [t for t in local if t.numel()]
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    if groups is None:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
     device = local[0].device if local else torch.device(mesh.device_type if mesh else "cpu")
-    flag = torch.zeros((), device=device)
-    if local:
-        # The max-abs norm cannot overflow, and NaN propagates through it.
-        norms = torch.stack(torch._foreach_norm(local, float("inf")))
-        flag = (~norms.isfinite().all()).to(torch.float32)
-    if mesh is None:
-        return not bool(flag)
-    # Every rank of the mesh takes part, an empty shard too: the decision must be the same.
-    for dim in range(mesh.ndim):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    return not bool(flag)
+    found = torch.zeros((), device=device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in local:
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, _), group in by_kind.items():
+        # GradScaler's check: reads each element once (half a norm's work) and cannot
+        # overflow; multiplying by 1 leaves the gradients bitwise as they were.
+        flag = torch.zeros((), device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones((), device=dev))
+        found = torch.maximum(found, flag.to(device))
+    # Every rank takes part, an empty shard too: the decision must be the same everywhere.
+    for group in groups:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return not bool(found)
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:

@@ -493,7 +493,8 @@ def _container(kind: str, parts: list[nn.Module]) -> OptimizersContainer:
         return MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
     if kind == "in_backward":
         return OptimizersInBackwardContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
-    return OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, max_norm=1.0)
+    max_norm = None if kind == "default_unclipped" else 1.0  # unclipped: the check, no norm
+    return OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, max_norm=max_norm)
 
 
 def _skip_run(kind: str, poison_step: int | None, drop_step: int | None) -> dict:
@@ -528,7 +529,7 @@ def _skip_pair(kind: str) -> tuple[dict, dict]:
     return _skip_run(kind, poison_step=2, drop_step=None), _skip_run(kind, None, drop_step=2)
 
 
-@pytest.mark.parametrize("kind", ["default", "in_backward", "mixed_precision"])
+@pytest.mark.parametrize("kind", ["default", "default_unclipped", "in_backward", "mixed_precision"])
 def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_bitwise(kind):
     for poisoned, dropped in run_ranks(2, _skip_pair, kind):
         skipped = poisoned["reports"].pop(2)
