@@ -82,12 +82,7 @@ def main(argv: list[str]) -> int:
         optimizers.zero_grad()
         loss_sum = torch.zeros((), device=job.device)
         for inputs, labels in batches:
-            h = inputs.to(job.device)
-            for part in job.model_parts:
-                h = part(h)
-            loss = job.loss_fn(h, labels.to(job.device)) / job.accumulation_steps
-            optimizers.backward(loss)
-            loss_sum += loss.detach()
+            loss_sum += job.forward_backward(inputs.to(job.device), labels.to(job.device))
         optimizers.step()  # averages across replica groups, clips, decides, applies
         report = optimizers.last_report
         if not report.committed and not report.nonfinite:
@@ -117,7 +112,7 @@ def main(argv: list[str]) -> int:
         shared = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=job.device)])
         if job.world_size > 1:
             dist.all_reduce(shared)
-            shared[0] /= job.world_size
+            shared[0] /= job.loss_ranks  # the last pipeline stage's ranks hold the loss
         extra = report.metrics()
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)

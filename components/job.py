@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
 from components.ft import build_ft_manager, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
+from components.parallel_dims import ParallelDims
+from components.pipeline import ForwardBackward, backward_passes, build_forward_backward
 from components.run_lock import RunLock, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import Comm as CommConfig
@@ -40,7 +42,12 @@ class Job:
     device: torch.device
     rank: int
     world_size: int
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    """The named mesh (`components.parallel_dims.MESH_DIMS`); None in one process."""
     model_parts: list[nn.Module]
+    """This rank's parts: all of them, or its pipeline stages."""
+    forward_backward: ForwardBackward
     optimizers: OptimizersContainer
     lr_schedulers: LRSchedulersContainer
     dataloader: Dataloader
@@ -59,7 +66,13 @@ class Job:
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.training
-        return t.local_batch_size * t.seq_len * self.accumulation_steps * self.world_size
+        return t.local_batch_size * t.seq_len * self.accumulation_steps * self.dims.dp
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks whose `forward_backward` returns a loss (those of the last pipeline stage):
+        the sum of every rank's loss over this is the mean loss."""
+        return self.world_size // self.dims.pp
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.model_parts for p in part.parameters()]
@@ -86,42 +99,42 @@ def _device() -> torch.device:
 
 
 def init_distributed(
-    comm: CommConfig | None = None,
-) -> tuple[torch.device, DeviceMesh | None, int, int]:
-    """This process's device, its 1-D data-parallel mesh (None alone), rank and world size.
+    comm: CommConfig, dims: ParallelDims
+) -> tuple[torch.device, DeviceMesh | None, int]:
+    """This process's device, the job's named mesh (None alone) and rank.
 
     Starts the process group under torchrun (nccl on CUDA, gloo on CPU) unless it exists,
     with `[comm] init_timeout_seconds` for every wait until the first step is done.
     """
-    comm = comm if comm is not None else CommConfig()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size == 1:
-        return device, None, rank, world_size
+    if dims.world_size == 1:
+        return device, None, rank
     if not dist.is_initialized():
         enable_flight_recorder(comm)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=init_timeout(comm))
-    return device, init_device_mesh(device.type, (world_size,)), rank, world_size
+    return device, dims.build_mesh(device.type), rank
 
 
-def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
+def validate_job(cfg: JobConfig, world_size: int | None = None) -> ParallelDims:
     """Raise `ConfigError` for anything in `cfg` this job cannot run, before any process group
     or connection exists: registry names, the world size (default: the launcher's
     `WORLD_SIZE`), torchft's address and the model family's own rules
-    (`TrainSpec.validate_config_fn`)."""
+    (`TrainSpec.validate_config_fn`). Returns the resolved parallel degrees."""
     spec = get_train_spec(cfg.model.name)
     check_names(cfg.optimizer)
     ft = cfg.fault_tolerance
     check_ft_config(ft, _device())
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    accumulation_steps(cfg.training, ft.group_size * world_size)
+    dims = ParallelDims.from_config(cfg, world_size)
+    accumulation_steps(cfg.training, ft.group_size * dims.dp)
     if spec.validate_config_fn is not None:
         spec.validate_config_fn(cfg)
+    return dims
 
 
 def build_job(cfg: JobConfig) -> Job:
@@ -131,8 +144,8 @@ def build_job(cfg: JobConfig) -> Job:
     (`validate_job`), so a config this job cannot run costs no start-up; then the dump folder
     is locked (one live run per folder), before torchft connects or anything is written.
     """
-    validate_job(cfg)
-    device, mesh, rank, world_size = init_distributed(cfg.comm)
+    dims = validate_job(cfg)
+    device, mesh, rank = init_distributed(cfg.comm, dims)
     ft = cfg.fault_tolerance
     # Each replica group reads its own share of the data and keeps its own files.
     dump_folder = cfg.job.dump_folder
@@ -140,7 +153,7 @@ def build_job(cfg: JobConfig) -> Job:
         dump_folder = os.path.join(dump_folder, f"replica_{ft.replica_id}")
     run_lock = lock_dump_folder(dump_folder)
     try:
-        return _build_locked(cfg, device, mesh, rank, world_size, dump_folder, run_lock)
+        return _build_locked(cfg, device, dims, mesh, rank, dump_folder, run_lock)
     except BaseException:
         # A refused config must not keep the folder locked for the rest of this process.
         if run_lock is not None:
@@ -151,9 +164,9 @@ def build_job(cfg: JobConfig) -> Job:
 def _build_locked(
     cfg: JobConfig,
     device: torch.device,
+    dims: ParallelDims,
     mesh: DeviceMesh | None,
     rank: int,
-    world_size: int,
     dump_folder: str,
     run_lock: RunLock | None,
 ) -> Job:
@@ -164,8 +177,10 @@ def _build_locked(
         # torchft's manager needs a TCPStore for the replica group; torchrun starts one.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    world_size = dims.world_size
     ft_manager = build_ft_manager(ft, rank, world_size, device)
-    dp_rank, dp_world_size = ft.replica_id * world_size + rank, ft.group_size * world_size
+    # Ranks of one pipeline and tensor-parallel group read the same batch.
+    dp_rank, dp_world_size = ft.replica_id * dims.dp + dims.dp_rank(rank), ft.group_size * dims.dp
     accum = accumulation_steps(cfg.training, dp_world_size)
 
     spec = get_train_spec(cfg.model.name)
@@ -173,17 +188,33 @@ def _build_locked(
     precision = build_precision(cfg.optimizer, cfg.mixed_precision)
     model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
     n_params = sum(p.numel() for p in model.parameters())
-    model_parts = spec.parallelize_fn(model, cfg.model, mesh)
+    stages = dims.stages(rank, cfg.model.num_parts)
+    model_parts = spec.parallelize_fn(model, cfg.model, mesh, stages)
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,
         precision=precision,
         gate=TorchFTGate(ft_manager) if ft_manager is not None else None,
         max_norm=cfg.training.max_norm,
-        gradient_accumulation_steps=accum,
+        gradient_accumulation_steps=backward_passes(
+            dims, cfg.parallelism, cfg.training.local_batch_size, accum
+        ),
     )
     if world_size > 1:
         train_timeout_after_first_step(optimizers, cfg.comm)
+    loss_fn = spec.build_loss_fn(cfg.training)
+    forward_backward = build_forward_backward(
+        parts=model_parts,
+        stages=stages,
+        num_parts=cfg.model.num_parts,
+        loss_fn=loss_fn,
+        optimizers=optimizers,
+        accumulation_steps=accum,
+        cfg=cfg.parallelism,
+        local_batch_size=cfg.training.local_batch_size,
+        mesh=mesh,
+        device=device,
+    )
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
     dataloader = spec.build_dataloader_fn(cfg.training, dp_rank, dp_world_size)
     train_state = TrainState()
@@ -203,11 +234,14 @@ def _build_locked(
         device=device,
         rank=rank,
         world_size=world_size,
+        dims=dims,
+        mesh=mesh,
         model_parts=model_parts,
+        forward_backward=forward_backward,
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         dataloader=dataloader,
-        loss_fn=spec.build_loss_fn(cfg.training),
+        loss_fn=loss_fn,
         train_state=train_state,
         checkpoint=checkpoint,
         dump_folder=dump_folder,

@@ -1,14 +1,59 @@
-"""Shard model parts with FSDP2 on a data-parallel DeviceMesh, whatever the model family."""
+"""Shard model parts with FSDP2 over the data-parallel dims of the job's mesh, whatever the
+model family."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
-__all__ = ["shard_parts"]
+__all__ = ["data_parallel_mesh", "replicate_rest", "shard_parts"]
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
+            module.register_parameter(key, nn.Parameter(replicated, param.requires_grad))
+
+
+def _in_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _out_local(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def replicate_rest(part: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every parameter of `part` that tensor parallelism left plain a DTensor replicated
+    over `mesh` (the tp dim), computing on local tensors as before.
+
+    Every parameter of a part then lives on one mesh, which foreach and fused optimizer kernels
+    require, and its placement says that the tp ranks hold copies (the global norm counts
+    them once).
+    """
+    for module in part.modules():
+        owns_plain = any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        if owns_plain:
+            distribute_module(module, mesh, _replicate_params, _in_replicated, _out_local)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The dims FSDP2 shards over: dp_shard, with dp_replicate before it for HSDP; None when
+    both have size 1 (nothing to shard)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"] if mesh["dp_shard"].size() > 1 else None
 
 
 def shard_parts(
@@ -16,19 +61,23 @@ def shard_parts(
     mesh: DeviceMesh | None,
     units: Callable[[nn.Module], Iterable[nn.Module]],
 ) -> list[nn.Module]:
-    """`fully_shard` each unit of each part, then the part itself, over `mesh`.
+    """`fully_shard` each unit of each part, then the part itself, over `mesh`'s
+    data-parallel dims (`data_parallel_mesh`).
 
     Each unit is all-gathered and resharded on its own (e.g. a transformer block), so the
     whole part is never gathered at once; the part's own call picks up what no unit holds.
 
     Args:
         parts: the model parts, sharded in place.
-        mesh: 1-D data-parallel mesh; None leaves the parts unsharded (one process).
+        mesh: the job's named mesh, or a 1-D data-parallel mesh; None leaves the parts
+            unsharded (one process).
         units: a part's modules to shard one by one, in forward order.
 
     Returns:
         `parts` (the same module objects).
     """
+    if mesh is not None and mesh.mesh_dim_names is not None and "dp_shard" in mesh.mesh_dim_names:
+        mesh = data_parallel_mesh(mesh)
     if mesh is not None:
         for part in parts:
             for unit in units(part):

@@ -7,7 +7,7 @@ entry points the first time a spec is looked up, so no generic module imports a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -48,10 +48,12 @@ class ModelBuilder(Protocol):
 
 
 class Parallelizer(Protocol):
-    """`(model, cfg: [model], mesh) -> model parts`, sharded over `mesh` (None: unsharded)."""
+    """`(model, cfg: [model], mesh, stages) -> this rank's model parts`: `model` split into
+    `[model] num_parts` parts that keep their FQNs, the parts whose indices are in `stages`
+    kept, parallelized over the job's named `mesh` (None: one process, unsharded)."""
 
     def __call__(
-        self, model: nn.Module, cfg: config.Model, mesh: DeviceMesh | None, /
+        self, model: nn.Module, cfg: config.Model, mesh: DeviceMesh | None, stages: Sequence[int], /
     ) -> list[nn.Module]: ...
 
 

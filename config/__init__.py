@@ -13,6 +13,7 @@ from config.job_config import (
     MixedPrecision,
     Model,
     Optimizer,
+    Parallelism,
     ParamGroup,
     Training,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "MixedPrecision",
     "Model",
     "Optimizer",
+    "Parallelism",
     "ParamGroup",
     "Training",
     "accumulation_steps",

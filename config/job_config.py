@@ -45,7 +45,39 @@ class Model:
     """Size preset of the model inside its train spec."""
 
     num_parts: int = bounded(2, ge=1)
-    """Number of model parts the model is split into (as pipeline stages would be)."""
+    """Number of model parts (pipeline stages) the model is split into, each keeping its
+    parameters' FQNs. Without pipeline parallelism every rank holds all of them; with
+    `[parallelism] pipeline_parallel_degree` P each pipeline rank holds num_parts / P
+    (one for GPipe and 1F1B, two or more for Interleaved1F1B)."""
+
+
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    """How the ranks are arranged: one named mesh (pp, dp_replicate, dp_shard, tp) whose
+    degrees multiply to the world size (of one replica group under torchft)."""
+
+    data_parallel_replicate_degree: int = bounded(1, ge=1)
+    """Data-parallel replicas, each holding a full copy sharded over dp_shard (HSDP when > 1)."""
+
+    data_parallel_shard_degree: int = bounded(-1, ge=-1)
+    """Ranks that FSDP2 shards parameters, gradients and optimizer state over; -1 = the ranks
+    the other degrees leave."""
+
+    tensor_parallel_degree: int = bounded(1, ge=1)
+    """Ranks that split attention and feed-forward matrices column- and row-wise."""
+
+    pipeline_parallel_degree: int = bounded(1, ge=1)
+    """Ranks the model's parts (`[model] num_parts`) are spread over, as pipeline stages."""
+
+    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
+    """torch.distributed.pipelining schedule; Interleaved1F1B holds several stages per rank."""
+
+    pipeline_parallel_microbatch_size: int = bounded(1, ge=1)
+    """Sequences per pipeline micro-batch; it divides `[training] local_batch_size`, and the
+    quotient is the number of micro-batches the schedule runs per batch."""
 
 
 @dataclass(kw_only=True)
@@ -297,6 +329,7 @@ class Comm:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)

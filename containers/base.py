@@ -179,15 +179,17 @@ class OptimizersContainer(Optimizer, Stateful):
         return self.last_report.committed
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on (precisions with loss scaling scale it)."""
-        return self.precision.scale_loss(loss)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss`, scaled; a non-finite loss makes every gradient NaN, so the
-        step that follows is skipped (where `skip_nonfinite`)."""
+        """The loss to call backward on: scaled by precisions with loss scaling, and (where
+        `skip_nonfinite`) NaN if it is non-finite, so every gradient it reaches is NaN and the
+        step that follows is skipped. Pipeline schedules, which call backward themselves,
+        return this from their loss function."""
         if self.skip_nonfinite:
             finite = loss.detach().isfinite()
             loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
+        return self.precision.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `scale_loss(loss)`."""
         self.scale_loss(loss).backward()
 
     # -- the torch.optim.Optimizer contract ------------------------------------------------

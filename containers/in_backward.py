@@ -29,8 +29,12 @@ __all__ = ["InBackward", "OptimizersInBackwardContainer"]
 
 
 class InBackward(Timing):
-    """Apply each unit inside backward, on the last of `gradient_accumulation_steps`
-    micro-batches, as soon as its gradients are final; `zero_grad()` starts counting afresh.
+    """Apply each unit inside backward as soon as its gradients are final: after the
+    `gradient_accumulation_steps`-th backward pass that reached it; `zero_grad()` starts
+    counting afresh.
+
+    Passes are counted per unit, so backward passes that reach only some units (pipeline
+    stages on one rank, each micro-batch a backward of its own, interleaved) count right.
     """
 
     in_backward = True
@@ -42,10 +46,10 @@ class InBackward(Timing):
                 "integer >= 1"
             )
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self._micro_batch = 0
         self._callback_queued = False
         self._deferred = False
-        self._ready: dict[Unit, int] = {}
+        self._ready: dict[Unit, int] = {}  # gradients landed in this backward pass
+        self._passes: dict[Unit, int] = {}  # backward passes that reached the unit this step
         self._stepped: set[Unit] = set()
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
@@ -67,29 +71,31 @@ class InBackward(Timing):
     def attach(self, container: OptimizersContainer) -> None:
         self._container = container
         self._ready = dict.fromkeys(container.units, 0)
+        self._passes = dict.fromkeys(container.units, 0)
         self._unit_of = {p: u for u in container.units for p in u.params}
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._callback_queued:
+        # FSDP2 under a pipeline schedule reduces gradients after backward, outside it.
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         unit = self._unit_of[param]
         self._ready[unit] += 1
-        if (
-            self._last_micro_batch()
-            and self._ready[unit] == len(unit.params)
-            and unit not in self._stepped
-        ):
+        if self._ready[unit] == len(unit.params):
+            self._pass_done(unit)
+
+    def _pass_done(self, unit: Unit) -> None:
+        self._ready[unit] = 0
+        self._passes[unit] += 1
+        if self._passes[unit] == self.gradient_accumulation_steps and unit not in self._stepped:
             self._apply(unit)
 
     def _apply(self, unit: Unit) -> None:
         self._container.apply_unit(unit)
         self._stepped.add(unit)
-
-    def _last_micro_batch(self) -> bool:
-        return self._micro_batch == self.gradient_accumulation_steps - 1
 
     def _end_of_backward(self) -> None:
         if not self._deferred:
@@ -101,26 +107,23 @@ class InBackward(Timing):
             return
         self._deferred = False
         self._callback_queued = False
-        if self._last_micro_batch():
-            self._flush()
-        else:
-            self._micro_batch += 1
-        self._ready = dict.fromkeys(self._ready, 0)
+        for unit, landed in self._ready.items():
+            if landed:  # the pass reached only some of the unit's parameters
+                self._pass_done(unit)
 
     def _flush(self) -> None:
         """Apply units that hold gradients but could not apply in backward; start a new step."""
         for unit in self._ready:
             if unit not in self._stepped and any(p.grad is not None for p in unit.params):
                 self._apply(unit)
-        self._stepped.clear()
-        self._micro_batch = 0
+        self.on_zero_grad()
 
     def finish(self, container: OptimizersContainer) -> None:
         self._flush()
 
     def on_zero_grad(self) -> None:
-        self._micro_batch = 0
         self._ready = dict.fromkeys(self._ready, 0)
+        self._passes = dict.fromkeys(self._passes, 0)
         self._stepped.clear()
 
 

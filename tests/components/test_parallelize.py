@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.models.llama.parallelize import parallelize
+from components.parallel_dims import ParallelDims
 from components.parallelize import shard_parts
 from config import Model as ModelConfig
 from tests.harness.dist import run_ranks
@@ -45,8 +46,8 @@ def _llama_on_ranks() -> dict:
     torch.manual_seed(0)
     model = Transformer(FLAVORS["tiny"])
     reference = split_model(copy.deepcopy(model), 2)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parts = parallelize(model, ModelConfig(flavor="tiny", num_parts=2), mesh)
+    mesh = ParallelDims(1, 1, dist.get_world_size(), 1).build_mesh("cpu")
+    parts = parallelize(model, ModelConfig(flavor="tiny", num_parts=2), mesh, [0, 1])
     # Read before the forward: FSDP2 leaves a root module's parameters unsharded after it.
     sharding = _sharding(parts)
     full = {n: p.full_tensor() for part in parts for n, p in part.named_parameters()}
@@ -99,7 +100,7 @@ def test_no_mesh_leaves_parts_plain():
     torch.manual_seed(0)
     model = Transformer(FLAVORS["tiny"])
     names = [n for n, _ in model.named_parameters()]
-    parts = parallelize(model, ModelConfig(flavor="tiny", num_parts=2), None)
+    parts = parallelize(model, ModelConfig(flavor="tiny", num_parts=2), None, [0, 1])
     assert len(parts) == 2
     for sharding in _sharding(parts):
         assert sharding["fsdp"] == []
@@ -112,4 +113,4 @@ def test_no_mesh_leaves_parts_plain():
 
 def test_llama_parallelize_refuses_another_model():
     with pytest.raises(TypeError, match="expected a llama Transformer"):
-        parallelize(nn.Linear(2, 2), ModelConfig(), None)
+        parallelize(nn.Linear(2, 2), ModelConfig(), None, [0])

@@ -21,7 +21,7 @@ def _spec(name: str) -> TrainSpec:
     return TrainSpec(
         name=name,
         build_model_fn=lambda cfg: torch.nn.Linear(2, 2),
-        parallelize_fn=lambda model, cfg, mesh: [model],
+        parallelize_fn=lambda model, cfg, mesh, stages: [model],
         build_loss_fn=lambda cfg: F.mse_loss,
         build_dataloader_fn=lambda cfg, rank, world: iter(()),
     )
@@ -91,7 +91,7 @@ def test_llama_builders_take_their_own_sections():
     with pytest.raises(ConfigError, match=r"\[model\] flavor = 'huge': unknown flavor"):
         spec.build_model_fn(Model(flavor="huge"))
 
-    parts = spec.parallelize_fn(a, model_cfg, None)
+    parts = spec.parallelize_fn(a, model_cfg, None, range(model_cfg.num_parts))
     assert len(parts) == 2
 
     data = spec.build_dataloader_fn(training, 1, 2)

@@ -256,7 +256,7 @@ TOML_ERRORS = [
     ("[optimzer]\nlr = 0.1\n", r"unknown section \[optimzer\]; did you mean 'optimizer'\?"),
     ("[optimizer]\nlrr = 0.1\n", r"\[optimizer\] unknown key 'lrr'; did you mean 'lr'\?"),
     ("[training]\nstep = 5\n", r"\[training\] unknown key 'step'; did you mean 'steps'\?"),
-    ("[zzzz]\n", r"unknown section \[zzzz\]; valid: job, model, optimizer"),
+    ("[zzzz]\n", r"unknown section \[zzzz\]; valid: job, model, parallelism, optimizer"),
     # Wrong types.
     ('[training]\nsteps = "ten"\n', r"\[training\] steps = 'ten': expected an integer"),
     ("[training]\nsteps = true\n", r"\[training\] steps = True: expected an integer"),

@@ -62,6 +62,14 @@ def validate_config(cfg: JobConfig) -> None:
             f"[model] num_parts = {cfg.model.num_parts}: llama flavor {cfg.model.flavor!r} has "
             f"{args.n_layers} layers to split; use num_parts <= {args.n_layers}"
         )
+    tp = cfg.parallelism.tensor_parallel_degree
+    for key, count in (("n_heads", args.n_heads), ("ffn_hidden", args.ffn_hidden)):
+        if count % tp:
+            raise ConfigError(
+                f"[parallelism] tensor_parallel_degree = {tp}: does not divide the {count} "
+                f"{key} of llama flavor {cfg.model.flavor!r}, which tensor parallelism splits; "
+                f"use a divisor of {count}"
+            )
     _dataset(cfg.training)
 
 

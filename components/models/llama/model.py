@@ -55,7 +55,7 @@ def _apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
@@ -63,7 +63,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
+        # -1 heads: under tensor parallelism this rank computes only its share of them.
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = _apply_rotary(q, rope), _apply_rotary(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True

@@ -1,32 +1,63 @@
-"""How the llama family is cut into model parts and sharded."""
+"""How the llama family is cut into model parts (pipeline stages), tensor-parallelized and
+sharded."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from components.models.llama.model import Transformer, split_model
-from components.parallelize import shard_parts
+from components.parallelize import replicate_rest, shard_parts
 from config import Model as ModelConfig
 
 __all__ = ["parallelize"]
+
+# Megatron's split: q/k/v and the gate/up projections by columns (each rank keeps whole heads
+# and a slice of the hidden units), the output projections by rows, so each block costs one
+# all-reduce forward and one backward per sub-layer. Norms, embedding and head stay whole.
+_BLOCK_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
 
 
 def _blocks(part: nn.Module) -> Iterable[nn.Module]:
     return part.get_submodule("layers").children()
 
 
-def parallelize(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh | None) -> list[nn.Module]:
-    """`[model] num_parts` parts of `model`, each block and then each part sharded over `mesh`.
+def parallelize(
+    model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh | None, stages: Sequence[int]
+) -> list[nn.Module]:
+    """This rank's model parts: `model` split into `[model] num_parts`, the parts `stages`
+    kept; blocks tensor-parallel over the mesh's tp dim, then each block and part sharded over
+    its data-parallel dims.
 
     Args:
         model: the whole llama `Transformer`.
         cfg: the `[model]` section (reads `num_parts`).
-        mesh: 1-D data-parallel mesh; None leaves the parts unsharded (one process).
+        mesh: the job's named mesh (`components.parallel_dims.MESH_DIMS`); None: one process.
+        stages: indices of the parts this rank holds (all of them without pipelining).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"llama parallelize: expected a llama Transformer, got {type(model)}")
-    parts: list[nn.Module] = list(split_model(model, cfg.num_parts))
+    parts: list[nn.Module] = [
+        part for i, part in enumerate(split_model(model, cfg.num_parts)) if i in stages
+    ]
+    if mesh is not None and mesh["tp"].size() > 1:
+        for part in parts:
+            for block in _blocks(part):
+                parallelize_module(block, mesh["tp"], _BLOCK_PLAN)
+            replicate_rest(part, mesh["tp"])
     return shard_parts(parts, mesh, _blocks)

@@ -1,0 +1,122 @@
+"""Forward and backward of one micro-batch over a rank's model parts: in sequence when the rank
+holds them all, through a `torch.distributed.pipelining` schedule when they are pipeline stages
+spread over the pp dimension. `train.py` calls either the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from components.parallel_dims import ParallelDims
+from components.train_spec import LossFn
+from config import Parallelism
+from containers import OptimizersContainer
+
+__all__ = ["ForwardBackward", "backward_passes", "build_forward_backward"]
+
+ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(inputs, labels) -> loss`: runs forward and backward of one micro-batch (gradients
+accumulate) and returns its detached loss, already divided by the accumulation steps; zero on
+ranks that hold no last stage."""
+
+_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+
+def backward_passes(dims: ParallelDims, cfg: Parallelism, local_batch_size: int, accum: int) -> int:
+    """Backward passes that deliver gradients to a parameter per optimizer step (what the
+    in-backward container counts before a unit's gradients are final): one per micro-batch,
+    and under a pipeline one per pipeline micro-batch, except that FSDP2 under a schedule
+    reduces gradients (and fires their hooks) once per schedule step."""
+    if dims.pp == 1 or dims.dp > 1:
+        return accum
+    return accum * (local_batch_size // cfg.pipeline_parallel_microbatch_size)
+
+
+def build_forward_backward(
+    *,
+    parts: Sequence[nn.Module],
+    stages: Sequence[int],
+    num_parts: int,
+    loss_fn: LossFn,
+    optimizers: OptimizersContainer,
+    accumulation_steps: int,
+    cfg: Parallelism,
+    local_batch_size: int,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+) -> ForwardBackward:
+    """The forward-backward of this rank's `parts` (stage indices `stages` of `num_parts`).
+
+    Args:
+        parts: this rank's model parts, in stage order.
+        stages: their stage indices.
+        num_parts: stages of the whole model.
+        loss_fn: `(outputs, labels) -> mean loss`.
+        optimizers: the container; its `scale_loss` gives the loss backward runs on.
+        accumulation_steps: micro-batches per optimizer step (each loss is divided by it).
+        cfg: `[parallelism]` (schedule and pipeline micro-batch size).
+        local_batch_size: sequences per micro-batch on this data-parallel rank.
+        mesh: the job's named mesh (its "pp" dimension); None in one process.
+        device: where the stages run.
+    """
+    if len(parts) == num_parts:
+        return _sequential(parts, loss_fn, optimizers, accumulation_steps)
+    if mesh is None:
+        raise ValueError(f"{len(parts)} of {num_parts} model parts need a mesh with a pp dim")
+    pp = mesh["pp"]
+    pipeline_stages = [
+        PipelineStage(part, index, num_parts, device, group=pp.get_group())
+        for part, index in zip(parts, stages)
+    ]
+    losses: list[torch.Tensor] = []
+
+    def stage_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(outputs, labels) / accumulation_steps
+        losses.append(loss.detach())
+        return optimizers.scale_loss(loss)
+
+    n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
+    if cfg.pipeline_parallel_schedule == "Interleaved1F1B":
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, n_micro, loss_fn=stage_loss)
+    else:
+        (stage,) = pipeline_stages
+        schedule = _SCHEDULES[cfg.pipeline_parallel_schedule](stage, n_micro, loss_fn=stage_loss)
+    first, last = 0 in stages, num_parts - 1 in stages
+
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses.clear()
+        args = (inputs,) if first else ()
+        # The schedule averages the micro-batches' gradients; the loss is their mean too.
+        schedule.step(*args, target=labels if last else None, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=device)
+        # The first step also calls the loss once on its shape-inference output: not a batch.
+        return torch.stack(losses[-n_micro:]).mean()
+
+    return forward_backward
+
+
+def _sequential(
+    parts: Sequence[nn.Module],
+    loss_fn: LossFn,
+    optimizers: OptimizersContainer,
+    accumulation_steps: int,
+) -> ForwardBackward:
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = inputs
+        for part in parts:
+            h = part(h)
+        loss = loss_fn(h, labels) / accumulation_steps
+        optimizers.backward(loss)
+        return loss.detach()
+
+    return forward_backward
