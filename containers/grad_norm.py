@@ -72,7 +72,7 @@ class GlobalNorm:
                 pp = mesh["pp"].size()
         self.ranks_per_stage = world // pp
         # With a job mesh the ranks always agree on the norm (replicas that drifted apart
-        # give their mean); without one, plain tensors are taken as they are, as torch does.
+        # count by their mean square); without one, plain tensors stay local, as in torch.
         sharded = any(isinstance(p, DTensor) for p in params)
         self.collective = world > 1 and (mesh is not None or sharded)
         device = next((p.device for p in params), None)
