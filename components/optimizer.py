@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from config import ConfigError, steps_in_backward
@@ -62,6 +63,7 @@ class ContainerFactory(Protocol):
         gate: Gate | None,
         timing: Timing | None,
         max_norm: float | None,
+        mesh: DeviceMesh | None,
         **runtime: Any,
     ) -> OptimizersContainer: ...
 
@@ -78,6 +80,7 @@ class OptimizersBuilder(Protocol):
         gate: Gate | None = None,
         max_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
+        mesh: DeviceMesh | None = None,
     ) -> OptimizersContainer: ...
 
 
@@ -243,6 +246,7 @@ def build_optimizers(
     gate: Gate | None = None,
     max_norm: float | None = None,
     gradient_accumulation_steps: int = 1,
+    mesh: DeviceMesh | None = None,
     **runtime: Any,
 ) -> OptimizersContainer:
     """Compose the container that `cfg` asks for over `model_parts`.
@@ -258,6 +262,8 @@ def build_optimizers(
         gate: whether steps commit (None: always).
         max_norm: clip the global gradient norm in `step()`; 0 only measures it.
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
+        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
+            norm counts every gradient element once over it. None: one stage over the world.
         **runtime: runtime objects a third-party container needs.
     """
     check_names(cfg)
@@ -274,6 +280,7 @@ def build_optimizers(
             gate=gate,
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,
             max_norm=max_norm,
+            mesh=mesh,
             **runtime,
         )
     except ConfigError:
@@ -293,6 +300,7 @@ def _build_default(
     gate: Gate | None,
     timing: Timing | None,
     max_norm: float | None,
+    mesh: DeviceMesh | None,
 ) -> OptimizersContainer:
     # Master weights get the class that also offers offload() and the scaler's figures.
     container = (
@@ -309,6 +317,7 @@ def _build_default(
         gate=gate,
         timing=timing,
         max_norm=max_norm,
+        mesh=mesh,
     )
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.flat_state import (
@@ -41,6 +42,7 @@ from containers.flat_state import (
     plan_load,
     refuse_other_layout,
 )
+from containers.grad_norm import GlobalNorm
 from containers.initial_state import derive
 from containers.param_groups import ParamGroupRule, assign, trainable
 from containers.parts import Gate, Precision, StepReport, Timing, all_finite
@@ -83,6 +85,9 @@ class OptimizersContainer(Optimizer, Stateful):
         skip_nonfinite: skip a step whose loss (given to `backward`) or gradients hold inf
             or NaN, so that none reaches the weights or the optimizer state; costs one host
             sync per step (per unit inside backward) where nothing else needs the norm.
+        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
+            norm counts every gradient element once over it (`containers.grad_norm`). None:
+            one stage over the world.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class OptimizersContainer(Optimizer, Stateful):
         timing: Timing | None = None,
         max_norm: float | None = None,
         skip_nonfinite: bool = True,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.model_parts = list(model_parts)
         if not self.model_parts or not all(isinstance(m, nn.Module) for m in self.model_parts):
@@ -114,6 +120,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._refuse_impossible_composition()
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
+        self.global_norm = GlobalNorm([p for named in named_units for _, p in named], mesh)
         stepped_units = [
             [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
         ]
@@ -252,7 +259,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self.gate.reduce_gradients(params)
         norm, value, finite = None, None, True
         if self.max_norm is not None:
-            norm = self.precision.grad_norm(params)
+            norm = self.precision.grad_norm(params, self.global_norm)
             value = norm.item()  # the one host sync of a step
             finite = math.isfinite(value) or not self.skip_nonfinite
         elif self.skip_nonfinite:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -76,6 +77,8 @@ class FTOptimizersContainer(OptimizersContainer):
         param_groups: rules that form param groups by FQN.
         precision: what the inner optimizers step (default: the fp32 parameters).
         max_norm: clip the global gradient norm (after the average) to this; None: off.
+        mesh: the job's named DeviceMesh, over which the global norm counts each gradient
+            element once (`OptimizersContainer`); None: one stage over the world.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class FTOptimizersContainer(OptimizersContainer):
         param_groups: Sequence[ParamGroupRule] = (),
         precision: Precision | None = None,
         max_norm: float | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__(
             model_parts,
@@ -97,5 +101,6 @@ class FTOptimizersContainer(OptimizersContainer):
             precision=precision,
             gate=TorchFTGate(ft_manager),
             max_norm=max_norm,
+            mesh=mesh,
         )
         self.ft_manager = ft_manager

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
@@ -140,6 +141,8 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             last one.
         precision: e.g. `containers.MasterWeights` with loss scaling 'none'.
         gate: refused if it cannot decide per unit (torchft).
+        mesh: the job's named DeviceMesh, as for `OptimizersContainer` (inside backward no
+            global norm is measured).
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         gradient_accumulation_steps: int = 1,
         precision: Precision | None = None,
         gate: Gate | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__(
             model_parts,
@@ -161,6 +165,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             precision=precision,
             gate=gate,
             timing=InBackward(gradient_accumulation_steps),
+            mesh=mesh,
         )
 
     @property

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -25,6 +25,7 @@ from config import MixedPrecision as MixedPrecisionConfig
 from containers.base import OptimizersContainer
 from containers.flat_state import describe_keys
 from containers.fused_update import compiled, fused_adamw_step, supports_fused_update
+from containers.grad_norm import GlobalNorm
 from containers.loss_scaler import LossScaler
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision, Timing
@@ -60,7 +61,6 @@ class MasterWeights(Precision):
         self.compile = self.settings.compile
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
-        self._sharded = False  # any DTensor parameter: the norm needs a collective
         self._unscale = 1.0
 
     @property
@@ -87,7 +87,6 @@ class MasterWeights(Precision):
             )
         master = param.detach().to(self.master_dtype)
         self._model_param[id(master)] = param
-        self._sharded |= isinstance(param, DTensor)
         return master
 
     def _pairs(self, optimizers: Sequence[Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -110,23 +109,14 @@ class MasterWeights(Precision):
         self._unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
 
     @torch.no_grad()
-    def grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The unscaled global norm in fp32; inf or nan if any gradient is non-finite."""
-        grads = [_local(p.grad) for p in params]
-        if grads and self.compile:
-            square_sum = compiled()[1]
-            total_sq = torch.stack([square_sum(g) for g in grads]).sum()
-        elif grads:
-            # Per tensor, accumulating in fp32 without an fp32 copy (torch._foreach_norm with
-            # dtype= converts whole lists first: 2x slower and 4 bytes/param more at peak).
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-            total_sq = torch.stack(norms).square().sum()
-        else:
-            total_sq = torch.zeros(())
-        if self._sharded and dist.is_initialized():
-            # Shards of every mesh in one sum; the sum of squares of inf/nan stays non-finite.
-            dist.all_reduce(total_sq)
-        return total_sq.sqrt() * self._unscale
+    def grad_norm(
+        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None
+    ) -> torch.Tensor:
+        """The unscaled global norm in fp32 (`Precision.grad_norm`); inf or nan if any
+        gradient is non-finite."""
+        over = over if over is not None else GlobalNorm(params)
+        square_sum = compiled()[1] if self.compile else None
+        return over([p.grad for p in params], square_sum) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self.scaler.update(overflow=not applied)
@@ -277,6 +267,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             unclipped (the norm is measured either way, for the overflow check).
         gate: whether a step commits (e.g. `containers.TorchFTGate`).
         timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
+        mesh: the job's named DeviceMesh, over which the global norm counts each gradient
+            element once (`OptimizersContainer`); None: one stage over the world.
     """
 
     def __init__(
@@ -291,6 +283,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         max_norm: float | None = 0.0,
         gate: Gate | None = None,
         timing: Timing | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.precision: MasterWeights = precision or MasterWeights(settings)
         super().__init__(
@@ -302,6 +295,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             gate=gate,
             timing=timing,
             max_norm=max_norm,
+            mesh=mesh,
         )
         if self.precision.compile and not all(supports_fused_update(o) for o in self):
             logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")

@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from containers.grad_norm import GlobalNorm, dense
+
 if TYPE_CHECKING:
     from containers.base import OptimizersContainer
 
@@ -62,11 +64,6 @@ class StepReport:
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
 
 
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    """The values of a sparse gradient (SparseAdam's embeddings), which norms cannot take."""
-    return grad.coalesce().values() if grad.is_sparse else grad
-
-
 @torch.no_grad()
 def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
@@ -75,7 +72,7 @@ def all_finite(
     dimension of the DTensors' mesh, so each rank holding a shard decides the same): one fused
     pass, one collective per group, one host sync for the list.
     """
-    local = [_dense(t.to_local() if isinstance(t, DTensor) else t) for t in tensors]
+    local = [dense(t.to_local() if isinstance(t, DTensor) else t) for t in tensors]
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
@@ -129,13 +126,12 @@ class Precision:
         """Bring what the step needs into place (e.g. state offloaded to CPU)."""
 
     @torch.no_grad()
-    def grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm of the gradients of `params` (model parameters), over every mesh."""
-        if not params:
-            return torch.zeros(())
-        grads = [_dense(p.grad) for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        return total.full_tensor() if isinstance(total, DTensor) else total
+    def grad_norm(
+        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None
+    ) -> torch.Tensor:
+        """Global L2 norm of the gradients of `params` (model parameters), each element
+        counted once over the job's mesh as `over` says (None: `GlobalNorm(params)`)."""
+        return (over if over is not None else GlobalNorm(params))([p.grad for p in params])
 
     @torch.no_grad()
     def clip_(
@@ -143,8 +139,15 @@ class Precision:
     ) -> None:
         """Scale the gradients of `params` so their norm `grad_norm` is at most `max_norm`
         (0 or None: leave them); torch's own clip, so results match `clip_grad_norm_`."""
-        if max_norm and params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        if not max_norm:
+            return
+        # One call per mesh: a foreach multiply cannot mix DTensors of different meshes
+        # (TP x FSDP2 leaves FSDP-only parameters, e.g. norms, on the dp mesh alone).
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
 
     def decided(self, applied: bool) -> None:
         """Told whether the step's gradients were applied (False: they were non-finite)."""

@@ -125,7 +125,8 @@ def test_register_container_selects_by_name(restore_registries):
             return super().step(closure)
 
     def factory(parts, cls, kwargs, *, param_groups, marker, **composed):
-        assert marker == 7 and composed.keys() == {"precision", "gate", "timing", "max_norm"}
+        assert marker == 7
+        assert composed.keys() == {"precision", "gate", "timing", "max_norm", "mesh"}
         return Counting(parts, cls, kwargs, param_groups=param_groups, **composed)
 
     register_container("counting", factory)

@@ -1,20 +1,35 @@
-"""The fp32 precision's global norm and clip (what `step()` does with `max_norm`): parity with
-torch in one process, and the global norm under FSDP2."""
+"""The global norm and clip (what `step()` does with `max_norm`): parity with torch in one
+process, and each gradient element counted once under FSDP2, PP x FSDP2, TP x FSDP2 and HSDP."""
 
 from __future__ import annotations
 
 import copy
+import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from components.models.llama.model import FLAVORS, Transformer, split_model
-from containers import Precision
+from components.models.llama.model import (
+    FLAVORS,
+    FeedForward,
+    ModelArgs,
+    Transformer,
+    split_model,
+)
+from containers import (
+    MasterWeights,
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+    Precision,
+)
+from containers.grad_norm import GlobalNorm
 from tests.harness.dist import run_ranks
 
 
@@ -88,7 +103,7 @@ def test_params_without_grad_are_skipped():
     assert clip_grad_norm_(empty, 1.0).item() == 0.0 and empty[0].grad is None
 
 
-# -- FSDP2 on 2 gloo ranks --------------------------------------------------------------------
+# -- FSDP2 (no mesh given), PP x FSDP2, TP x FSDP2, HSDP on 4 gloo ranks: one launch ---------
 
 
 def _loss(parts: list[nn.Module], tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -101,11 +116,11 @@ def _loss(parts: list[nn.Module], tokens: torch.Tensor, labels: torch.Tensor) ->
 def _fsdp_norms() -> dict:
     """Global norm of a 2-part FSDP2 model vs. its unsharded copy, then clip to half."""
     torch.manual_seed(0)
-    model = Transformer(FLAVORS["debug"])
+    model = Transformer(FLAVORS["tiny"])
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)  # the same batch on every rank
-    tokens = torch.randint(0, 256, (2, 32), generator=g)
-    labels = torch.randint(0, 256, (2, 32), generator=g)
+    tokens = torch.randint(0, 256, (2, 16), generator=g)
+    labels = torch.randint(0, 256, (2, 16), generator=g)
 
     _loss([ref], tokens, labels).backward()
     ref_named = dict(ref.named_parameters())
@@ -142,16 +157,195 @@ def _fsdp_norms() -> dict:
     }
 
 
-def test_fsdp2_global_norm_matches_unsharded_and_clips_to_half():
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _precision(kind: str) -> Precision:
+    return MasterWeights() if kind == "bf16" else Precision()
+
+
+def _llama_loss(parts: list[nn.Module]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)  # the same batch on every rank
+    tokens = torch.randint(0, 256, (2, 16), generator=g)
+    # x 20: a norm well above 1, so torch's 1e-6 in the clip coefficient stays below rel 1e-6.
+    return 20 * _loss(parts, tokens, tokens.roll(-1, 1))
+
+
+def _norm64(grads) -> float:
+    """The single-process norm of full (unsharded) gradients, in fp64."""
+    return torch.stack([g.double().norm() for g in grads]).norm().item()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _measure(parts, mesh, precision, ref_norm: float, **refs: float) -> dict:
+    """Step a container (SGD, lr 1, clip to half the reference norm) from zeroed weights, so
+    that the weights become minus the clipped gradients; measure them with the same rule."""
+    grads_norm = _norm64(_full(p.grad) for part in parts for p in part.parameters())
+    cls = MixedPrecisionOptimizersContainer if isinstance(precision, MasterWeights) else None
+    container = (cls or OptimizersContainer)(
+        parts, torch.optim.SGD, {"lr": 1.0}, precision=precision, max_norm=ref_norm / 2, mesh=mesh
+    )
+    stepped = [p for opt in container for g in opt.param_groups for p in g["params"]]
+    with torch.no_grad():
+        for s in stepped:
+            _local(s).zero_()
+    container.step()
+    after = container.global_norm(stepped).item()
+    with torch.no_grad():
+        # A NaN on one rank only (another stage under PP) makes the norm NaN on every rank.
+        if dist.get_rank() == dist.get_world_size() - 1:
+            _local(stepped[0]).view(-1)[0] = float("nan")
+    nonfinite = container.global_norm(stepped).item()
+    return {
+        "norm": container.last_report.grad_norm,
+        "ref": ref_norm,
+        "grads_ref": grads_norm,
+        "after": after,
+        "max_norm": ref_norm / 2,
+        "nonfinite": nonfinite,
+        **refs,
+    }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _pp_fsdp(mesh, kind: str) -> dict:
+    """PP2 x FSDP2: each pp rank keeps its stage, sharded over dp_shard; its gradients are the
+    full model's (one forward/backward on every rank), sharded as the parameters are."""
+    precision = _precision(kind)
+    torch.manual_seed(0)
+    model = precision.cast_model(Transformer(FLAVORS["tiny"]))
+    ref = copy.deepcopy(model)
+    _llama_loss([ref]).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    stage = split_model(model, 2)[mesh["pp"].get_local_rank()]
+    for block in stage.layers.values():
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(stage, mesh=mesh["dp_shard"])
+    for n, p in stage.named_parameters():
+        p.grad = distribute_tensor(ref_grads[n], p.device_mesh, p.placements, src_data_rank=None)
+    result = _measure([stage], mesh, precision, _norm64(ref_grads.values()))
+    # Only this stage's gradients: what a per-stage (pp-blind) norm would give.
+    result["grads_ref"] = result["ref"]
+    result["stage"] = _norm64(ref_grads[n] for n, _ in stage.named_parameters())
+    return result
+
+
+class _NormMLP(nn.Module):
+    """RMSNorm (left out of TP: FSDP-only, replicated over tp) then a SwiGLU MLP (TP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.ff = FeedForward(ModelArgs(dim=16, ffn_hidden=48))
+        nn.init.normal_(self.norm.weight, 1.0, 0.5)  # a gradient of its own weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(self.norm(x))
+
+
+def _tp_fsdp(mesh, kind: str) -> dict:
+    """TP2 x FSDP2, a real forward/backward on the same batch everywhere."""
+    precision = _precision(kind)
+    torch.manual_seed(0)
+    model = precision.cast_model(_NormMLP())
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1)).to(model.norm.weight)
+    ref(x).float().square().sum().backward()
+    plan = {"ff.w1": ColwiseParallel(), "ff.w3": ColwiseParallel(), "ff.w2": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp_shard"])
+    model(x).float().square().sum().backward()
+    placements = {n: tuple(p.grad.placements) for n, p in model.named_parameters()}
+    assert placements["norm.weight"] == (Shard(0),), placements  # FSDP-only, copied over tp
+    assert len(placements["ff.w2.weight"]) == 2, placements  # dp_shard x tp
+    ref_norm = _norm64(p.grad for p in ref.parameters())
+    return _measure([model], mesh, precision, ref_norm)
+
+
+def _hsdp(mesh, kind: str) -> dict:
+    """HSDP 2 x 2 (Replicate, Shard(0)), a real forward/backward on the same batch everywhere."""
+    precision = _precision(kind)
+    torch.manual_seed(0)
+    model = precision.cast_model(Transformer(FLAVORS["tiny"]))
+    ref = copy.deepcopy(model)
+    _llama_loss([ref]).backward()
+    dp = mesh["dp_replicate", "dp_shard"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    _llama_loss([model]).backward()
+    return _measure([model], mesh, precision, _norm64(p.grad for p in ref.parameters()))
+
+
+def _mesh_cases() -> dict:
+    meshes = {
+        "pp_fsdp": init_device_mesh("cpu", (2, 1, 2, 1), mesh_dim_names=DIMS),
+        "tp_fsdp": init_device_mesh("cpu", (1, 1, 2, 2), mesh_dim_names=DIMS),
+        "hsdp": init_device_mesh("cpu", (1, 2, 2, 1), mesh_dim_names=DIMS),
+    }
+    build = {"pp_fsdp": _pp_fsdp, "tp_fsdp": _tp_fsdp, "hsdp": _hsdp}
+    out: dict = {"fsdp": _fsdp_norms()}  # 1-D FSDP2, no mesh given: one stage over the world
+    for case, fn in build.items():
+        for kind in ("fp32", "bf16"):
+            out[case, kind] = fn(meshes[case], kind)
+    out["wrong_mesh"] = ""
+    try:  # a mesh that is not the job's (over fewer ranks than the world)
+        GlobalNorm([], meshes["hsdp"]["dp_shard"])
+    except ValueError as e:
+        out["wrong_mesh"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh_cases() -> list[dict]:
+    return run_ranks(4, _mesh_cases)
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["pp_fsdp", "tp_fsdp", "hsdp"])
+def test_global_norm_over_the_job_mesh_counts_each_element_once_and_clips(mesh_cases, case, kind):
+    """PP2 x FSDP2, TP2 x FSDP2 and HSDP 2x2 on 4 ranks, for the fp32 and the mixed-precision
+    container: the norm equals the single-process norm of the same gradients (rel 1e-5) on
+    every rank, and after the clip to half of it the gradients' global norm is max_norm."""
+    results = [r[case, kind] for r in mesh_cases]
+    r = results[0]
+    assert all(x["norm"] == r["norm"] for x in results), [x["norm"] for x in results]
+    assert r["norm"] > 1.0  # the clip's 1e-6 stays negligible
+    assert _close(r["norm"], r["grads_ref"], 1e-5), r
+    # The unsharded model's own norm: the gradients themselves are right too (bf16 sums in
+    # another order under TP and sharding).
+    assert _close(r["norm"], r["ref"], 1e-5 if kind == "fp32" else 2e-2), r
+    for x in results:
+        assert _close(x["after"], x["max_norm"], 1e-5), x
+        assert math.isnan(x["nonfinite"]), x
+    if case == "pp_fsdp":  # each pp rank alone sees less: the stages were summed
+        assert r["stage"] < 0.99 * r["ref"] and results[-1]["stage"] < 0.99 * r["ref"]
+
+
+def test_fsdp2_global_norm_matches_unsharded_and_clips_to_half(mesh_cases):
     """Sharded norm = single-process norm on every rank; clipping to norm/2 gives norm/2."""
-    results = run_ranks(2, _fsdp_norms)
-    r0, r1 = results
+    results = [r["fsdp"] for r in mesh_cases]
+    r0 = results[0]
     torch.testing.assert_close(r0["ref_norm"], r0["torch_norm"], rtol=1e-6, atol=0)
-    assert r0["grad_err"] < 1e-4 and r1["grad_err"] < 1e-4
+    assert all(r["grad_err"] < 1e-4 for r in results)
     norm = r0["norm"].item()
     assert norm > 0
     assert abs(norm - r0["ref_norm"].item()) <= 1e-5 * r0["ref_norm"].item()
     for key in ("norm", "clipped_to", "after"):
-        assert torch.equal(r0[key], r1[key]), key
+        assert all(torch.equal(r0[key], r[key]) for r in results), key
     assert torch.equal(r0["clipped_to"], r0["norm"])
     assert abs(r0["after"].item() - norm / 2) <= 1e-5 * norm / 2
+
+
+def test_a_mesh_over_fewer_ranks_than_the_world_is_refused(mesh_cases):
+    assert all("holds 2 ranks but the world has 4" in r["wrong_mesh"] for r in mesh_cases)
