@@ -196,6 +196,7 @@ def _build_locked(
         precision=precision,
         gate=TorchFTGate(ft_manager) if ft_manager is not None else None,
         max_norm=cfg.training.max_norm,
+        mesh=mesh,
         gradient_accumulation_steps=backward_passes(
             dims, cfg.parallelism, cfg.training.local_batch_size, accum
         ),

@@ -25,6 +25,7 @@ COMMON = [
 ]
 CONTAINERS = {
     "default": ["--training.max_norm", "0"],
+    "clipped": ["--training.max_norm", "0.5"],  # the global norm over both stages clips
     "in_backward": ["--optimizer.container", "in_backward", "--training.max_norm", "0"],
     "mixed_precision": ["--optimizer.container", "mixed_precision", "--training.max_norm", "0"],
 }
