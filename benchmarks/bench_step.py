@@ -243,6 +243,17 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
     foreach = torch.optim.AdamW(all_params(clone_model(model)), **kw, foreach=True)
     for_loop = torch.optim.AdamW(all_params(clone_model(model)), **kw, foreach=False)
 
+    # The same parameters as 1, 2 or 4 model parts on a rank (pipeline stages per rank):
+    # what each inner optimizer more costs.
+    groupings = [k for k in (1, 2, 4) if settings.parts % k == 0]
+    by_parts = {}
+    for k in groupings:
+        subparts, size = clone_model(model), settings.parts // k
+        grouped = [nn.ModuleList(subparts[i : i + size]) for i in range(0, settings.parts, size)]
+        by_parts[f"parts_{k}"] = OptimizersContainer(
+            grouped, torch.optim.AdamW, {**kw, "fused": True}
+        ).step
+
     def step_per_part() -> None:
         for opt in per_part:
             opt.step()
@@ -258,6 +269,7 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
             "fused": fused.step,
             "foreach": foreach.step,
             "for_loop": for_loop.step,
+            **by_parts,
         },
         settings.repeats,
         settings.steps,
@@ -332,6 +344,15 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
             notes=f"{n / fused_s / 1e6:.1f} Mparam/s, {adam_bw / 1e9:.2f} GB/s "
             f"at {BYTES_PER_PARAM} B/param",
         ),
+    ]
+    rows += [
+        ratio_row(
+            f"4 container, {k} parts per rank / 1 part (same params)",
+            t[f"parts_{k}"],
+            t["parts_1"],
+            1.10,
+        )
+        for k in groupings[1:]
     ]
     return header, rows
 
