@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from config import ConfigError, steps_in_backward
@@ -145,18 +146,39 @@ def _fused_devices() -> set[str]:
         return {"cuda", "cpu"}
 
 
+def _fused_takes_dtensor(optimizer_cls: type[Optimizer]) -> bool:
+    """Whether DTensor can run `optimizer_cls`'s fused kernel (torch 2.13: Adam and AdamW only;
+    fused SGD on FSDP2 or TP parameters fails inside the first step)."""
+    op = getattr(torch.ops.aten, f"_fused_{optimizer_cls.__name__.lower()}_", None)
+    try:
+        prop = DTensor._op_dispatcher.sharding_propagator
+        known = {*prop.op_strategy_funcs, *prop.op_to_rules}
+        known |= set(getattr(prop, "op_single_dim_strategy_funcs", {}))
+        return op is not None and op.default in known
+    except AttributeError:  # private API moved: foreach is the safe choice
+        return False
+
+
 def implementation_kwargs(
-    optimizer_cls: type[Optimizer], implementation: str, device: torch.device, where: str
+    optimizer_cls: type[Optimizer],
+    implementation: str,
+    device: torch.device,
+    where: str,
+    dtensor: bool = False,
 ) -> dict[str, bool]:
-    """Kernel flags for `implementation` ("auto" picks fused where torch has it on `device`)."""
+    """Kernel flags for `implementation` ("auto" picks fused where torch has it on `device`,
+    and, for `dtensor` (sharded or tensor-parallel) parameters, where DTensor can run it)."""
     accepted = inspect.signature(optimizer_cls).parameters
-    fused_ok = "fused" in accepted and device.type in _fused_devices()
+    has_fused = "fused" in accepted and device.type in _fused_devices()
+    fused_ok = has_fused and (not dtensor or _fused_takes_dtensor(optimizer_cls))
     name = optimizer_cls.__name__
     if implementation == "auto":
         return {"fused": True} if fused_ok else {}
     if implementation == "fused":
         if not fused_ok:
             why = "has no fused kernel" if "fused" not in accepted else f"has none on {device}"
+            if has_fused:
+                why = "has no fused kernel for DTensor (FSDP2 / tensor-parallel) parameters"
             raise ConfigError(
                 f"{where} implementation = 'fused': {name} {why}; use 'auto' or 'foreach'"
             )
@@ -217,7 +239,11 @@ def build_precision(
 
 
 def _rules(
-    cfg: OptimizerConfig, cls: type[Optimizer], kwargs: dict[str, Any], device: torch.device
+    cfg: OptimizerConfig,
+    cls: type[Optimizer],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    dtensor: bool,
 ) -> list[ParamGroupRule]:
     rules = []
     for i, group in enumerate(cfg.param_groups):
@@ -229,7 +255,7 @@ def _rules(
         }
         group_cfg = dataclasses.replace(cfg, **overrides)
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
-        group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where)
+        group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
             rules.append(ParamGroupRule(group.pattern, diff))
@@ -268,14 +294,15 @@ def build_optimizers(
     """
     check_names(cfg)
     device = _device(model_parts)
+    dtensor = any(isinstance(p, DTensor) for m in model_parts for p in m.parameters())
     cls, kwargs = resolve_optimizer(cfg)
-    kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]")
+    kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]", dtensor)
     try:
         return _CONTAINERS[cfg.container](
             list(model_parts),
             cls,
             kwargs,
-            param_groups=_rules(cfg, cls, kwargs, device),
+            param_groups=_rules(cfg, cls, kwargs, device, dtensor),
             precision=precision if precision is not None else build_precision(cfg),
             gate=gate,
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,

@@ -22,11 +22,15 @@ COMMON = [
     "2",
     "--checkpoint.enable",
     "false",
+    "--training.gradient_accumulation_steps",
+    "2",
 ]
+IN_BACKWARD = ["--optimizer.container", "in_backward", "--training.max_norm", "0"]
 CONTAINERS = {
     "default": ["--training.max_norm", "0"],
     "clipped": ["--training.max_norm", "0.5"],  # the global norm over both stages clips
-    "in_backward": ["--optimizer.container", "in_backward", "--training.max_norm", "0"],
+    # SGD: AdamW hardly sees gradients scaled by a constant, as a mis-scaled unit's would be.
+    "in_backward": [*IN_BACKWARD, "--optimizer.name", "SGD", "--optimizer.lr", "0.1"],
     "mixed_precision": ["--optimizer.container", "mixed_precision", "--training.max_norm", "0"],
 }
 LAYOUTS = {
@@ -47,9 +51,8 @@ def _losses(argv: list[str], dump: str) -> list[float]:
     losses = []
     try:
         for _ in range(STEPS):
-            inputs, labels = next(job.dataloader)
             job.optimizers.zero_grad()
-            loss = job.forward_backward(inputs, labels)
+            loss = sum(job.forward_backward(*next(job.dataloader)) for _ in range(2))
             job.optimizers.step()
             assert job.optimizers.last_report.committed, job.optimizers.last_report
             job.lr_schedulers.step()
@@ -75,7 +78,9 @@ def reference(tmp_path_factory) -> dict[str, list[float]]:
     return run_ranks(1, _runs, runs, dump)[0]
 
 
-def test_two_pipeline_ranks_match_one_process_for_every_schedule_and_container(reference, tmp_path):
+def test_two_pipeline_or_tensor_parallel_ranks_match_one_process_for_every_container(
+    reference, tmp_path
+):
     runs = {
         f"{container}/{layout}": [
             *COMMON,
@@ -87,22 +92,17 @@ def test_two_pipeline_ranks_match_one_process_for_every_schedule_and_container(r
         for container, argv in CONTAINERS.items()
         for layout, schedule in LAYOUTS.items()
     }
-    # Two tensor-parallel ranks, for the containers whose math allows it.
+    # Two tensor-parallel ranks, every container.
     runs |= {
-        f"{container}/tp2": [
-            *COMMON,
-            *CONTAINERS[container],
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ]
-        for container in ("default", "mixed_precision")
+        f"{container}/tp2": [*COMMON, *argv, "--parallelism.tensor_parallel_degree", "2"]
+        for container, argv in CONTAINERS.items()
     }
     by_rank = run_ranks(2, _runs, runs, str(tmp_path), timeout=600)
     assert by_rank[0] == by_rank[1]  # every rank logs the same mean loss
     for name, losses in by_rank[0].items():
         container = name.split("/")[0]
         # Micro-batches and shards change the order of sums, not the math; bf16 rounds more.
-        tolerance = 1e-3 if container == "mixed_precision" else 1e-5
+        tolerance = 3e-3 if container == "mixed_precision" else 1e-5
         worst = max(abs(a - b) / b for a, b in zip(losses, reference[container]))
         assert worst <= tolerance, (name, losses, reference[container])
         assert losses[-1] < losses[0] - 0.5, (name, losses)  # it really trains

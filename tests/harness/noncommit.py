@@ -16,15 +16,15 @@ from config import JobConfig
 def main(fail_step: int, argv: list[str]) -> int:
     def build_failing_job(cfg: JobConfig) -> Job:
         job = build_job(cfg)
-        loss_fn, failed = job.loss_fn, []
+        forward_backward, failed = job.forward_backward, []
 
-        def loss(*args):
+        def failing(*args):
             if job.train_state.step + 1 == fail_step and not failed:
                 failed.append(fail_step)
                 job.ft_manager.report_error(RuntimeError(f"injected failure at step {fail_step}"))
-            return loss_fn(*args)
+            return forward_backward(*args)
 
-        job.loss_fn = loss
+        job.forward_backward = failing
         return job
 
     train.build_job = build_failing_job
