@@ -78,24 +78,30 @@ def build_forward_backward(
         for part, index in zip(parts, stages)
     ]
     losses: list[torch.Tensor] = []
+    n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
 
     def stage_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(outputs, labels) / accumulation_steps
         losses.append(loss.detach())
-        return optimizers.scale_loss(loss)
+        # Each micro-batch's share of the mean, here rather than by the schedule
+        # (scale_grads=False): the schedule divides every gradient in .grad by n_micro after
+        # each step(), and so the gradients of earlier accumulation steps again and again.
+        return optimizers.scale_loss(loss / n_micro)
 
-    n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
     if cfg.pipeline_parallel_schedule == "Interleaved1F1B":
-        schedule = ScheduleInterleaved1F1B(pipeline_stages, n_micro, loss_fn=stage_loss)
+        schedule = ScheduleInterleaved1F1B(
+            pipeline_stages, n_micro, loss_fn=stage_loss, scale_grads=False
+        )
     else:
         (stage,) = pipeline_stages
-        schedule = _SCHEDULES[cfg.pipeline_parallel_schedule](stage, n_micro, loss_fn=stage_loss)
+        schedule = _SCHEDULES[cfg.pipeline_parallel_schedule](
+            stage, n_micro, loss_fn=stage_loss, scale_grads=False
+        )
     first, last = 0 in stages, num_parts - 1 in stages
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses.clear()
         args = (inputs,) if first else ()
-        # The schedule averages the micro-batches' gradients; the loss is their mean too.
         schedule.step(*args, target=labels if last else None, return_outputs=False)
         if not losses:
             return torch.zeros((), device=device)
