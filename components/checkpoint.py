@@ -247,14 +247,22 @@ class CheckpointManager:
                     ) from None
         ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
         missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
-        reshaped = [
+        reshaped = {
             f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
             for k, v in ours.items()
             if k in saved
             and isinstance(v, torch.Tensor)
             and isinstance(saved[k], TensorStorageMetadata)
             and tuple(saved[k].size) != tuple(v.shape)
-        ]
+        }
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A pipeline rank holds only its stages' keys: a saved key is unexpected only if
+            # no rank takes it. Every rank then sees the same verdict and stops together.
+            views: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (missing, unexpected, reshaped))
+            missing = set().union(*(m for m, _, _ in views))
+            unexpected = set.intersection(*(u for _, u, _ in views))
+            reshaped = set().union(*(r for _, _, r in views))
         if missing or unexpected or reshaped:
             raise ConfigError(
                 f"[checkpoint] checkpoint {path} does not match this job (another model or "

@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
@@ -27,7 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, results: Any, fn: Callable, args: tuple) -> None:
+def _child(
+    rank: int, world_size: int, port: int, results: Any, fn: Callable, args: tuple, env: dict
+) -> None:
+    os.environ.clear()  # the caller's, also in a rank forked from a server started earlier
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -47,7 +52,8 @@ def _child(rank: int, world_size: int, port: int, results: Any, fn: Callable, ar
             torch.save(fn(*args), buf)
             results.put((rank, True, buf.getvalue()))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # `fn` may have ended it (train.main does)
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -64,12 +70,25 @@ _PRELOAD = [
     "containers",
     "components.job",
     "tests.harness.helpers",
+    "train",
 ]
 
 
-def _context() -> Any:
+def _forkserver() -> Any:
+    """The multiprocessing context whose ranks fork from one server that imported `_PRELOAD`."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    # The server imports from its own sys.path (Python 3.11 ignores the caller's): start it
+    # with this repository on PYTHONPATH, wherever pytest was started from.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
@@ -79,11 +98,12 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     `fn` must be importable (module level). Any rank's exception, a rank that dies, or the
     timeout fails the call with the ranks' tracebacks; every process is ended by pid.
     """
-    ctx = _context()
+    ctx = _forkserver()
     results = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, results, fn, args), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, results, fn, args, env), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

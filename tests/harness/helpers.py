@@ -97,3 +97,45 @@ def load_job_state(dump: str, argv: list[str], ft: bool = False) -> dict:
         "step": job.train_state.step,
         "sched": job.lr_schedulers.last_step,
     }
+
+
+def train_resumed(argv: list[str]) -> dict:
+    """Run `train.main(argv)` on this rank; return its exit code and the state it resumed with.
+
+    The state is gathered (full tensors) at the run's first optimizer step, before any update
+    is applied: the optimizer state and weights the checkpoint load gave this rank's layout,
+    its lr schedule and train step, and the data position (past the first step's batch).
+    The job is train.py's own: `build_job` is only wrapped to keep a handle on it. Runs in one
+    process or on the ranks of `tests.harness.dist.run_ranks`.
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    import train
+
+    build_job, jobs, resumed = train.build_job, [], {}
+
+    def recording_build_job(cfg: Any) -> Any:
+        jobs.append(build_job(cfg))
+        return jobs[-1]
+
+    def capture(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # Only the container's own optimizers: initial state is built on throwaways.
+        if resumed or not jobs or optimizer not in jobs[0].optimizers.optimizers:
+            return
+        job = jobs[0]
+        resumed["step"] = job.train_state.step
+        resumed["optim"] = {k: full(v) for k, v in job.optimizers.state_dict().items()}
+        resumed["model"] = {
+            k: full(v) for part in job.model_parts for k, v in part.state_dict().items()
+        }
+        resumed["sched"] = job.lr_schedulers.last_step
+        resumed["sample_index"] = job.dataloader.sample_index
+
+    train.build_job = recording_build_job
+    hook = register_optimizer_step_pre_hook(capture)
+    try:
+        code = train.main(argv)
+    finally:
+        hook.remove()
+        train.build_job = build_job
+    return {"code": code, **resumed}
