@@ -106,3 +106,18 @@ def test_two_pipeline_or_tensor_parallel_ranks_match_one_process_for_every_conta
         worst = max(abs(a - b) / b for a, b in zip(losses, reference[container]))
         assert worst <= tolerance, (name, losses, reference[container])
         assert losses[-1] < losses[0] - 0.5, (name, losses)  # it really trains
+
+
+def test_stages_sharded_with_fsdp2_match_fsdp2_alone(tmp_path):
+    """PP2 x DP2 against DP2: the same data-parallel batches, stages sharded over dp_shard
+    (FSDP2 reduces once per schedule step there, after every micro-batch's backward)."""
+    picked = {k: CONTAINERS[k] for k in ("clipped", "in_backward", "mixed_precision")}
+    dp2 = run_ranks(2, _runs, {k: [*COMMON, *v] for k, v in picked.items()}, f"{tmp_path}/dp")
+    pp = ["--parallelism.pipeline_parallel_degree", "2"]
+    runs = {k: [*COMMON, *v, *pp] for k, v in picked.items()}
+    by_rank = run_ranks(4, _runs, runs, f"{tmp_path}/pp", timeout=600)
+    assert all(r == by_rank[0] for r in by_rank)
+    for name, losses in by_rank[0].items():
+        tolerance = 3e-3 if name == "mixed_precision" else 1e-5
+        worst = max(abs(a - b) / b for a, b in zip(losses, dp2[0][name]))
+        assert worst <= tolerance, (name, losses, dp2[0][name])
