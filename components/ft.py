@@ -87,6 +87,8 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
 
     The state is built when a peer asks for it, never cached: tensors by reference and
     scalars (lr, step) as they are at that moment. Call it once the LR schedulers exist.
+    Each rank of a replica group serves its own shards (DTensors, as they are) to the rank
+    of the same group rank in a healing group, which holds the same shards of the same mesh.
     """
 
     def state_dict() -> dict[str, Any]:

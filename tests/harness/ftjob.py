@@ -24,10 +24,11 @@ def read_metrics(folder: Path) -> dict[int, dict]:
 
 
 class FTJob:
-    """Starts a lighthouse and replica groups (one train.py process each); ends them all."""
+    """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
 
-    def __init__(self, folder: Path, steps: int, extra: list[str] = ()) -> None:
+    def __init__(self, folder: Path, steps: int, extra: list[str] = (), nproc: int = 1) -> None:
         self.folder = folder
+        self.nproc = nproc
         self.port = free_port()
         self.manager_ports = [free_port(), free_port()]
         self.train_args = [
@@ -68,6 +69,8 @@ class FTJob:
 
     def start_replica(self, replica: int, script: tuple[str, ...] = ("train.py",)) -> None:
         cmd = [sys.executable, *script, *self.args]
+        if self.nproc > 1:
+            cmd += ["--nproc_per_node", str(self.nproc)]
         cmd += ["--fault_tolerance.replica_id", str(replica)]
         cmd += ["--fault_tolerance.manager_port", str(self.manager_ports[replica])]
         self._start(f"replica_{replica}", cmd)
