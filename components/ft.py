@@ -23,7 +23,7 @@ _MANAGER_PORT_BASE = 29_600
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
-    """The replica group's fixed manager port (a restarted group must find it again)."""
+    """The replica group's manager port (0: any free one, chosen when torchft binds it)."""
     return cfg.manager_port if cfg.manager_port >= 0 else _MANAGER_PORT_BASE + cfg.replica_id
 
 

@@ -30,7 +30,6 @@ class FTJob:
         self.folder = folder
         self.nproc = nproc
         self.port = free_port()
-        self.manager_ports = [free_port(), free_port()]
         self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
@@ -72,7 +71,9 @@ class FTJob:
         if self.nproc > 1:
             cmd += ["--nproc_per_node", str(self.nproc)]
         cmd += ["--fault_tolerance.replica_id", str(replica)]
-        cmd += ["--fault_tolerance.manager_port", str(self.manager_ports[replica])]
+        # Any free port, bound at once (torchft finds a group by the address it reports); a
+        # port chosen here and bound seconds later may be taken meanwhile.
+        cmd += ["--fault_tolerance.manager_port", "0"]
         self._start(f"replica_{replica}", cmd)
         self.killed.discard(f"replica_{replica}")
 
