@@ -67,6 +67,8 @@ class FTJob:
         log.close()
 
     def start_replica(self, replica: int, script: tuple[str, ...] = ("train.py",)) -> None:
+        """Start replica group `replica` as `python *script args` (with `--nproc_per_node`
+        when the groups have several ranks: train.py's launcher, or `tests.harness.faults`)."""
         cmd = [sys.executable, *script, *self.args]
         if self.nproc > 1:
             cmd += ["--nproc_per_node", str(self.nproc)]
