@@ -23,7 +23,7 @@ _MANAGER_PORT_BASE = 29_600
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
-    """The replica group's fixed manager port (a restarted group must find it again)."""
+    """The replica group's manager port (0: any free one, chosen when torchft binds it)."""
     return cfg.manager_port if cfg.manager_port >= 0 else _MANAGER_PORT_BASE + cfg.replica_id
 
 
@@ -87,6 +87,8 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
 
     The state is built when a peer asks for it, never cached: tensors by reference and
     scalars (lr, step) as they are at that moment. Call it once the LR schedulers exist.
+    Each rank of a replica group serves its own shards (DTensors, as they are) to the rank
+    of the same group rank in a healing group, which holds the same shards of the same mesh.
     """
 
     def state_dict() -> dict[str, Any]:

@@ -6,14 +6,16 @@ torchrun works as well; this launcher adds what a preempted or mistaken run need
   the launcher (torchrun exits 1 with a traceback whenever it is signalled); a second signal
   kills the ranks at once;
 - a rank that fails ends the others at once, and the launcher exits with its code;
-- ranks exit when the launcher dies (`components.preemption.watch_parent`), even of SIGKILL.
+- ranks exit when the launcher dies (`components.preemption.watch_parent`), even of SIGKILL;
+- the ranks' TCPStore is the launcher's, listening before any rank starts (as torchrun's agent
+  store), so no port is chosen first and bound later, which another process may take meanwhile
+  (several jobs on one machine, e.g. the replica groups of a torchft job).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,19 +44,17 @@ def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, nproc: int, argv: list[str]) -> int:
     """Run `script argv` as `nproc` ranks on this machine; return the exit code for the run."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {
         **os.environ,
         LAUNCHER_ENV: str(os.getpid()),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks connect to this process's store
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
     }

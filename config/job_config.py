@@ -260,8 +260,9 @@ class FaultTolerance:
     """Lighthouse address (`http://host:port`); empty reads `TORCHFT_LIGHTHOUSE`."""
 
     manager_port: int = bounded(-1, ge=-1, le=65535)
-    """Port of this replica group's torchft manager; -1 = 29600 + replica_id. It must stay
-    fixed across restarts of the group, so an ephemeral port is never used."""
+    """Port of this replica group's torchft manager; -1 = 29600 + replica_id, 0 = any free
+    port (peers find a group by the address it reports to the lighthouse, so a restarted group
+    may take another port)."""
 
     process_group: Literal["gloo", "nccl"] = "gloo"
     """Process group across replica groups."""

@@ -45,11 +45,17 @@ class TorchFTGate(Gate):
         )
 
     def on_zero_grad(self) -> None:
+        # The quorum may serve this group's state to a healing peer from its own thread: not
+        # while forward and backward run, where FSDP2 swaps the modules' sharded parameters
+        # for unsharded ones (a state dict read then breaks the forward). Read after backward.
+        self.manager.disallow_state_dict_read()
         self.manager.start_quorum()
 
     @torch.no_grad()
     def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Average gradients across the replica groups of the quorum, in one flat collective."""
+        # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
+        self.manager.allow_state_dict_read()
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         grads = [g for g in grads if g is not None]
         if not grads:

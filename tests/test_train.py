@@ -323,7 +323,7 @@ def _ft_losses(folder: Path, script: tuple[str, ...]) -> tuple[dict[int, float],
 def test_a_step_torchft_does_not_commit_is_retried_on_the_same_batch_bitwise(tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     clean, _ = _ft_losses(tmp_path / "a", ("train.py",))
-    retried, log = _ft_losses(tmp_path / "b", ("-m", "tests.harness.noncommit", "3"))
+    retried, log = _ft_losses(tmp_path / "b", ("-m", "tests.harness.faults", "fail", "3"))
     assert "step 3 was not committed" in log and "running it again on the same batch" in log
     assert sorted(clean) == list(range(1, 7)) and retried == clean  # bitwise
 

@@ -24,12 +24,12 @@ def read_metrics(folder: Path) -> dict[int, dict]:
 
 
 class FTJob:
-    """Starts a lighthouse and replica groups (one train.py process each); ends them all."""
+    """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
 
-    def __init__(self, folder: Path, steps: int, extra: list[str] = ()) -> None:
+    def __init__(self, folder: Path, steps: int, extra: list[str] = (), nproc: int = 1) -> None:
         self.folder = folder
+        self.nproc = nproc
         self.port = free_port()
-        self.manager_ports = [free_port(), free_port()]
         self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
@@ -67,9 +67,15 @@ class FTJob:
         log.close()
 
     def start_replica(self, replica: int, script: tuple[str, ...] = ("train.py",)) -> None:
+        """Start replica group `replica` as `python *script args` (with `--nproc_per_node`
+        when the groups have several ranks: train.py's launcher, or `tests.harness.faults`)."""
         cmd = [sys.executable, *script, *self.args]
+        if self.nproc > 1:
+            cmd += ["--nproc_per_node", str(self.nproc)]
         cmd += ["--fault_tolerance.replica_id", str(replica)]
-        cmd += ["--fault_tolerance.manager_port", str(self.manager_ports[replica])]
+        # Any free port, bound at once (torchft finds a group by the address it reports); a
+        # port chosen here and bound seconds later may be taken meanwhile.
+        cmd += ["--fault_tolerance.manager_port", "0"]
         self._start(f"replica_{replica}", cmd)
         self.killed.discard(f"replica_{replica}")
 
