@@ -101,7 +101,8 @@ def main(argv: list[str]) -> int:
             skipped_in_a_row.clear()
         else:
             state.skipped_steps += 1
-            skipped_in_a_row.append(state.step)
+            if not report.backing_off:  # a loss scale finding its level is not stuck
+                skipped_in_a_row.append(state.step)
             warn(
                 "step %d skipped: %s; weights, optimizer state and lr schedule unchanged, its "
                 "batch spent",

@@ -65,12 +65,6 @@ def cross_check(cfg: JobConfig) -> None:
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (then container 'default' is enough)"
         )
-    if container == "mixed_precision" and ft.enable:
-        problems.append(
-            "[fault_tolerance] enable = true: container 'mixed_precision' does not run under "
-            "torchft yet (its gradient average and overflow agreement are unverified); "
-            "disable one of them"
-        )
     if problems:
         raise ConfigError(problems[0])
 

@@ -3,9 +3,10 @@
 Every variant is this class with other parts plugged in (`containers.parts`): one step,
 
     prepare   gate.reduce_gradients            average across replica groups (torchft)
+    commit    gate.commit                      an uncommitted step changes nothing
     measure   precision.grad_norm, one sync    the global norm for the clip, or (no clip)
               or all_finite, one sync          a cheaper pass that only checks
-    decide    gate.commit, finite check        a skipped step changes nothing
+    decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
 
@@ -257,6 +258,12 @@ class OptimizersContainer(Optimizer, Stateful):
     def _step_after_backward(self) -> StepReport:
         params = [p for unit in self.units for p in unit.params if p.grad is not None]
         self.gate.reduce_gradients(params)
+        # Commit before measuring: a healing replica group loads its peer's state (the loss
+        # scale among it) inside the commit, and the averaged gradients are scaled by the
+        # peers' scale, so the norm and the update must unscale by that one. Nothing of an
+        # uncommitted step reaches the precision (its loss scale evolves as its peers').
+        if not self.gate.commit():
+            return StepReport(committed=False, skipped=self.gate.refusal)
         norm, value, finite = None, None, True
         if self.max_norm is not None:
             norm = self.precision.grad_norm(params, self.global_norm)
@@ -266,8 +273,6 @@ class OptimizersContainer(Optimizer, Stateful):
             # Without a clip, a check costs half a norm; the world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
             finite = all_finite([p.grad for p in params], groups=[None] if world else [])
-        if not self.gate.commit():
-            return StepReport(committed=False, skipped=self.gate.refusal, grad_norm=value)
         self.precision.decided(applied=finite)
         if not finite:
             return StepReport(

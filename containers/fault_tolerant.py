@@ -60,6 +60,10 @@ class TorchFTGate(Gate):
         grads = [g for g in grads if g is not None]
         if not grads:
             return
+        # In the gradients' own dtype: under fp16 loss scaling every group scaled its loss by
+        # the same scale (the scaler's state is the same everywhere), so the average is the
+        # scaled average; an overflow on any group (or of the sum) is inf or nan on all of
+        # them, and every group skips the step and backs its scale off alike.
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()
         offset = 0

@@ -29,6 +29,11 @@ class LossScaler:
         self.good_steps = 0
         self.overflows_left = s.hysteresis
 
+    @property
+    def can_back_off(self) -> bool:
+        """Whether an overflow may still be the scale's doing (a dynamic scale above its floor)."""
+        return self.mode == "dynamic" and self.scale > self.min_scale
+
     def update(self, overflow: bool) -> None:
         """Record one step's outcome and adapt the scale."""
         if overflow:

@@ -62,6 +62,7 @@ class MasterWeights(Precision):
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._unscale = 1.0
+        self._backing_off = False  # the last step overflowed with the scale above its floor
 
     @property
     def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
@@ -119,6 +120,7 @@ class MasterWeights(Precision):
         return over([p.grad for p in params], square_sum) * self._unscale
 
     def decided(self, applied: bool) -> None:
+        self._backing_off = not applied and self.scaler.can_back_off
         self.scaler.update(overflow=not applied)
         if not applied:
             for p in self._model_param.values():
@@ -161,7 +163,7 @@ class MasterWeights(Precision):
                     p.grad.zero_()
 
     def report(self) -> dict[str, Any]:
-        return {"loss_scale": self.scaler.scale}
+        return {"loss_scale": self.scaler.scale, "backing_off": self._backing_off}
 
     # -- state: masters and scaler beside the optimizer state --------------------------------
 
@@ -204,6 +206,9 @@ class MasterWeights(Precision):
             _local(m).copy_(_local(value))
             _local(self._model_param[id(m)]).copy_(_local(m))
         self.scaler.load_state_dict(scaler)
+        # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
+        # from its peers' losses, which were scaled by the scale it has just received.
+        self._unscale = 1.0 / self.scaler.scale
 
     # -- offload ---------------------------------------------------------------------------
 

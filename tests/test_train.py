@@ -234,24 +234,45 @@ def _checkpoint_tensors(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
+# A dynamic loss scale of 4 halving to its floor 1 at every overflow: the skips at steps 2 and
+# 3 back the scale off (they do not count); 4, 5 and 6, at the floor, do. (bf16: with fp16 the
+# weights lr 1e30 writes at step 1 are out of range, inf in the step-1 checkpoint.)
+DYNAMIC_FLOOR = [
+    *("--mixed_precision.loss_scaling", "dynamic", "--mixed_precision.initial_scale", "4"),
+    *("--mixed_precision.min_scale", "1", "--mixed_precision.hysteresis", "1"),
+]
+
+
 @pytest.mark.parametrize(
-    "config", ["config/debug.toml", "config/in_backward.toml", "config/mixed_precision.toml"]
+    "config, extra, last",
+    [
+        ("config/debug.toml", [], 4),
+        ("config/in_backward.toml", [], 4),
+        ("config/mixed_precision.toml", [], 4),  # bf16: no loss scaling by default
+        ("config/mixed_precision.toml", DYNAMIC_FLOOR, 6),
+    ],
+    ids=["default", "in_backward", "bf16", "dynamic_scale_at_its_floor"],
 )
-def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(tmp_path, config):
+def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(
+    tmp_path, config, extra, last
+):
     dump = tmp_path / "run"
-    args = [*BASE, "--job.config_file", config, "--job.dump_folder", str(dump)]
+    args = [*BASE, "--job.config_file", config, "--job.dump_folder", str(dump), *extra]
     args += ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
     args += ["--training.steps", "40", "--training.max_consecutive_skips", "3"]
     args += ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
     result = launch(2, args)
     assert result.returncode == 1, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
-    assert len(errors) == 1 and "steps 2-4 were all skipped" in errors[0], result.stdout[-3000:]
+    expected = f"steps {last - 2}-{last} were all skipped"
+    assert len(errors) == 1 and expected in errors[0], result.stdout[-3000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # strict JSON: NaN is null
-    assert rows[1]["loss"] is None and rows[-1]["skipped_steps"] == 3
+    assert [r["step"] for r in rows] == list(range(1, last + 1))  # strict JSON: NaN is null
+    assert rows[1]["loss"] is None and rows[-1]["skipped_steps"] == last - 1
+    if extra:
+        assert [r["loss_scale"] for r in rows] == [4.0, 2.0, 1.0, 1.0, 1.0, 1.0]
     steps = sorted((dump / "checkpoint").glob("step-*"))
-    assert [p.name for p in steps] == ["step-1", "step-2", "step-3", "step-4"]
+    assert [p.name for p in steps] == [f"step-{i}" for i in range(1, last + 1)]
     first = _checkpoint_tensors(steps[0], tmp_path)
     for step_dir in steps:
         tensors = _checkpoint_tensors(step_dir, tmp_path)

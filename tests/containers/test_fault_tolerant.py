@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from components.ft import build_ft_manager, manager_port
 from components.optimizer import build_optimizers
-from config import ConfigError, FaultTolerance, load_job_config
-from containers import FTOptimizersContainer
+from config import ConfigError, FaultTolerance, MixedPrecision, load_job_config
+from containers import FTOptimizersContainer, MixedPrecisionOptimizersContainer, TorchFTGate
 from tests.harness.dist import free_port
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
@@ -33,28 +35,34 @@ def _last(job: FTJob, replica: int) -> int:
     return max(job.metrics(replica), default=0)
 
 
-def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_heals_identical(
-    tmp_path,
-):
-    """Two replica groups of 2 processes each (FSDP2 over the group): one group is killed,
-    the other commits on alone, the restarted group heals from it (shard by shard, not from
-    disk: no checkpoint exists before the last step) and both end bitwise identical."""
-    job = FTJob(tmp_path, STEPS, nproc=2)
-    start, pause = tmp_path / "start", tmp_path / "pause"
+def _kill_and_heal(
+    job: FTJob,
+    hold: int,
+    kill_after: int,
+    faults: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ()),
+) -> tuple[dict, dict, int]:
+    """Run groups 0 and 1 together (both wait at step 1 until both are up, so that neither runs
+    far ahead alone), kill group 1 once both passed step `kill_after`, let group 0 commit alone
+    up to step `hold` - 1, restart group 1 and let it heal. `faults`: tests.harness.faults
+    arguments of group 0, of group 1, of the restarted group 1. Returns both groups' metrics
+    by step and the step group 0 had reached when group 1 was killed."""
+    start, pause = job.folder / "start", job.folder / "pause"
     start.touch(), pause.touch()
-    hold = ("-m", "tests.harness.faults", "hold", "1", str(start))
+    first = ("-m", "tests.harness.faults", "hold", "1", str(start))
     try:
-        # Both groups wait at step 1 until both are up, so that neither runs far ahead alone.
-        job.start_replica(0, (*hold, "hold", str(HOLD), str(pause)))
-        job.start_replica(1, hold)
+        job.start_replica(0, (*first, *faults[0], "hold", str(hold), str(pause)))
+        job.start_replica(1, (*first, *faults[1]))
         job.wait_for("both groups", lambda: all(_up(job, r) for r in (0, 1)))
         start.unlink()
-        job.wait_for("2 steps on both groups", lambda: min(_last(job, 0), _last(job, 1)) >= 2)
-        job.kill("replica_1")  # its launcher and both of its ranks
+        job.wait_for(
+            f"step {kill_after} on both groups",
+            lambda: min(_last(job, 0), _last(job, 1)) >= kill_after,
+        )
+        job.kill("replica_1")  # its launcher and every rank of it
         killed_at = _last(job, 0)
-        job.wait_for("the survivor alone", lambda: _last(job, 0) == HOLD - 1, 60)
+        job.wait_for("the survivor alone", lambda: _last(job, 0) == hold - 1, 60)
         restarted_at = len(job.log("replica_1"))
-        job.start_replica(1)
+        job.start_replica(1, ("-m", "tests.harness.faults", *faults[2]))
         # Its ranks are built and about to ask for a quorum: let the survivor go on.
         job.wait_for("the restart", lambda: _up(job, 1, times=2))
         pause.unlink()
@@ -62,13 +70,35 @@ def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_hea
         assert job.wait_exit("replica_1") == 0, job.log("replica_1")[-3000:]
     finally:
         job.close()
-
     survivor, healed = job.metrics(0), job.metrics(1)
     # (The group that asked for its first quorum later heals from the other at step 1.)
-    assert sorted(survivor) == list(range(min(survivor), STEPS + 1)) and min(survivor) <= 2
-    outage = range(killed_at + 1, HOLD)
-    assert len(outage) >= 3 and not set(outage) & set(healed), (killed_at, sorted(healed))
+    assert sorted(survivor) == list(range(min(survivor), job.steps + 1)) and min(survivor) <= 2
+    assert not set(range(killed_at + 1, hold)) & set(healed), (killed_at, sorted(healed))
     assert "healed from a peer" in job.log("replica_1")[restarted_at:]
+    return survivor, healed, killed_at
+
+
+def _final_states(job: FTJob) -> list[dict]:
+    """Both groups' last checkpoints, after asserting they are bitwise equal."""
+    argv = [*job.args, "--checkpoint.enable"]
+    final = [load_job_state(str(job.folder / f"replica_{r}"), argv, ft=True) for r in (0, 1)]
+    assert final[0]["step"] == final[1]["step"] == job.steps
+    assert_same(final[0]["model"], final[1]["model"])
+    assert_same(final[0]["optim"], final[1]["optim"])
+    assert final[0]["lrs"] == final[1]["lrs"]
+    assert final[0]["sample_index"] == final[1]["sample_index"]
+    return final
+
+
+def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_heals_identical(
+    tmp_path,
+):
+    """Two replica groups of 2 processes each (FSDP2 over the group): one group is killed,
+    the other commits on alone, the restarted group heals from it (shard by shard, not from
+    disk: no checkpoint exists before the last step) and both end bitwise identical."""
+    job = FTJob(tmp_path, STEPS, nproc=2)
+    survivor, healed, killed_at = _kill_and_heal(job, HOLD, kill_after=2)
+    assert HOLD - killed_at > 3, killed_at
     after_heal = sorted(s for s in healed if s >= HOLD)
     assert len(after_heal) >= 3 and after_heal[-1] == STEPS, after_heal
     # No step was ever committed with differing state, and the LR schedule stayed in step.
@@ -76,14 +106,54 @@ def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_hea
         assert survivor[step]["param_checksum"] == healed[step]["param_checksum"], step
         assert survivor[step]["lr"] == healed[step]["lr"], step
         assert survivor[step]["grad_norm"] == healed[step]["grad_norm"], step
+    _final_states(job)
 
-    argv = [*job.args, "--checkpoint.enable"]
-    final = [load_job_state(str(tmp_path / f"replica_{r}"), argv, ft=True) for r in (0, 1)]
-    assert final[0]["step"] == final[1]["step"] == STEPS
-    assert_same(final[0]["model"], final[1]["model"])
-    assert_same(final[0]["optim"], final[1]["optim"])
-    assert final[0]["lrs"] == final[1]["lrs"]
-    assert final[0]["sample_index"] == final[1]["sample_index"]
+
+# fp16 with dynamic scaling: one overflow halves the scale (hysteresis 1), 6 clean steps in a
+# row double it. The group restarted at step 7 or 8 starts at 1024 with no clean steps; it
+# must take its peer's 512 and count of clean steps (the scale grows at step 9).
+FP16 = [
+    "--optimizer.container", "mixed_precision",
+    "--mixed_precision.param_dtype", "float16",
+    "--mixed_precision.loss_scaling", "dynamic",
+    "--mixed_precision.initial_scale", "1024",
+    "--mixed_precision.hysteresis", "1",
+    "--mixed_precision.growth_interval", "6",
+]  # fmt: skip
+# (Not at step 2: the group that joins later heals at step 1, and its next step is 3.)
+MP_STEPS, MP_HOLD, OVERFLOW, HEALED_OVERFLOW = 12, 7, 3, 10
+SCALES = [1024.0] * 2 + [512.0] * 6 + [1024.0] + [512.0] * 3  # steps 1..12
+
+
+def test_mixed_precision_overflow_on_one_group_skips_on_both_and_a_killed_group_heals_scaler(
+    tmp_path,
+):
+    """Two one-process replica groups, fp16 with fp32 masters: an overflow injected into the
+    gradients of group 1 alone is skipped by both groups, whose scales halve alike; group 1 is
+    killed, the survivor commits on, the restarted group heals (masters and scaler from its
+    peer) and overflows again alone; both groups end bitwise equal, scaler included."""
+    job = FTJob(tmp_path, MP_STEPS, FP16)
+    overflow, healed_overflow = ("overflow", str(OVERFLOW)), ("overflow", str(HEALED_OVERFLOW))
+    survivor, healed, _ = _kill_and_heal(
+        job, MP_HOLD, kill_after=OVERFLOW + 1, faults=((), overflow, healed_overflow)
+    )
+    assert {OVERFLOW, HEALED_OVERFLOW} <= set(survivor) & set(healed)
+    for metrics, name in ((survivor, "replica_0"), (healed, "replica_1")):
+        # Skipped on both groups, the scale halved on both, then it grew on both alike.
+        for step in (OVERFLOW, HEALED_OVERFLOW):
+            assert f"step {step} skipped: non-finite" in job.log(name), (name, step)
+        skips = [(s >= OVERFLOW) + (s >= HEALED_OVERFLOW) for s in sorted(metrics)]
+        assert [metrics[s]["skipped_steps"] for s in sorted(metrics)] == skips, name
+        assert [metrics[s]["loss_scale"] for s in sorted(metrics)] == [
+            SCALES[s - 1] for s in sorted(metrics)
+        ], name
+    for step in sorted(set(survivor) & set(healed)):
+        for key in ("param_checksum", "loss_scale", "grad_norm", "skipped_steps", "lr"):
+            assert survivor[step].get(key) == healed[step].get(key), (step, key)
+
+    final = _final_states(job)  # masters and loss_scaler.* included
+    assert any(k.startswith("master_weights.") for k in final[0]["optim"])
+    assert final[0]["optim"]["loss_scaler.scale"] == survivor[MP_STEPS]["loss_scale"]
 
 
 @pytest.fixture
@@ -133,6 +203,54 @@ def test_hooks_fire_once_per_committed_step_and_an_uncommitted_step_changes_noth
 
     train(parts, ft, 1, start=100)  # the next quorum recovers: commits again
     assert ft.last_step_committed and calls == ["pre", "post"] * 4
+
+
+def test_mixed_precision_under_the_gate_only_committed_steps_reach_the_scaler_and_hooks(manager):
+    parts = [p.to(torch.float16) for p in three_parts()]
+    settings = MixedPrecision(
+        param_dtype="float16",
+        loss_scaling="dynamic",
+        initial_scale=1024.0,
+        hysteresis=1,
+        growth_interval=2,
+    )
+    mp = MixedPrecisionOptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": 1e-2}, settings=settings, gate=TorchFTGate(manager)
+    )
+    calls = []
+    mp.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    mp.register_step_post_hook(lambda o, a, k: calls.append("post"))
+
+    def step(i: int, bad: float = 1.0, error: bool = False) -> None:
+        mp.zero_grad()
+        mp.backward(forward(parts, batch(i).half()).float().square().mean() * bad)
+        if error:
+            manager.report_error(RuntimeError("a peer died mid-allreduce"))
+        mp.step()
+
+    step(0), step(1)
+    assert calls == ["pre", "post"] * 2 and mp.loss_scale == 2048.0  # grew after 2 clean steps
+    before = _state(parts, mp)
+    # Not committed (an overflow too): nothing changes, the scaler included.
+    step(2, bad=math.inf, error=True)
+    assert not mp.last_step_committed and not mp.last_report.nonfinite
+    assert_same(_state(parts, mp), before)
+    assert manager.current_step() == 2 and calls == ["pre", "post"] * 2
+    # Committed by torchft but non-finite: skipped, no hooks; only the scale backs off.
+    step(3, bad=math.inf)
+    assert mp.last_report.nonfinite and manager.current_step() == 3
+    after = _state(parts, mp)
+    assert after.pop("loss_scaler.scale") == 1024.0 and before.pop("loss_scaler.scale") == 2048.0
+    assert_same(after, before)
+    assert calls == ["pre", "post"] * 2
+    step(4)
+    assert mp.last_step_committed and calls == ["pre", "post"] * 3
+
+
+def _state(parts, container) -> dict:
+    """Flat optimizer state (masters and scaler included) and the model's parameters."""
+    params = {f"param.{i}": full(p) for i, p in enumerate(p for m in parts for p in m.parameters())}
+    return {**{k: full(v) for k, v in container.state_dict().items()}, **params}
 
 
 def test_served_state_is_built_at_serve_time(manager):

@@ -256,8 +256,8 @@ def test_refused_combinations_name_the_key_and_the_fix():
 # -- FSDP2 on gloo ranks -------------------------------------------------------------------
 
 
-def _sharded(seed: int) -> list[nn.Module]:
-    parts = _parts(seed)
+def _sharded(seed: int, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+    parts = [part.to(dtype) for part in _parts(seed)]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for part in parts:
         for block in part.layers.values():
@@ -266,13 +266,23 @@ def _sharded(seed: int) -> list[nn.Module]:
     return parts
 
 
-def _fsdp_equal_to_default() -> dict:
+def _fsdp_equal_to_after_backward(precision: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    parts, ref_parts = _sharded(0), _sharded(0)
-    ib = OptimizersInBackwardContainer(
-        parts, torch.optim.AdamW, KW, param_groups=RULES, gradient_accumulation_steps=2
-    )
-    default = OptimizersContainer(ref_parts, torch.optim.AdamW, KW, param_groups=RULES)
+    if precision == "bf16":
+        parts, ref_parts = _sharded(0, torch.bfloat16), _sharded(0, torch.bfloat16)
+        kw = {"lr": 3e-3, "weight_decay": 0.1}
+        ib = MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, kw, param_groups=RULES, timing=InBackward(2)
+        )
+        default = MixedPrecisionOptimizersContainer(
+            ref_parts, torch.optim.AdamW, kw, param_groups=RULES
+        )
+    else:
+        parts, ref_parts = _sharded(0), _sharded(0)
+        ib = OptimizersInBackwardContainer(
+            parts, torch.optim.AdamW, KW, param_groups=RULES, gradient_accumulation_steps=2
+        )
+        default = OptimizersContainer(ref_parts, torch.optim.AdamW, KW, param_groups=RULES)
     units = len(ib)
     _train(parts, ib, 10, accum=2, rank=rank, world=world)
     _train(ref_parts, default, 10, accum=2, rank=rank, world=world)
@@ -285,11 +295,17 @@ def _fsdp_equal_to_default() -> dict:
     }
 
 
-def test_fsdp2_on_two_ranks_is_bitwise_equal_to_the_default_container():
-    result = run_ranks(2, _fsdp_equal_to_default)[0]
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp2_on_two_ranks_is_bitwise_equal_to_stepping_after_backward(precision):
+    """Over 10 steps of 2 accumulated micro-batches; bf16: fp32 masters stepped in backward
+    (loss scaling 'none', no clip) equal the mixed-precision container stepping after it."""
+    result = run_ranks(2, _fsdp_equal_to_after_backward, precision)[0]
     assert result["units"] == 4  # 2 blocks + 2 part roots (embedding; norm + output)
     assert_same(result["ib"], result["default"])
     assert_same(result["ib_state"], result["default_state"])
+    if precision == "bf16":
+        assert {v.dtype for v in result["ib"].values()} == {torch.bfloat16}
+        assert any(k.startswith("master_weights.") for k in result["ib_state"])
 
 
 def _save_at_world(path: str) -> dict:

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from components.optimizer import build_optimizers, build_precision
-from config import ConfigError, load_job_config
 from config import MixedPrecision as MP
+from config import load_job_config
 from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
 from tests.harness.dist import launch, run_ranks
 from tests.harness.helpers import assert_same, batch, forward, full, three_parts
@@ -170,8 +170,6 @@ def test_refusals_name_the_problem():
         MixedPrecisionOptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2})
     with pytest.raises(ValueError, match="max_norm = -1"):
         MixedPrecisionOptimizersContainer(_parts(), torch.optim.AdamW, {}, max_norm=-1)
-    with pytest.raises(ConfigError, match="does not run under torchft"):
-        load_job_config(["--optimizer.container", "mixed_precision", "--fault_tolerance.enable"])
     cfg = load_job_config(
         ["--optimizer.container", "mixed_precision", "--mixed_precision.param_dtype", "float16"]
     )

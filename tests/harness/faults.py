@@ -6,6 +6,8 @@ Each FAULT is one of:
 - `fail STEP`: the first attempt of step STEP reports an error to the real torchft manager
   (what a failed collective does), so torchft does not commit that attempt and the trainer
   runs it again.
+- `overflow STEP`: after the first attempt's backward of step STEP, this replica group's
+  gradients hold inf (what an fp16 overflow leaves), before the average across groups.
 - `hold STEP FILE`: every rank waits at the start of step STEP (its quorum already asked for)
   while FILE exists: the replica group stays in the job, its manager heartbeating, and commits
   nothing more until the test removes FILE (at most 5 minutes).
@@ -14,12 +16,14 @@ Each FAULT is one of:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import train
 from components.job import Job, build_job
@@ -41,6 +45,21 @@ def _fail(step: int) -> Fault:
     return fail
 
 
+def _overflow(step: int) -> Fault:
+    done: list[int] = []
+
+    def overflow(job: Job) -> None:
+        if not done:
+            done.append(step)
+            for part in job.model_parts:
+                for p in part.parameters():
+                    if p.grad is not None:
+                        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                        grad.fill_(math.inf)
+
+    return overflow
+
+
 def _hold(path: str) -> Fault:
     def hold(job: Job) -> None:
         deadline = time.monotonic() + _HOLD_LIMIT_S
@@ -50,32 +69,43 @@ def _hold(path: str) -> Fault:
     return hold
 
 
-def parse(args: list[str]) -> tuple[dict[int, list[Fault]], list[str]]:
-    """The faults by step, and the train.py arguments that follow them."""
-    faults: dict[int, list[Fault]] = {}
+Faults = dict[int, list[Fault]]
+
+
+def parse(args: list[str]) -> tuple[Faults, Faults, list[str]]:
+    """The faults by step (those before the step's forward, those after its backward), and
+    the train.py arguments that follow them."""
+    before: Faults = {}
+    after: Faults = {}
     while args and not args[0].startswith("--"):
         kind, step = args[0], int(args[1])
         if kind == "fail":
-            fault, args = _fail(step), args[2:]
+            fault, args, when = _fail(step), args[2:], before
+        elif kind == "overflow":
+            fault, args, when = _overflow(step), args[2:], after
         elif kind == "hold":
-            fault, args = _hold(args[2]), args[3:]
+            fault, args, when = _hold(args[2]), args[3:], before
         else:
-            raise SystemExit(f"unknown fault {kind!r}: expected 'fail' or 'hold'")
-        faults.setdefault(step, []).append(fault)
-    return faults, args
+            raise SystemExit(f"unknown fault {kind!r}: expected 'fail', 'overflow' or 'hold'")
+        when.setdefault(step, []).append(fault)
+    return before, after, args
 
 
 def main(args: list[str]) -> int:
-    faults, argv = parse(args)
+    before, after, argv = parse(args)
 
     def build_faulty_job(cfg: JobConfig) -> Job:
         job = build_job(cfg)
         forward_backward = job.forward_backward
 
         def faulty(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            for fault in faults.get(job.train_state.step + 1, ()):
+            step = job.train_state.step + 1
+            for fault in before.get(step, ()):
                 fault(job)
-            return forward_backward(inputs, labels)
+            loss = forward_backward(inputs, labels)
+            for fault in after.get(step, ()):
+                fault(job)
+            return loss
 
         job.forward_backward = faulty
         return job

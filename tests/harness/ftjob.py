@@ -27,8 +27,7 @@ class FTJob:
     """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
 
     def __init__(self, folder: Path, steps: int, extra: list[str] = (), nproc: int = 1) -> None:
-        self.folder = folder
-        self.nproc = nproc
+        self.folder, self.steps, self.nproc = folder, steps, nproc
         self.port = free_port()
         self.train_args = [
             "--job.config_file", "config/debug.toml",
