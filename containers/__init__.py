@@ -9,6 +9,7 @@ from containers.fault_tolerant import FTOptimizersContainer, TorchFTGate
 from containers.in_backward import InBackward, OptimizersInBackwardContainer
 from containers.loss_scaler import LossScaler
 from containers.mixed_precision import MasterWeights, MixedPrecisionOptimizersContainer
+from containers.muon import ShardedMuon
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision, StepReport, Timing
 
@@ -23,6 +24,7 @@ __all__ = [
     "OptimizersInBackwardContainer",
     "ParamGroupRule",
     "Precision",
+    "ShardedMuon",
     "StepReport",
     "Timing",
     "TorchFTGate",

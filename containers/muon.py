@@ -1,0 +1,274 @@
+"""`ShardedMuon`: torch's Muon with the orthogonalization on whole matrices of sharded parameters.
+
+Muon orthogonalizes each 2-D update with Newton-Schulz iterations, which mix every element of
+the matrix: on a local shard it computes another, wrong update. `torch.optim.Muon` on DTensors
+leaves the matrix products to DTensor, so every rank gathers and orthogonalizes every matrix.
+Here the momentum stays elementwise on the shards (state sharded like the parameters, so the
+flat DCP format and resharding hold), and for each group of ranks that shards a set of
+matrices, one all-to-all sends every shard to the matrix's owner, each rank orthogonalizes the
+matrices it owns (~1/W of the work), and a second all-to-all returns the shards. Any Shard,
+`_StridedShard` (FSDP2 over TP) and Replicate placements work: the rows and columns each rank
+holds are computed from the placements, locally, and agreed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = ["ShardedMuon", "newton_schulz"]
+
+
+def newton_schulz(
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The orthogonalized `update` as torch's Muon computes it (same operations, so bitwise
+    the same in bf16), in `dtype`."""
+    a, b, c = coefficients
+    x = update.to(dtype, copy=True)
+    wide = update.size(0) > update.size(1)
+    if wide:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_dims(t: DTensor) -> tuple[int, ...]:
+    return tuple(i for i, p in enumerate(t.placements) if not isinstance(p, Replicate))
+
+
+def _held(t: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global rows and columns of `t` this rank holds (its shard is their cross product),
+    from the placements alone: no communication."""
+    held = []
+    for dim, size in enumerate(t.shape):
+        placements = []
+        for p in t.placements:
+            if isinstance(p, _StridedShard) and p.dim == dim:
+                placements.append(_StridedShard(0, split_factor=p.split_factor))
+            elif isinstance(p, Shard) and p.dim == dim:
+                placements.append(Shard(0))
+            else:
+                placements.append(Replicate())
+        index = torch.arange(size, device=t.device_mesh.device_type)
+        held.append(distribute_tensor(index, t.device_mesh, placements, src_data_rank=None))
+    return held[0].to_local(), held[1].to_local()
+
+
+@dataclass
+class _Exchange:
+    """How one group of ranks passes the shards of its matrices to their owners and back."""
+
+    group: dist.ProcessGroup
+    rank: int
+    shapes: list[torch.Size]  # by matrix
+    owner: list[int]  # by matrix
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]  # by matrix, by rank: rows, cols
+
+    def split(self) -> int:
+        """The most elements one rank sends to one owner: every all-to-all split is this."""
+        world = len(self.owner) and len(self.blocks[0])
+        return max(
+            sum(self.numel(m, sender) for m in self.owned(owner))
+            for owner in range(world)
+            for sender in range(world)
+        )
+
+    def owned(self, rank: int) -> list[int]:
+        return [m for m, r in enumerate(self.owner) if r == rank]
+
+    def numel(self, matrix: int, rank: int) -> int:
+        rows, cols = self.blocks[matrix][rank]
+        return len(rows) * len(cols)
+
+
+def _owners(shapes: Sequence[torch.Size], world: int) -> list[int]:
+    """Each matrix's owner: the least loaded rank, largest matrices first (Newton-Schulz costs
+    ~ rows x cols x min(rows, cols))."""
+    load = [0] * world
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-shapes[i].numel(), i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += shapes[i].numel() * min(shapes[i])
+    return owner
+
+
+def _group_of(t: DTensor) -> dist.ProcessGroup:
+    dims = _sharded_dims(t)
+    mesh = t.device_mesh
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"a parameter of shape {tuple(t.shape)} is sharded over mesh dims {dims} of an "
+            "unnamed DeviceMesh; name the mesh dims (init_device_mesh(..., mesh_dim_names=...))"
+        )
+    return mesh[tuple(names[d] for d in dims)]._flatten().get_group()
+
+
+def _all_to_all(
+    chunks: list[torch.Tensor], group: dist.ProcessGroup, sizes: list[int], split: int
+) -> list[torch.Tensor]:
+    """Send `chunks[r]` to rank r of `group`; receive rank r's chunk of `sizes[r]` elements.
+    Every split is padded to `split` elements (gloo takes only equal splits)."""
+    send = chunks[0].new_zeros(len(chunks) * split)
+    for r, chunk in enumerate(chunks):
+        send[r * split : r * split + chunk.numel()] = chunk
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return [recv[r * split : r * split + n] for r, n in enumerate(sizes)]
+
+
+class ShardedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` whose Newton-Schulz runs on the whole matrix of every parameter,
+    sharded (FSDP2, TP, HSDP DTensors) or not, the work spread over the ranks sharding it.
+
+    Same hyperparameters, param groups and state (`momentum_buffer`) as torch's Muon, so
+    checkpoints move between the two. Args beyond torch's:
+        ns_dtype: dtype of the Newton-Schulz iterations; torch's Muon uses bfloat16 (the
+            default); float32 is exact to rounding and ~2-4x slower on CPU.
+    """
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+        self._exchanges: dict[tuple[int, ...], _Exchange] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, updates = [], []
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                buf.lerp_(grad, 1 - momentum)
+                params.append(p)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            ortho = self._orthogonalize(params, updates, group)
+            lr, decay = group["lr"], group["weight_decay"]
+            for p, o in zip(params, ortho):
+                local = _local(p)
+                local.mul_(1 - lr * decay)
+                local.add_(
+                    o, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                )
+        return loss
+
+    def _orthogonalize(
+        self, params: list[torch.Tensor], updates: list[torch.Tensor], group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """The local block of each orthogonalized update."""
+        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        out: list[torch.Tensor | None] = [None] * len(params)
+        batches: dict[tuple[Any, ...], list[int]] = {}
+        for i, p in enumerate(params):
+            if p.ndim != 2:
+                raise ValueError(f"Muon steps 2-D parameters only; got shape {tuple(p.shape)}")
+            if isinstance(p, DTensor) and _sharded_dims(p):
+                key = (id(p.device_mesh), _sharded_dims(p))
+                batches.setdefault(key, []).append(i)
+            else:
+                out[i] = newton_schulz(updates[i], *ns)
+        for idx in batches.values():
+            blocks = self._exchange([params[i] for i in idx])
+            for i, block in zip(idx, self._spread([updates[i] for i in idx], blocks, ns)):
+                out[i] = block
+        return out  # type: ignore[return-value]
+
+    def _exchange(self, params: list[DTensor]) -> _Exchange:
+        """Who owns which matrix and which block every rank holds; agreed once, then cached."""
+        key = tuple(id(p) for p in params)
+        if key not in self._exchanges:
+            group = _group_of(params[0])
+            world = dist.get_world_size(group)
+            mine = [tuple(i.cpu() for i in _held(p)) for p in params]
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, mine, group=group)
+            device = _local(params[0]).device
+            blocks = [
+                [tuple(i.to(device) for i in everyone[r][m]) for r in range(world)]
+                for m in range(len(params))
+            ]
+            shapes = [p.shape for p in params]
+            self._exchanges[key] = _Exchange(
+                group, dist.get_rank(group), shapes, _owners(shapes, world), blocks
+            )
+        return self._exchanges[key]
+
+    def _spread(
+        self, updates: list[torch.Tensor], ex: _Exchange, ns: tuple[Any, ...]
+    ) -> list[torch.Tensor]:
+        """Each update's local block, orthogonalized as a whole matrix by its owner."""
+        world, me, split, like = len(ex.blocks[0]), ex.rank, ex.split(), updates[0]
+        mine = ex.owned(me)
+        to_owners = [
+            _flat([updates[m] for m in ex.owned(r)], like, like.dtype) for r in range(world)
+        ]
+        sizes = [sum(ex.numel(m, r) for m in mine) for r in range(world)]
+        received = _all_to_all(to_owners, ex.group, sizes, split)
+        offsets = [0] * world
+        results = []
+        for m in mine:
+            full = like.new_empty(ex.shapes[m])
+            for r, (rows, cols) in enumerate(ex.blocks[m]):
+                n = ex.numel(m, r)
+                block = received[r][offsets[r] : offsets[r] + n].view(len(rows), len(cols))
+                full[_cross(rows, cols)] = block
+                offsets[r] += n
+            results.append(newton_schulz(full, *ns))
+        to_holders = [
+            _flat([o[_cross(*ex.blocks[m][r])] for o, m in zip(results, mine)], like, self.ns_dtype)
+            for r in range(world)
+        ]
+        sizes = [sum(ex.numel(m, me) for m in ex.owned(r)) for r in range(world)]
+        returned = _all_to_all(to_holders, ex.group, sizes, split)
+        out: list[torch.Tensor] = [like] * len(updates)
+        for r in range(world):
+            offset = 0
+            for m in ex.owned(r):
+                rows, cols = ex.blocks[m][me]
+                out[m] = returned[r][offset : offset + ex.numel(m, me)].view(len(rows), len(cols))
+                offset += ex.numel(m, me)
+        return out
+
+
+def _cross(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of the block at `rows` x `cols`."""
+    return rows[:, None], cols[None, :]
+
+
+def _flat(tensors: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensors` flattened into one, in `dtype` on `like`'s device (empty if there are none)."""
+    if not tensors:
+        return like.new_empty(0, dtype=dtype)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
