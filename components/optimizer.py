@@ -117,6 +117,16 @@ def registered_containers() -> list[str]:
     return sorted(_CONTAINERS)
 
 
+# The class `name = "Muon"` builds: torch's own, which orthogonalizes every matrix of FSDP2/TP
+# DTensor parameters through DTensor ops on every rank. The distributed one replaces it here.
+MUON_CLS: type[Optimizer] = torch.optim.Muon
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    """The keys set in the config; unset ones (None) keep the optimizer's own default."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def _adam_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     return {
         "lr": cfg.lr,
@@ -126,15 +136,49 @@ def _adam_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     }
 
 
-register_optimizer("Adam", lambda cfg: (torch.optim.Adam, _adam_kwargs(cfg)))
-register_optimizer("AdamW", lambda cfg: (torch.optim.AdamW, _adam_kwargs(cfg)))
+def _momentum_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """SGD's settings, which Muon shares (its momentum and nesterov defaults differ)."""
+    return {
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        **_given(momentum=cfg.momentum, nesterov=cfg.nesterov),
+    }
+
+
+def _muon_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    # Muon's eps (a floor of the Newton-Schulz normalization) keeps torch's 1e-7: the
+    # config's `eps` is Adam's denominator term, a different quantity.
+    return {**_momentum_kwargs(cfg), "ns_steps": cfg.ns_steps, "adjust_lr_fn": cfg.adjust_lr_fn}
+
+
+def _adafactor_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    return {
+        "lr": cfg.lr,
+        "beta2_decay": cfg.beta2_decay,
+        "eps": (cfg.eps1, cfg.eps2),
+        "d": cfg.d,
+        "weight_decay": cfg.weight_decay,
+    }
+
+
+for _cls in (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+):
+    register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, _adam_kwargs(cfg)))
 register_optimizer(
-    "SGD",
+    "Adagrad",
     lambda cfg: (
-        torch.optim.SGD,
-        {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay},
+        torch.optim.Adagrad,
+        {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay},
     ),
 )
+register_optimizer("SGD", lambda cfg: (torch.optim.SGD, _momentum_kwargs(cfg)))
+register_optimizer("Muon", lambda cfg: (MUON_CLS, _muon_kwargs(cfg)))
+register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, _adafactor_kwargs(cfg)))
 
 
 def _fused_devices() -> set[str]:
@@ -179,11 +223,12 @@ def implementation_kwargs(
             why = "has no fused kernel" if "fused" not in accepted else f"has none on {device}"
             if has_fused:
                 why = "has no fused kernel for DTensor (FSDP2 / tensor-parallel) parameters"
-            raise ConfigError(
-                f"{where} implementation = 'fused': {name} {why}; use 'auto' or 'foreach'"
-            )
+            use = "'auto' or 'foreach'" if "foreach" in accepted else "'auto'"
+            raise ConfigError(f"{where} implementation = 'fused': {name} {why}; use {use}")
         return {"fused": True}
     if "foreach" not in accepted:
+        if implementation == "for-loop":
+            return {}  # a per-tensor loop is all it has (Muon)
         raise ConfigError(
             f"{where} implementation = {implementation!r}: {name} takes no foreach flag; use 'auto'"
         )
