@@ -18,6 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from components.optimizer_settings import (
+    adafactor_kwargs,
+    adagrad_kwargs,
+    adam_kwargs,
+    is_sharded,
+    momentum_kwargs,
+    muon_kwargs,
+    refuse_on_shards,
+)
 from config import ConfigError, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
@@ -121,46 +130,6 @@ def registered_containers() -> list[str]:
 # DTensor parameters through DTensor ops on every rank. The distributed one replaces it here.
 MUON_CLS: type[Optimizer] = torch.optim.Muon
 
-
-def _given(**kwargs: Any) -> dict[str, Any]:
-    """The keys set in the config; unset ones (None) keep the optimizer's own default."""
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def _adam_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    return {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-    }
-
-
-def _momentum_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    """SGD's settings, which Muon shares (its momentum and nesterov defaults differ)."""
-    return {
-        "lr": cfg.lr,
-        "weight_decay": cfg.weight_decay,
-        **_given(momentum=cfg.momentum, nesterov=cfg.nesterov),
-    }
-
-
-def _muon_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    # Muon's eps (a floor of the Newton-Schulz normalization) keeps torch's 1e-7: the
-    # config's `eps` is Adam's denominator term, a different quantity.
-    return {**_momentum_kwargs(cfg), "ns_steps": cfg.ns_steps, "adjust_lr_fn": cfg.adjust_lr_fn}
-
-
-def _adafactor_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    return {
-        "lr": cfg.lr,
-        "beta2_decay": cfg.beta2_decay,
-        "eps": (cfg.eps1, cfg.eps2),
-        "d": cfg.d,
-        "weight_decay": cfg.weight_decay,
-    }
-
-
 for _cls in (
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -168,17 +137,11 @@ for _cls in (
     torch.optim.NAdam,
     torch.optim.RAdam,
 ):
-    register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, _adam_kwargs(cfg)))
-register_optimizer(
-    "Adagrad",
-    lambda cfg: (
-        torch.optim.Adagrad,
-        {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay},
-    ),
-)
-register_optimizer("SGD", lambda cfg: (torch.optim.SGD, _momentum_kwargs(cfg)))
-register_optimizer("Muon", lambda cfg: (MUON_CLS, _muon_kwargs(cfg)))
-register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, _adafactor_kwargs(cfg)))
+    register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, adam_kwargs(cfg)))
+register_optimizer("Adagrad", lambda cfg: (torch.optim.Adagrad, adagrad_kwargs(cfg)))
+register_optimizer("SGD", lambda cfg: (torch.optim.SGD, momentum_kwargs(cfg)))
+register_optimizer("Muon", lambda cfg: (MUON_CLS, muon_kwargs(cfg)))
+register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
 
 
 def _fused_devices() -> set[str]:
@@ -289,6 +252,7 @@ def _rules(
     kwargs: dict[str, Any],
     device: torch.device,
     dtensor: bool,
+    sharded: bool,
 ) -> list[ParamGroupRule]:
     rules = []
     for i, group in enumerate(cfg.param_groups):
@@ -300,6 +264,7 @@ def _rules(
         }
         group_cfg = dataclasses.replace(cfg, **overrides)
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
+        refuse_on_shards(group_cls, group.name or cfg.name, where, sharded)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
@@ -340,14 +305,16 @@ def build_optimizers(
     check_names(cfg)
     device = _device(model_parts)
     dtensor = any(isinstance(p, DTensor) for m in model_parts for p in m.parameters())
+    sharded = is_sharded(model_parts)
     cls, kwargs = resolve_optimizer(cfg)
+    refuse_on_shards(cls, cfg.name, "[optimizer]", sharded)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]", dtensor)
     try:
         return _CONTAINERS[cfg.container](
             list(model_parts),
             cls,
             kwargs,
-            param_groups=_rules(cfg, cls, kwargs, device, dtensor),
+            param_groups=_rules(cfg, cls, kwargs, device, dtensor, sharded),
             precision=precision if precision is not None else build_precision(cfg),
             gate=gate,
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,

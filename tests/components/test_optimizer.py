@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from components import optimizer as registry
 from components.models.llama.model import FLAVORS, Transformer, split_model
@@ -21,7 +24,7 @@ from components.optimizer import (
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer, ParamGroupRule
-from tests.harness.dist import REPO
+from tests.harness.dist import REPO, run_ranks
 from tests.harness.helpers import assert_same, three_parts, train
 
 
@@ -358,3 +361,32 @@ def test_muon_state_is_flat_and_round_trips_through_dcp(tmp_path):
     dcp.load({"optim": loaded}, checkpoint_id=str(tmp_path), no_dist=True)
     assert_same(loaded.state_dict(), sd)
     _same_after_steps(parts, container, loaded_parts, loaded)
+
+
+def _adafactor_on_fsdp2() -> list[str]:
+    parts = _matrices()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    messages = []
+    for cfg in (
+        OptimizerConfig(name="Adafactor"),
+        OptimizerConfig(param_groups=[ParamGroup(pattern="head", name="Adafactor")]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            build_optimizers(parts, cfg)
+        messages.append(str(err.value))
+    # torch's own Adafactor fails on these shards: the refusal is not stale
+    with pytest.raises(RuntimeError, match="Sharding propagation failed"):
+        train(parts, torch.optim.Adafactor([p for m in parts for p in m.parameters()]), 1)
+    return messages
+
+
+def test_adafactor_on_fsdp2_shards_is_refused_when_built():
+    for default, group in run_ranks(2, _adafactor_on_fsdp2):
+        assert default.startswith(
+            "[optimizer] name = 'Adafactor': torch's Adafactor cannot step parameters sharded "
+            "over ranks (FSDP2, tensor parallel): its factored second moment"
+        )
+        assert group.startswith("[optimizer.param_groups[0]] name = 'Adafactor': torch's")
+        assert "train it on one rank or pick another optimizer" in group
