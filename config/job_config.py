@@ -108,7 +108,7 @@ class ParamGroup:
     """Second-moment decay of this group (Adam family)."""
 
     eps: float | None = bounded(None, gt=0.0)
-    """Denominator epsilon of this group (Adam family)."""
+    """Denominator epsilon of this group (Adam family, Adagrad)."""
 
     momentum: float | None = bounded(None, ge=0.0, lt=1.0)
     """Momentum of this group (SGD, Muon)."""
@@ -150,7 +150,7 @@ class Optimizer:
     """Second-moment decay (Adam family)."""
 
     eps: float = bounded(1e-8, gt=0.0)
-    """Denominator epsilon (Adam family)."""
+    """Denominator epsilon (Adam family, Adagrad; Muon keeps its own 1e-7)."""
 
     weight_decay: float = bounded(0.1, ge=0.0)
     """Weight decay (decoupled for AdamW, Muon and Adafactor; L2 for the others)."""
