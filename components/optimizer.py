@@ -18,6 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from components.optimizer_settings import (
+    adafactor_kwargs,
+    adagrad_kwargs,
+    adam_kwargs,
+    is_sharded,
+    momentum_kwargs,
+    muon_kwargs,
+    refuse_on_shards,
+)
 from config import ConfigError, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
@@ -117,24 +126,22 @@ def registered_containers() -> list[str]:
     return sorted(_CONTAINERS)
 
 
-def _adam_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    return {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-    }
+# The class `name = "Muon"` builds: torch's own, which orthogonalizes every matrix of FSDP2/TP
+# DTensor parameters through DTensor ops on every rank. The distributed one replaces it here.
+MUON_CLS: type[Optimizer] = torch.optim.Muon
 
-
-register_optimizer("Adam", lambda cfg: (torch.optim.Adam, _adam_kwargs(cfg)))
-register_optimizer("AdamW", lambda cfg: (torch.optim.AdamW, _adam_kwargs(cfg)))
-register_optimizer(
-    "SGD",
-    lambda cfg: (
-        torch.optim.SGD,
-        {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay},
-    ),
-)
+for _cls in (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+):
+    register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, adam_kwargs(cfg)))
+register_optimizer("Adagrad", lambda cfg: (torch.optim.Adagrad, adagrad_kwargs(cfg)))
+register_optimizer("SGD", lambda cfg: (torch.optim.SGD, momentum_kwargs(cfg)))
+register_optimizer("Muon", lambda cfg: (MUON_CLS, muon_kwargs(cfg)))
+register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
 
 
 def _fused_devices() -> set[str]:
@@ -179,11 +186,12 @@ def implementation_kwargs(
             why = "has no fused kernel" if "fused" not in accepted else f"has none on {device}"
             if has_fused:
                 why = "has no fused kernel for DTensor (FSDP2 / tensor-parallel) parameters"
-            raise ConfigError(
-                f"{where} implementation = 'fused': {name} {why}; use 'auto' or 'foreach'"
-            )
+            use = "'auto' or 'foreach'" if "foreach" in accepted else "'auto'"
+            raise ConfigError(f"{where} implementation = 'fused': {name} {why}; use {use}")
         return {"fused": True}
     if "foreach" not in accepted:
+        if implementation == "for-loop":
+            return {}  # a per-tensor loop is all it has (Muon)
         raise ConfigError(
             f"{where} implementation = {implementation!r}: {name} takes no foreach flag; use 'auto'"
         )
@@ -244,6 +252,7 @@ def _rules(
     kwargs: dict[str, Any],
     device: torch.device,
     dtensor: bool,
+    sharded: bool,
 ) -> list[ParamGroupRule]:
     rules = []
     for i, group in enumerate(cfg.param_groups):
@@ -255,6 +264,7 @@ def _rules(
         }
         group_cfg = dataclasses.replace(cfg, **overrides)
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
+        refuse_on_shards(group_cls, group.name or cfg.name, where, sharded)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
@@ -295,14 +305,16 @@ def build_optimizers(
     check_names(cfg)
     device = _device(model_parts)
     dtensor = any(isinstance(p, DTensor) for m in model_parts for p in m.parameters())
+    sharded = is_sharded(model_parts)
     cls, kwargs = resolve_optimizer(cfg)
+    refuse_on_shards(cls, cfg.name, "[optimizer]", sharded)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]", dtensor)
     try:
         return _CONTAINERS[cfg.container](
             list(model_parts),
             cls,
             kwargs,
-            param_groups=_rules(cfg, cls, kwargs, device, dtensor),
+            param_groups=_rules(cfg, cls, kwargs, device, dtensor, sharded),
             precision=precision if precision is not None else build_precision(cfg),
             gate=gate,
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,

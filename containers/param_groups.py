@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from containers.parts import Named
 
-__all__ = ["GroupSpecs", "ParamGroupRule", "assign", "trainable"]
+__all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -55,6 +55,41 @@ def _compile(rules: Sequence[ParamGroupRule]) -> list[re.Pattern[str]]:
     return compiled
 
 
+# Suggested in the refusal below: the hidden matrices of a transformer block.
+_HIDDEN_MATRICES = r"layers\..*\.(attention|feed_forward)\..*weight"
+
+
+def matrix_only(cls: type[Optimizer]) -> bool:
+    """Whether `cls` updates only 2-D parameters (Muon orthogonalizes each update matrix)."""
+    muon = getattr(torch.optim, "Muon", None)
+    return muon is not None and issubclass(cls, muon)
+
+
+def _refuse_non_matrices(
+    not_2d: dict[int, list[tuple[str, torch.Tensor]]],
+    rules: Sequence[ParamGroupRule],
+    default_cls: type[Optimizer],
+) -> None:
+    """Raise one error naming every non-2-D parameter a matrix-only optimizer was given."""
+    if not not_2d:
+        return
+    where = []
+    for i, found in sorted(not_2d.items()):
+        rule = rules[i - 1] if i else None
+        cls = (rule and rule.optimizer_cls) or default_cls
+        group = f"param group {rule.pattern!r}" if rule else "the default group (no pattern)"
+        shown = ", ".join(f"{fqn!r} {tuple(p.shape)}" for fqn, p in found[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        where.append(f"{cls.__name__} of {group} got {shown}{more}")
+    raise ValueError(
+        f"{'; '.join(where)}: it takes only 2-D parameters (it orthogonalizes each update "
+        "matrix); match only the hidden matrices to it and give the rest another optimizer, "
+        f"e.g. AdamW by default and Muon for the pattern '{_HIDDEN_MATRICES}' "
+        "(config: [optimizer] name = 'AdamW' plus [[optimizer.param_groups]] with that "
+        "pattern and name = 'Muon')"
+    )
+
+
 def assign(
     units: list[Named],
     rules: Sequence[ParamGroupRule],
@@ -63,9 +98,14 @@ def assign(
 ) -> list[GroupSpecs]:
     """Map each unit's parameters to its inner optimizers' groups by the rules.
 
-    Each parameter may match at most one rule, and every rule must match some parameter.
+    Each parameter may match at most one rule, every rule must match some parameter, and a
+    matrix-only optimizer (Muon) gets only 2-D parameters; all checked before any optimizer
+    exists.
     """
     compiled = _compile(rules)
+    matrices_only = [matrix_only(default_cls)]
+    matrices_only += [matrix_only(r.optimizer_cls or default_cls) for r in rules]
+    not_2d: dict[int, list[tuple[str, torch.Tensor]]] = {}
     used = [False] * len(rules)
     assigned = []
     for named in units:
@@ -79,7 +119,10 @@ def assign(
                 )
             if hits:
                 used[hits[0]] = True
-            buckets[hits[0] + 1 if hits else 0].append(p)
+            bucket = hits[0] + 1 if hits else 0
+            if matrices_only[bucket] and p.dim() != 2:
+                not_2d.setdefault(bucket, []).append((fqn, p))
+            buckets[bucket].append(p)
         groups: GroupSpecs = {}
         for i, params in enumerate(buckets):
             if not params:
@@ -90,6 +133,7 @@ def assign(
             kwargs.update(rule.overrides if rule else {})
             groups.setdefault(cls, []).append((params, kwargs))
         assigned.append(groups)
+    _refuse_non_matrices(not_2d, rules, default_cls)
     unused = [r.pattern for r, u in zip(rules, used) if not u]
     if unused:
         raise ValueError(

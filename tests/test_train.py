@@ -446,3 +446,29 @@ def test_the_launcher_refuses_a_bad_config_in_one_line_before_any_rank_starts(tm
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and "ERROR" in lines[0] and "flavor" in lines[0], result.stdout
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no rank ran
+
+
+def test_muon_toml_trains_with_muon_on_the_block_matrices_and_checkpoints_its_momentum(
+    tmp_path,
+):
+    """config/muon.toml through train.py (one process): one container steps the attention and
+    feed-forward matrices with Muon and the rest with AdamW; its momentum is in the checkpoint
+    under the flat keys."""
+    args = ["config/muon.toml" if a == "config/debug.toml" else a for a in BASE]
+    result = launch(0, [*args, "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "OptimizersContainer([Muon, AdamW, AdamW, Muon])" in result.stdout
+    assert list(_losses(tmp_path)) == [1, 2] and _losses(tmp_path)[2] < _losses(tmp_path)[1]
+    state = _checkpoint(tmp_path, 2, tmp_path)["optimizer"]
+    muon = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in state if k.endswith(".momentum_buffer")}
+    assert muon == {
+        f"layers.{i}.{w}.weight"
+        for i in range(2)
+        for w in [*(f"attention.w{x}" for x in "qkvo"), *(f"feed_forward.w{x}" for x in "123")]
+    }
+    assert all(state[f"state.{fqn}.momentum_buffer"].abs().sum() > 0 for fqn in muon)
+    assert {"tok_embeddings.weight", "norm.weight", "output.weight"} == {
+        k[len("state.") : -len(".exp_avg")]
+        for k in state
+        if k.endswith(".exp_avg") and "layers." not in k
+    }

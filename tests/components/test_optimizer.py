@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from components import optimizer as registry
+from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import (
     build_optimizers,
     implementation_kwargs,
@@ -16,8 +23,9 @@ from components.optimizer import (
 )
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
-from containers import OptimizersContainer
-from tests.harness.helpers import three_parts, train
+from containers import OptimizersContainer, ParamGroupRule
+from tests.harness.dist import REPO, run_ranks
+from tests.harness.helpers import assert_same, three_parts, train
 
 
 @pytest.fixture
@@ -104,12 +112,12 @@ def test_impossible_implementation_is_a_clear_error():
 
 
 def test_register_optimizer_adds_one_and_refuses_duplicates(restore_registries):
-    register_optimizer("Adamax", lambda cfg: (torch.optim.Adamax, {"lr": cfg.lr}))
-    container = build_optimizers(three_parts(), OptimizerConfig(name="Adamax", lr=0.02))
-    assert all(type(o) is torch.optim.Adamax for o in container)
-    assert container.param_groups[0]["foreach"] is None  # auto: Adamax has no fused kernel
-    with pytest.raises(ValueError, match="'Adamax' is already registered"):
-        register_optimizer("Adamax", lambda cfg: (torch.optim.Adamax, {}))
+    register_optimizer("ASGD", lambda cfg: (torch.optim.ASGD, {"lr": cfg.lr}))
+    container = build_optimizers(three_parts(), OptimizerConfig(name="ASGD", lr=0.02))
+    assert all(type(o) is torch.optim.ASGD for o in container)
+    assert container.param_groups[0]["foreach"] is None  # auto: ASGD has no fused kernel
+    with pytest.raises(ValueError, match="'ASGD' is already registered"):
+        register_optimizer("ASGD", lambda cfg: (torch.optim.ASGD, {}))
     with pytest.raises(ValueError, match="'AdamW' is already registered"):
         register_optimizer("AdamW", lambda cfg: (torch.optim.AdamW, {}))
     with pytest.raises(ValueError, match="not callable"):
@@ -139,7 +147,8 @@ def test_register_container_selects_by_name(restore_registries):
 
 
 def test_unknown_names_list_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"name = 'Lion': unknown optimizer; registered: Adam"):
+    registered = r"name = 'Lion': unknown optimizer; registered: Adafactor, Adagrad, Adam, "
+    with pytest.raises(ConfigError, match=registered):
         build_optimizers(three_parts(), OptimizerConfig(name="Lion"))
     with pytest.raises(ConfigError, match=r"container = 'nope': unknown container; registered"):
         build_optimizers(three_parts(), OptimizerConfig(container="nope"))
@@ -171,3 +180,213 @@ def test_param_groups_from_toml(tmp_path):
     unknown = [ParamGroup(pattern="head", name="Lion")]
     with pytest.raises(ConfigError, match=r"param_groups\[0\]\] name = 'Lion': unknown"):
         build_optimizers(three_parts(), OptimizerConfig(param_groups=unknown))
+
+
+def _matrices(seed: int = 0) -> list[torch.nn.Module]:
+    """Two parts of bias-free linears: only 2-D parameters (7 rows: uneven on 2 ranks)."""
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Sequential(OrderedDict(embed=torch.nn.Linear(10, 7, bias=False))),
+        torch.nn.Sequential(OrderedDict(head=torch.nn.Linear(7, 5, bias=False))),
+    ]
+
+
+def _llama_parts() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return split_model(Transformer(FLAVORS["tiny"]), 2)
+
+
+def _same_after_steps(parts, container, ref_parts, ref, steps: int = 3) -> None:
+    train(parts, container, steps)
+    train(ref_parts, ref, steps)
+    for a, b in zip(
+        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
+    ):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "cls", "expected"),
+    [
+        (
+            OptimizerConfig(name="Muon", lr=0.02, weight_decay=0.01, ns_steps=3),
+            torch.optim.Muon,
+            # momentum left unset: Muon's own 0.95 and nesterov, never a silent 0
+            {"momentum": 0.95, "nesterov": True, "ns_steps": 3, "adjust_lr_fn": "original"},
+        ),
+        (
+            OptimizerConfig(
+                name="Muon", momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw"
+            ),
+            torch.optim.Muon,
+            {"momentum": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+        ),
+        (
+            OptimizerConfig(name="Adafactor", beta2_decay=-0.5, d=2.0, eps1=1e-30, eps2=1e-2),
+            torch.optim.Adafactor,
+            {"beta2_decay": -0.5, "d": 2.0, "eps": (1e-30, 1e-2), "foreach": None},
+        ),
+        (
+            OptimizerConfig(name="SGD", nesterov=True, momentum=0.5),
+            torch.optim.SGD,
+            {"momentum": 0.5, "nesterov": True},
+        ),
+        (OptimizerConfig(name="SGD"), torch.optim.SGD, {"momentum": 0.0, "nesterov": False}),
+        (OptimizerConfig(name="NAdam"), torch.optim.NAdam, {"betas": (0.9, 0.95)}),
+        (OptimizerConfig(name="RAdam"), torch.optim.RAdam, {"betas": (0.9, 0.95)}),
+        (OptimizerConfig(name="Adamax"), torch.optim.Adamax, {"eps": 1e-8}),
+        (OptimizerConfig(name="Adagrad"), torch.optim.Adagrad, {"fused": True}),
+    ],
+    ids=lambda v: getattr(v, "name", None) if isinstance(v, OptimizerConfig) else "",
+)
+def test_torch_optimizers_take_their_hyperparameters_from_config(cfg, cls, expected):
+    parts = _matrices()
+    ref_parts = copy.deepcopy(parts)
+    container = build_optimizers(parts, cfg)
+    assert all(type(o) is cls for o in container)
+    group = container.param_groups[0]
+    assert group["lr"] == cfg.lr and group["weight_decay"] == cfg.weight_decay
+    assert {k: group[k] for k in expected} == expected
+    settings = {k: v for k, v in group.items() if k != "params"}
+    ref = cls([p for m in ref_parts for p in m.parameters()], **settings)
+    _same_after_steps(parts, container, ref_parts, ref)
+
+
+def test_muon_implementations():
+    cpu = torch.device("cpu")
+    for impl, dtensor in (("auto", False), ("auto", True), ("for-loop", True)):
+        assert implementation_kwargs(torch.optim.Muon, impl, cpu, "[optimizer]", dtensor) == {}
+    with pytest.raises(ConfigError, match=r"'fused': Muon has no fused kernel; use 'auto'$"):
+        implementation_kwargs(torch.optim.Muon, "fused", cpu, "[optimizer]")
+    with pytest.raises(ConfigError, match=r"'foreach': Muon takes no foreach flag; use 'auto'"):
+        implementation_kwargs(torch.optim.Muon, "foreach", cpu, "[optimizer]")
+    # Adafactor's torch default (foreach None) is its per-tensor loop, which DTensor runs.
+    assert implementation_kwargs(torch.optim.Adafactor, "auto", cpu, "[optimizer]", True) == {}
+
+
+def test_muon_toml_puts_muon_on_hidden_matrices_and_adamw_on_the_rest():
+    cfg = load_job_config(["--job.config_file", str(Path(REPO) / "config" / "muon.toml")])
+    parts = _llama_parts()
+    container = build_optimizers(parts, cfg.optimizer)
+    by_fqn = {
+        fqn: (type(opt).__name__, group)
+        for opt in container
+        for group in opt.param_groups
+        for fqn in (container._fqns[p] for p in group["params"])
+    }
+    muon = {fqn for fqn, (name, _) in by_fqn.items() if name == "Muon"}
+    hidden = {
+        f"layers.{i}.{block}.{w}.weight"
+        for i in range(2)
+        for block, names in (("attention", "wq wk wv wo"), ("feed_forward", "w1 w2 w3"))
+        for w in names.split()
+    }
+    assert muon == hidden
+    assert {"tok_embeddings.weight", "output.weight", "layers.0.attention_norm.weight"} <= (
+        by_fqn.keys() - muon
+    )
+    assert {name for fqn, (name, _) in by_fqn.items() if fqn not in muon} == {"AdamW"}
+    group = by_fqn["layers.1.feed_forward.w2.weight"][1]
+    assert group["adjust_lr_fn"] == "match_rms_adamw" and group["momentum"] == 0.95
+    assert group["lr"] == cfg.optimizer.param_groups[0].lr != cfg.optimizer.lr
+    assert by_fqn["tok_embeddings.weight"][1]["weight_decay"] == 0.0
+    assert by_fqn["output.weight"][1]["fused"] is True  # "auto" still picks fused AdamW
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        # the default group is Muon: norms (1-D) fall into it
+        (
+            [],
+            r"Muon of the default group \(no pattern\) got 'embed\.bias' \(7,\), 'mid\.bias' "
+            r"\(9,\), 'norm\.weight' \(9,\), 'norm\.bias' \(9,\) and 1 more: it takes only 2-D",
+        ),
+        # a Muon group whose pattern also matches a norm
+        (
+            [ParamGroup(pattern=r"mid|norm", name="Muon")],
+            r"Muon of param group 'mid\|norm' got 'mid\.bias' \(9,\), 'norm\.weight' \(9,\), "
+            r"'norm\.bias' \(9,\): it takes only 2-D",
+        ),
+    ],
+)
+def test_muon_on_non_matrices_is_refused_before_anything_is_built(groups, message):
+    parts = three_parts()
+    before = [p.detach().clone() for m in parts for p in m.parameters()]
+    cfg = OptimizerConfig(name="Muon" if not groups else "AdamW", param_groups=groups)
+    with pytest.raises(ConfigError, match=message) as err:
+        build_optimizers(parts, cfg)
+    text = str(err.value)
+    assert text.startswith("[optimizer] ")
+    assert r"pattern 'layers\..*\.(attention|feed_forward)\..*weight'" in text
+    assert "[optimizer] name = 'AdamW' plus [[optimizer.param_groups]]" in text
+    for p, b in zip((p for m in parts for p in m.parameters()), before):
+        assert torch.equal(p, b) and p.grad is None
+
+
+def test_a_muon_subclass_is_refused_on_vectors_too():
+    class DistributedMuon(torch.optim.Muon):
+        pass
+
+    rule = ParamGroupRule("norm", {}, DistributedMuon, {"lr": 0.02})
+    with pytest.raises(ValueError, match=r"DistributedMuon of param group 'norm' got 'norm"):
+        OptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2}, param_groups=[rule])
+
+
+def test_muon_state_is_flat_and_round_trips_through_dcp(tmp_path):
+    """Momentum buffers under `state.<fqn>.momentum_buffer`, next to AdamW's moments; a
+    fresh container loads them and both then train on bitwise alike."""
+    muon = ParamGroup(pattern="embed", name="Muon", lr=0.02, momentum=0.9)
+    cfg = OptimizerConfig(name="AdamW", lr=1e-2, param_groups=[muon])
+    parts = _matrices()
+    container = build_optimizers(parts, cfg)
+    fresh_sd = build_optimizers(_matrices(), cfg).state_dict()
+    assert torch.equal(fresh_sd["state.embed.weight.momentum_buffer"], torch.zeros(7, 10))
+    train(parts, container, 3)
+    sd = container.state_dict()
+    assert sd.keys() == fresh_sd.keys()
+    assert {k for k in sd if k.startswith("state.")} == {
+        "state.embed.weight.momentum_buffer",
+        "state.head.weight.exp_avg",
+        "state.head.weight.exp_avg_sq",
+        "state.head.weight.step",
+    }
+    assert sd["param_groups.embed.weight.momentum"] == 0.9
+    assert sd["param_groups.embed.weight.ns_steps"] == 5
+    assert sd["state.embed.weight.momentum_buffer"].abs().sum() > 0
+    dcp.save({"optim": container}, checkpoint_id=str(tmp_path), no_dist=True)
+
+    loaded_parts = copy.deepcopy(parts)
+    loaded = build_optimizers(loaded_parts, cfg)
+    dcp.load({"optim": loaded}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert_same(loaded.state_dict(), sd)
+    _same_after_steps(parts, container, loaded_parts, loaded)
+
+
+def _adafactor_on_fsdp2() -> list[str]:
+    parts = _matrices()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    messages = []
+    for cfg in (
+        OptimizerConfig(name="Adafactor"),
+        OptimizerConfig(param_groups=[ParamGroup(pattern="head", name="Adafactor")]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            build_optimizers(parts, cfg)
+        messages.append(str(err.value))
+    # torch's own Adafactor fails on these shards: the refusal is not stale
+    with pytest.raises(RuntimeError, match="Sharding propagation failed"):
+        train(parts, torch.optim.Adafactor([p for m in parts for p in m.parameters()]), 1)
+    return messages
+
+
+def test_adafactor_on_fsdp2_shards_is_refused_when_built():
+    for default, group in run_ranks(2, _adafactor_on_fsdp2):
+        assert default.startswith(
+            "[optimizer] name = 'Adafactor': torch's Adafactor cannot step parameters sharded "
+            "over ranks (FSDP2, tensor parallel): its factored second moment"
+        )
+        assert group.startswith("[optimizer.param_groups[0]] name = 'Adafactor': torch's")
+        assert "train it on one rank or pick another optimizer" in group

@@ -188,6 +188,51 @@ def test_param_groups_parse(tmp_path):
     assert isinstance(first.weight_decay, float)
 
 
+def test_matrix_optimizer_keys_parse_in_optimizer_and_groups(tmp_path):
+    """Muon's and Adafactor's keys under `[optimizer]` and per group; momentum and nesterov
+    unset stay None (the optimizer's own default), so Muon keeps its momentum."""
+    cfg = _load(
+        tmp_path,
+        r"""
+        [optimizer]
+        name = "Adafactor"
+        beta2_decay = -0.5
+        d = 2
+        eps1 = 1e-30
+        eps2 = 0.01
+
+        [[optimizer.param_groups]]
+        pattern = 'layers\..*\.(attention|feed_forward)\..*weight'
+        name = "Muon"
+        momentum = 0.9
+        nesterov = false
+        ns_steps = 3
+        adjust_lr_fn = "match_rms_adamw"
+        """,
+        "--optimizer.eps1",
+        "none",
+    )
+    opt = cfg.optimizer
+    assert (opt.beta2_decay, opt.d, opt.eps1, opt.eps2) == (-0.5, 2.0, None, 0.01)
+    assert opt.momentum is None and opt.nesterov is None and opt.ns_steps == 5
+    assert opt.param_groups == [
+        ParamGroup(
+            pattern=r"layers\..*\.(attention|feed_forward)\..*weight",
+            name="Muon",
+            momentum=0.9,
+            nesterov=False,
+            ns_steps=3,
+            adjust_lr_fn="match_rms_adamw",
+        )
+    ]
+    with pytest.raises(ConfigError, match=r"adjust_lr_fn = 'match_rms': .*mean 'match_rms_adamw'"):
+        _load(tmp_path, '[optimizer]\nadjust_lr_fn = "match_rms"\n')
+    with pytest.raises(ConfigError, match=r"ns_steps = 100: out of range; use a value < 100"):
+        _load(tmp_path, "[[optimizer.param_groups]]\npattern = 'a'\nns_steps = 100\n")
+    with pytest.raises(ConfigError, match=r"beta2_decay = 0\.5: out of range; use a value <= 0"):
+        _load(tmp_path, "[optimizer]\nbeta2_decay = 0.5\n")
+
+
 def test_param_groups_survive_cli_override(tmp_path):
     """A CLI override of another optimizer key keeps the TOML param groups."""
     cfg = _load(
