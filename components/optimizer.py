@@ -38,6 +38,7 @@ from containers import (
     OptimizersContainer,
     ParamGroupRule,
     Precision,
+    ShardedMuon,
     Timing,
     TorchFTGate,
 )
@@ -126,10 +127,6 @@ def registered_containers() -> list[str]:
     return sorted(_CONTAINERS)
 
 
-# The class `name = "Muon"` builds: torch's own, which orthogonalizes every matrix of FSDP2/TP
-# DTensor parameters through DTensor ops on every rank. The distributed one replaces it here.
-MUON_CLS: type[Optimizer] = torch.optim.Muon
-
 for _cls in (
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -140,7 +137,9 @@ for _cls in (
     register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, adam_kwargs(cfg)))
 register_optimizer("Adagrad", lambda cfg: (torch.optim.Adagrad, adagrad_kwargs(cfg)))
 register_optimizer("SGD", lambda cfg: (torch.optim.SGD, momentum_kwargs(cfg)))
-register_optimizer("Muon", lambda cfg: (MUON_CLS, muon_kwargs(cfg)))
+# torch's Muon math with Newton-Schulz on whole matrices of sharded parameters, the work
+# spread over the ranks (torch's own gathers every matrix on every rank).
+register_optimizer("Muon", lambda cfg: (ShardedMuon, muon_kwargs(cfg)))
 register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
 
 

@@ -52,7 +52,12 @@ def momentum_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
 def muon_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     # Muon's eps (a floor of the Newton-Schulz normalization) keeps torch's 1e-7: the
     # config's `eps` is Adam's denominator term, a different quantity.
-    return {**momentum_kwargs(cfg), "ns_steps": cfg.ns_steps, "adjust_lr_fn": cfg.adjust_lr_fn}
+    return {
+        **momentum_kwargs(cfg),
+        "ns_steps": cfg.ns_steps,
+        "adjust_lr_fn": cfg.adjust_lr_fn,
+        "ns_dtype": cfg.ns_dtype,
+    }
 
 
 def adafactor_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:

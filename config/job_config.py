@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Implementation = Literal["auto", "fused", "foreach", "for-loop"]
+NSDtype = Literal["bfloat16", "float32"]
 AdjustLR = Literal["original", "match_rms_adamw"]
 
 
@@ -122,6 +123,9 @@ class ParamGroup:
     adjust_lr_fn: AdjustLR | None = None
     """Per-matrix lr scaling of this group (Muon)."""
 
+    ns_dtype: NSDtype | None = None
+    """Newton-Schulz dtype of this group (Muon)."""
+
     beta2_decay: float | None = bounded(None, le=0.0)
     """Second-moment decay exponent of this group (Adafactor)."""
 
@@ -170,6 +174,10 @@ class Optimizer:
     """How Muon scales lr for an (A, B) matrix: "original" by sqrt(max(1, A / B)) (Keller
     Jordan's Muon), "match_rms_adamw" by 0.2 * sqrt(max(A, B)) (Moonshot's), which gives
     updates AdamW's RMS, so Muon takes AdamW's lr and weight decay."""
+
+    ns_dtype: NSDtype = "bfloat16"
+    """Dtype of Muon's Newton-Schulz iterations: "bfloat16" as torch's Muon, or "float32"
+    (exact to rounding; faster on CPUs without bf16 matrix units)."""
 
     beta2_decay: float = bounded(-0.8, le=0.0)
     """Adafactor's second-moment decay exponent: beta2 at step t is 1 - t ** beta2_decay."""

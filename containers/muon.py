@@ -142,15 +142,22 @@ class ShardedMuon(torch.optim.Muon):
     """`torch.optim.Muon` whose Newton-Schulz runs on the whole matrix of every parameter,
     sharded (FSDP2, TP, HSDP DTensors) or not, the work spread over the ranks sharding it.
 
-    Same hyperparameters, param groups and state (`momentum_buffer`) as torch's Muon, so
-    checkpoints move between the two. Args beyond torch's:
-        ns_dtype: dtype of the Newton-Schulz iterations; torch's Muon uses bfloat16 (the
-            default); float32 is exact to rounding and ~2-4x slower on CPU.
+    Same hyperparameters and state (`momentum_buffer`) as torch's Muon, so checkpoints move
+    between the two, plus one:
+        ns_dtype: "bfloat16" (torch's choice, the default) or "float32": the dtype of the
+            Newton-Schulz iterations; per param group. float32 is exact to rounding and, on
+            CPUs without bf16 matrix units, faster.
     """
 
-    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+    def __init__(self, params: Any, *, ns_dtype: str = "bfloat16", **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
+            if group["ns_dtype"] not in ("bfloat16", "float32"):
+                raise ValueError(
+                    f"ns_dtype = {group['ns_dtype']!r}: use 'bfloat16' (torch's Muon) or 'float32'"
+                )
         self._exchanges: dict[tuple[int, ...], _Exchange] = {}
 
     @torch.no_grad()
@@ -188,7 +195,8 @@ class ShardedMuon(torch.optim.Muon):
         self, params: list[torch.Tensor], updates: list[torch.Tensor], group: dict[str, Any]
     ) -> list[torch.Tensor]:
         """The local block of each orthogonalized update."""
-        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        dtype = getattr(torch, group["ns_dtype"])
+        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
         out: list[torch.Tensor | None] = [None] * len(params)
         batches: dict[tuple[Any, ...], list[int]] = {}
         for i, p in enumerate(params):
@@ -247,7 +255,7 @@ class ShardedMuon(torch.optim.Muon):
                 offsets[r] += n
             results.append(newton_schulz(full, *ns))
         to_holders = [
-            _flat([o[_cross(*ex.blocks[m][r])] for o, m in zip(results, mine)], like, self.ns_dtype)
+            _flat([o[_cross(*ex.blocks[m][r])] for o, m in zip(results, mine)], like, ns[3])
             for r in range(world)
         ]
         sizes = [sum(ex.numel(m, me) for m in ex.owned(r)) for r in range(world)]

@@ -60,11 +60,11 @@ def _loss(net: nn.Module, step: int, rank: int = 0, world: int = 1) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
-def _muon_only(net: nn.Module, ns_dtype: torch.dtype) -> ShardedMuon:
+def _muon_only(net: nn.Module, ns_dtype: str) -> ShardedMuon:
     return ShardedMuon([net.up.weight, net.down.weight], ns_dtype=ns_dtype, **MUON)
 
 
-def _container(net: nn.Module, ns_dtype: torch.dtype = torch.float32) -> OptimizersContainer:
+def _container(net: nn.Module, ns_dtype: str = "float32") -> OptimizersContainer:
     muon = ParamGroupRule(MATRICES, {}, ShardedMuon, {**MUON, "ns_dtype": ns_dtype})
     return OptimizersContainer([net], torch.optim.AdamW, ADAMW, param_groups=[muon])
 
@@ -84,7 +84,12 @@ class ShardLocalMuon(ShardedMuon):
     """The naive per-shard step: Newton-Schulz on each rank's rows only."""
 
     def _orthogonalize(self, params, updates, group):
-        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        ns = (
+            group["ns_coefficients"],
+            group["ns_steps"],
+            group["eps"],
+            getattr(torch, group["ns_dtype"]),
+        )
         return [newton_schulz(u, *ns) for u in updates]
 
 
@@ -97,7 +102,7 @@ def _rel(a: dict, b: dict) -> float:
 
 def test_bf16_newton_schulz_is_torch_muon_bitwise_in_one_process():
     nets = [_net(), _net()]
-    ours = _muon_only(nets[0], torch.bfloat16)
+    ours = _muon_only(nets[0], "bfloat16")
     torchs = torch.optim.Muon([nets[1].up.weight, nets[1].down.weight], **MUON)
     for step in range(STEPS):
         for net, opt in zip(nets, (ours, torchs)):
@@ -112,9 +117,11 @@ def test_bf16_newton_schulz_is_torch_muon_bitwise_in_one_process():
     assert_same(*buffers)
 
 
-def test_matrix_optimizer_refuses_a_non_matrix():
+def test_refuses_a_non_matrix_and_an_unknown_ns_dtype():
     with pytest.raises(ValueError, match="2D parameters"):
         ShardedMuon([nn.Parameter(torch.zeros(3))], lr=0.02)
+    with pytest.raises(ValueError, match="ns_dtype = 'float16': use 'bfloat16'"):
+        ShardedMuon([nn.Parameter(torch.zeros(3, 2))], lr=0.02, ns_dtype="float16")
 
 
 # -- FSDP2 and TP on gloo ranks -------------------------------------------------------------
@@ -132,8 +139,8 @@ def _fsdp_vs_one_process() -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name, build in (
-        ("sharded", lambda n: _muon_only(n, torch.float32)),
-        ("sharded_bf16", lambda n: _muon_only(n, torch.bfloat16)),
+        ("sharded", lambda n: _muon_only(n, "float32")),
+        ("sharded_bf16", lambda n: _muon_only(n, "bfloat16")),
         ("shard_local", lambda n: ShardLocalMuon([n.up.weight, n.down.weight], **MUON)),
         ("container", _container),
     ):
@@ -153,7 +160,7 @@ def _fsdp_vs_one_process() -> dict:
 def test_fsdp2_4_ranks_uneven_shards_match_one_process_and_a_shard_local_step_does_not():
     got = run_ranks(4, _fsdp_vs_one_process)[0]
     ref_net, bf16_net, ref_mixed = _net(), _net(), _net()
-    _train(ref_net, _muon_only(ref_net, torch.float32))
+    _train(ref_net, _muon_only(ref_net, "float32"))
     _train(bf16_net, torch.optim.Muon([bf16_net.up.weight, bf16_net.down.weight], **MUON))
     mixed = _container(ref_mixed)
     _train(ref_mixed, mixed)
@@ -230,7 +237,7 @@ CONTAINERS = {
 
 
 def _in(kind: str, net: nn.Module, muon: type[ShardedMuon] = ShardedMuon) -> OptimizersContainer:
-    rule = ParamGroupRule(MATRICES, {}, muon, {**MUON, "ns_dtype": torch.float32})
+    rule = ParamGroupRule(MATRICES, {}, muon, {**MUON, "ns_dtype": "float32"})
     return CONTAINERS[kind]([net], torch.optim.AdamW, ADAMW, param_groups=[rule])
 
 
