@@ -21,7 +21,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GlobalNorm", "dense"]
+__all__ = ["GlobalNorm", "dense", "scratch"]
+
+SCRATCH_NUMEL = 1 << 20
+"""Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
+converted into it a piece at a time, by the norm and by the mixed-precision step."""
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of `numel` elements on `device`. Up to `SCRATCH_NUMEL` it is one buffer
+    kept between calls (a fresh one would be page-faulted in at every step, which on a CPU
+    costs more than the conversion it serves); larger ones are allocated each time. Callers
+    must be done with it before the next call."""
+    if numel > SCRATCH_NUMEL:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if device not in _scratch:
+        _scratch[device] = torch.empty(SCRATCH_NUMEL, dtype=torch.float32, device=device)
+    return _scratch[device][:numel]
+
 
 SquareSum = Callable[[torch.Tensor], torch.Tensor]
 """A tensor -> its sum of squares as an fp32 scalar (e.g. a compiled kernel)."""
@@ -132,8 +151,26 @@ def _sum_of_squares(
         if dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(group)  # one kernel per list, as torch's own norm
         else:
-            # torch._foreach_norm with dtype= converts whole lists first (2x slower and 4
-            # bytes/param more at peak); per tensor, vector_norm accumulates in fp32 directly.
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in group]
+            norms = _low_precision_norms(group)
         sums.append(torch.stack(norms).float().square().sum().to(device))
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+
+
+def _low_precision_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 norms of low-precision tensors: converted into the scratch buffer a piece at a time
+    (one foreach copy and one foreach norm per piece) rather than by `vector_norm(dtype=)`,
+    which allocates an fp32 copy of each tensor."""
+    norms: list[torch.Tensor] = []
+    piece: list[torch.Tensor] = []
+    size = 0
+    for t in [*tensors, None]:
+        if piece and (t is None or size + t.numel() > SCRATCH_NUMEL):
+            buffer = scratch(piece[0].device, size)
+            views = list(torch.split(buffer, [x.numel() for x in piece]))
+            torch._foreach_copy_(views, [x.reshape(-1) for x in piece])
+            norms.extend(torch._foreach_norm(views))
+            piece, size = [], 0
+        if t is not None:
+            piece.append(t)
+            size += t.numel()
+    return norms

@@ -1,15 +1,17 @@
 """The eager mixed-precision step: low-precision gradients to fp32, chunk by chunk.
 
 `MasterWeights.apply` steps fp32 masters with the inner optimizers, which need fp32 gradients.
-Casting every gradient at once would add 4 bytes/param at the step's peak; casting per tensor
-allocates (and page-faults) a fresh fp32 tensor each time, which on a CPU costs more than the
-cast. So the gradients are cast in chunks of about `CHUNK_NUMEL` elements into one reused fp32
-buffer with one `torch._foreach_copy_` per chunk, unscaled and clipped there with one
-`torch._foreach_mul_` while the chunk is in cache, stepped, and written back to the model
-parameters; each low-precision gradient is dropped as soon as it is cast. Chunks go from the
-smallest tensors to the largest, so by the time a large tensor needs a larger buffer, the
-gradients already dropped have paid for it: the step's peak stays about one small chunk above
-the steady parameters + gradients + masters + state.
+Casting every gradient at once
+would add 4 bytes/param at the step's peak; casting per tensor allocates (and page-faults) a
+fresh fp32 tensor each time, which on a CPU costs more than the cast. So the gradients are cast
+in chunks of about `CHUNK_NUMEL` elements into the fp32 scratch buffer that
+`containers.grad_norm.scratch` keeps between steps (the norm pass uses it too), with one
+`torch._foreach_copy_` per chunk, unscaled and clipped there with one `torch._foreach_mul_`
+while the chunk is in cache, stepped, and written back to the model parameters; each
+low-precision gradient is dropped as soon as it is cast. A tensor larger than a chunk gets a
+buffer of its own; chunks go from the smallest tensors to the largest, so by then the dropped
+gradients have paid for it. The step's peak is the steady parameters + gradients + masters +
+state plus the 4 MiB buffer.
 
 An inner optimizer then steps once per chunk it has parameters in, with only that chunk's
 masters holding gradients (torch optimizers skip parameters without one). That is the same
@@ -26,12 +28,14 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from containers.grad_norm import SCRATCH_NUMEL, scratch
+
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
 
-CHUNK_NUMEL = 1 << 20
-"""Elements cast per chunk: 4 MiB of fp32 gradients. An inner optimizer's step costs ~0.2 ms of
-Python per call, so chunks must not be many; 2^18 was slower on the benchmark's 8.5M
-parameters (40 chunks), and larger chunks raise the peak."""
+CHUNK_NUMEL = SCRATCH_NUMEL
+"""Elements cast per chunk, into the fp32 scratch buffer kept between steps (4 MiB). An inner
+optimizer's step costs ~0.2 ms of Python per call, so chunks must not be many (2^18 was slower
+on the benchmark's 8.5M parameters: 40 chunks); larger chunks raise the peak."""
 
 PER_PARAMETER: tuple[type[Optimizer], ...] = (
     torch.optim.Adam,
@@ -98,15 +102,13 @@ def step_masters(
             chunked.extend((opt, p, m) for p, m in live)
         else:
             _step_whole(opt, live, factor, master_dtype)
-    buffers: dict[torch.device, torch.Tensor] = {}
     for run in _chunks(chunked, chunk_numel):
-        device = _local(run[0][2]).device
         numel = sum(_local(m).numel() for _, _, m in run)
-        buffer = buffers.get(device)
-        if buffer is None or buffer.numel() < numel:
-            buffers[device] = None  # type: ignore[assignment]  # free before allocating
-            buffer = buffers[device] = torch.empty(numel, dtype=master_dtype, device=device)
-        views = list(torch.split(buffer[:numel], [_local(m).numel() for _, _, m in run]))
+        if master_dtype == torch.float32:
+            buffer = scratch(_local(run[0][2]).device, numel)
+        else:
+            buffer = torch.empty(numel, dtype=master_dtype, device=_local(run[0][2]).device)
+        views = list(torch.split(buffer, [_local(m).numel() for _, _, m in run]))
         grads = [_local(p.grad).reshape(-1) for _, p, _ in run]
         torch._foreach_copy_(views, grads)
         del grads
