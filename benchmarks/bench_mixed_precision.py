@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, run_fresh
 from config import MixedPrecision
-from containers import InBackward, MixedPrecisionOptimizersContainer
+from containers import InBackward, MixedPrecisionOptimizersContainer, grad_norm
 
 
 def _rss() -> int:
@@ -170,11 +170,13 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
             p.grad = g.clone()  # fresh, as backward gives: the step may free it
         if i == 1:  # after the first step (state allocated, kernels compiled)
             steady = sum(t.nbytes for t in [*params, *grads, *masters]) + _state_bytes(optimizers)
+            steady += sum(b.nbytes for b in grad_norm._scratch.values())  # kept between steps
             before = _hwm_reset()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    # Steady bytes (parameters, gradients, masters, state) plus what a step adds at its peak.
+    # Steady bytes (parameters, gradients, masters, state, the scratch buffer) plus what a step
+    # adds at its peak.
     peak_extra = max(0, _hwm() - before)
     return {
         "step_s": statistics.median(times[1:]),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["COMPILE_MIN_NUMEL", "fused_adamw_step", "square_sum", "supports_fused_update"]
+__all__ = ["COMPILE_MIN_NUMEL", "compiled", "fused_adamw_step", "supports_fused_update"]
 
 COMPILE_MIN_NUMEL = 1 << 16
 """Tensors smaller than this take the eager path even when compiling: a compiled call costs
@@ -58,13 +58,6 @@ def compiled() -> tuple[Callable, Callable]:
         torch.compile(_update, dynamic=True, fullgraph=True),
         torch.compile(_square_sum, dynamic=True, fullgraph=True),
     )
-
-
-def square_sum(g: torch.Tensor, min_numel: int = COMPILE_MIN_NUMEL) -> torch.Tensor:
-    """`g`'s sum of squares in fp32: compiled from `min_numel` elements, eager below."""
-    if g.numel() >= min_numel:
-        return compiled()[1](g)
-    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 
 def supports_fused_update(opt: Optimizer) -> bool:

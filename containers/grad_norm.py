@@ -114,12 +114,16 @@ class GlobalNorm:
 
     @torch.no_grad()
     def __call__(
-        self, grads: Sequence[torch.Tensor], square_sum: SquareSum | None = None
+        self,
+        grads: Sequence[torch.Tensor],
+        square_sum: SquareSum | None = None,
+        min_numel: int = 0,
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of `grads`, this rank's gradients; inf or nan if any
         gradient on any rank is. Every rank must call it (one all-reduce when needed).
 
-        `square_sum` replaces the per-tensor fp32 sum of squares (e.g. a compiled kernel).
+        `square_sum` replaces the per-tensor fp32 sum of squares (e.g. a compiled kernel) for
+        tensors of at least `min_numel` elements; smaller ones take the foreach path.
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
         for g in grads:
@@ -129,7 +133,7 @@ class GlobalNorm:
             by_copies.setdefault(n, []).append(dense(g))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            sq = _sum_of_squares(tensors, square_sum, self.device)
+            sq = _sum_of_squares(tensors, square_sum, min_numel, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -137,12 +141,19 @@ class GlobalNorm:
 
 
 def _sum_of_squares(
-    tensors: list[torch.Tensor], square_sum: SquareSum | None, device: torch.device
+    tensors: list[torch.Tensor],
+    square_sum: SquareSum | None,
+    min_numel: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """The sum of squares of `tensors`' elements as an fp32 scalar on `device`, accumulated in
     fp32 without an fp32 copy of any tensor."""
     if square_sum is not None:
-        return torch.stack([square_sum(t).to(device) for t in tensors]).sum()
+        sums = [square_sum(t).to(device) for t in tensors if t.numel() >= min_numel]
+        rest = [t for t in tensors if t.numel() < min_numel]
+        if rest:
+            sums.append(_sum_of_squares(rest, None, 0, device))
+        return torch.stack(sums).sum()
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -28,8 +27,8 @@ from containers.base import OptimizersContainer
 from containers.flat_state import describe_keys
 from containers.fused_update import (
     COMPILE_MIN_NUMEL,
+    compiled,
     fused_adamw_step,
-    square_sum,
     supports_fused_update,
 )
 from containers.grad_norm import GlobalNorm
@@ -125,8 +124,10 @@ class MasterWeights(Precision):
         """The unscaled global norm in fp32 (`Precision.grad_norm`); inf or nan if any
         gradient is non-finite."""
         over = over if over is not None else GlobalNorm(params)
-        kernel = partial(square_sum, min_numel=self.compile_min_numel) if self.compile else None
-        return over([p.grad for p in params], kernel) * self._unscale
+        grads = [p.grad for p in params]
+        if self.compile:
+            return over(grads, compiled()[1], self.compile_min_numel) * self._unscale
+        return over(grads) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self.scaler.update(overflow=not applied)
