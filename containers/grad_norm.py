@@ -21,7 +21,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GlobalNorm", "dense"]
+__all__ = ["GlobalNorm", "dense", "scratch"]
+
+SCRATCH_NUMEL = 1 << 20
+"""Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
+converted into it a piece at a time, by the norm and by the mixed-precision step."""
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of `numel` elements on `device`. Up to `SCRATCH_NUMEL` it is one buffer
+    kept between calls (a fresh one would be page-faulted in at every step, which on a CPU
+    costs more than the conversion it serves); larger ones are allocated each time. Callers
+    must be done with it before the next call."""
+    if numel > SCRATCH_NUMEL:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if device not in _scratch:
+        _scratch[device] = torch.empty(SCRATCH_NUMEL, dtype=torch.float32, device=device)
+    return _scratch[device][:numel]
+
 
 SquareSum = Callable[[torch.Tensor], torch.Tensor]
 """A tensor -> its sum of squares as an fp32 scalar (e.g. a compiled kernel)."""
@@ -95,12 +114,16 @@ class GlobalNorm:
 
     @torch.no_grad()
     def __call__(
-        self, grads: Sequence[torch.Tensor], square_sum: SquareSum | None = None
+        self,
+        grads: Sequence[torch.Tensor],
+        square_sum: SquareSum | None = None,
+        min_numel: int = 0,
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of `grads`, this rank's gradients; inf or nan if any
         gradient on any rank is. Every rank must call it (one all-reduce when needed).
 
-        `square_sum` replaces the per-tensor fp32 sum of squares (e.g. a compiled kernel).
+        `square_sum` replaces the per-tensor fp32 sum of squares (e.g. a compiled kernel) for
+        tensors of at least `min_numel` elements; smaller ones take the foreach path.
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
         for g in grads:
@@ -110,7 +133,7 @@ class GlobalNorm:
             by_copies.setdefault(n, []).append(dense(g))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            sq = _sum_of_squares(tensors, square_sum, self.device)
+            sq = _sum_of_squares(tensors, square_sum, min_numel, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -118,12 +141,19 @@ class GlobalNorm:
 
 
 def _sum_of_squares(
-    tensors: list[torch.Tensor], square_sum: SquareSum | None, device: torch.device
+    tensors: list[torch.Tensor],
+    square_sum: SquareSum | None,
+    min_numel: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """The sum of squares of `tensors`' elements as an fp32 scalar on `device`, accumulated in
     fp32 without an fp32 copy of any tensor."""
     if square_sum is not None:
-        return torch.stack([square_sum(t).to(device) for t in tensors]).sum()
+        sums = [square_sum(t).to(device) for t in tensors if t.numel() >= min_numel]
+        rest = [t for t in tensors if t.numel() < min_numel]
+        if rest:
+            sums.append(_sum_of_squares(rest, None, 0, device))
+        return torch.stack(sums).sum()
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
@@ -132,8 +162,26 @@ def _sum_of_squares(
         if dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(group)  # one kernel per list, as torch's own norm
         else:
-            # torch._foreach_norm with dtype= converts whole lists first (2x slower and 4
-            # bytes/param more at peak); per tensor, vector_norm accumulates in fp32 directly.
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in group]
+            norms = _low_precision_norms(group)
         sums.append(torch.stack(norms).float().square().sum().to(device))
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+
+
+def _low_precision_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 norms of low-precision tensors: converted into the scratch buffer a piece at a time
+    (one foreach copy and one foreach norm per piece) rather than by `vector_norm(dtype=)`,
+    which allocates an fp32 copy of each tensor."""
+    norms: list[torch.Tensor] = []
+    piece: list[torch.Tensor] = []
+    size = 0
+    for t in [*tensors, None]:
+        if piece and (t is None or size + t.numel() > SCRATCH_NUMEL):
+            buffer = scratch(piece[0].device, size)
+            views = list(torch.split(buffer, [x.numel() for x in piece]))
+            torch._foreach_copy_(views, [x.reshape(-1) for x in piece])
+            norms.extend(torch._foreach_norm(views))
+            piece, size = [], 0
+        if t is not None:
+            piece.append(t)
+            size += t.numel()
+    return norms

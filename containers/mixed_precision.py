@@ -4,9 +4,10 @@ The model keeps bf16/fp16 parameters (FSDP2 shards, so all-gathers move half the
 inner optimizers step fp32 masters sharded the same way. A step: one pass over the gradients
 for the global norm (non-finite gradients make it non-finite, so overflow detection cannot be
 defeated by 0 * inf) or, without a clip, the container's finite check; one collective, one
-host sync for the skip decision; then, optimizer by
-optimizer, the gradients are cast, unscaled and clipped in one multiply into fp32, stepped,
-and the masters written back to the parameters.
+host sync for the skip decision; then the gradients are cast to fp32 chunk by chunk, unscaled
+and clipped in one multiply, stepped, and the masters written back to the parameters
+(`containers.master_step`), or, compiled, stepped in one pass per tensor
+(`containers.fused_update`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from torch.optim import Optimizer
 from config import MixedPrecision as MixedPrecisionConfig
 from containers.base import OptimizersContainer
 from containers.flat_state import describe_keys
-from containers.fused_update import compiled, fused_adamw_step, supports_fused_update
+from containers.fused_update import (
+    COMPILE_MIN_NUMEL,
+    compiled,
+    fused_adamw_step,
+    supports_fused_update,
+)
 from containers.grad_norm import GlobalNorm
 from containers.loss_scaler import LossScaler
+from containers.master_step import step_masters
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision, Timing
 
@@ -59,6 +66,8 @@ class MasterWeights(Precision):
             )
         self.scaler = LossScaler(self.settings, fp16=self.param_dtype == torch.float16)
         self.compile = self.settings.compile
+        # Smaller tensors take the eager path even when compiling (`fused_update`).
+        self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._unscale = 1.0
@@ -116,8 +125,10 @@ class MasterWeights(Precision):
         """The unscaled global norm in fp32 (`Precision.grad_norm`); inf or nan if any
         gradient is non-finite."""
         over = over if over is not None else GlobalNorm(params)
-        square_sum = compiled()[1] if self.compile else None
-        return over([p.grad for p in params], square_sum) * self._unscale
+        grads = [p.grad for p in params]
+        if self.compile:
+            return over(grads, compiled()[1], self.compile_min_numel) * self._unscale
+        return over(grads) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self._backing_off = not applied and self.scaler.can_back_off
@@ -137,22 +148,17 @@ class MasterWeights(Precision):
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self._unscale  # unscale and clip in the same multiply
+        eager = []
         for opt in optimizers:
             live = self._pairs([opt])
             if self.compile and supports_fused_update(opt):
-                fused_adamw_step(opt, [(_local(p), _local(p.grad), m) for p, m in live], factor)
-            else:
-                for p, m in live:
-                    m.grad = p.grad.to(self.master_dtype)  # one optimizer's fp32 grads at a time
-                if factor != 1.0 and live:
-                    torch._foreach_mul_([_local(m.grad) for _, m in live], factor)
-                opt.step()
-                for _, m in live:
-                    m.grad = None
-                if live:
-                    torch._foreach_copy_([_local(p) for p, _ in live], [_local(m) for _, m in live])
-            for p, _ in live:
-                p.grad = None
+                big = [(p, m) for p, m in live if _local(p).numel() >= self.compile_min_numel]
+                fused_adamw_step(opt, [(_local(p), _local(p.grad), m) for p, m in big], factor)
+                for p, _ in big:
+                    p.grad = None
+                live = [(p, m) for p, m in live if p.grad is not None]
+            eager.append(live)
+        step_masters(optimizers, eager, factor, self.master_dtype)
 
     def zero_grad(self, set_to_none: bool) -> None:
         for p in self._model_param.values():

@@ -1,0 +1,144 @@
+"""The eager mixed-precision step: low-precision gradients to fp32, chunk by chunk.
+
+`MasterWeights.apply` steps fp32 masters with the inner optimizers, which need fp32 gradients.
+Casting every gradient at once
+would add 4 bytes/param at the step's peak; casting per tensor allocates (and page-faults) a
+fresh fp32 tensor each time, which on a CPU costs more than the cast. So the gradients are cast
+in chunks of about `CHUNK_NUMEL` elements into the fp32 scratch buffer that
+`containers.grad_norm.scratch` keeps between steps (the norm pass uses it too), with one
+`torch._foreach_copy_` per chunk, unscaled and clipped there with one `torch._foreach_mul_`
+while the chunk is in cache, stepped, and written back to the model parameters; each
+low-precision gradient is dropped as soon as it is cast. A tensor larger than a chunk gets a
+buffer of its own; chunks go from the smallest tensors to the largest, so by then the dropped
+gradients have paid for it. The step's peak is the steady parameters + gradients + masters +
+state plus the 4 MiB buffer.
+
+An inner optimizer then steps once per chunk it has parameters in, with only that chunk's
+masters holding gradients (torch optimizers skip parameters without one). That is the same
+update only for optimizers whose update of a parameter reads nothing but that parameter's own
+gradient and state: `PER_PARAMETER` lists torch's. Any other optimizer (a subclass, LBFGS,
+SparseAdam, one of the user's) steps once, over fp32 copies of all its gradients, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from containers.grad_norm import SCRATCH_NUMEL, scratch
+
+__all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
+
+CHUNK_NUMEL = SCRATCH_NUMEL
+"""Elements cast per chunk, into the fp32 scratch buffer kept between steps (4 MiB). An inner
+optimizer's step costs ~0.2 ms of Python per call, so chunks must not be many (2^18 was slower
+on the benchmark's 8.5M parameters: 40 chunks); larger chunks raise the peak."""
+
+PER_PARAMETER: tuple[type[Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+"""Optimizers (the exact classes) whose update of a parameter reads only that parameter's
+gradient and state, so stepping their parameters chunk by chunk is one step."""
+
+Triple = tuple[Optimizer, torch.Tensor, torch.Tensor]  # (optimizer, model parameter, master)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _chunks(triples: list[Triple], limit: int) -> list[list[Triple]]:
+    """`triples` from the smallest gradient to the largest, cut into runs of at most `limit`
+    elements (a larger tensor is a run of its own)."""
+    runs: list[list[Triple]] = []
+    size = 0
+    for t in sorted(triples, key=lambda t: _local(t[1]).numel()):
+        n = _local(t[1]).numel()
+        if not runs or size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(t)
+        size += n
+    return runs
+
+
+def _as_grad(view: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """`view` (a piece of the local buffer) as the gradient of `master` (a DTensor's too)."""
+    view = view.view(_local(master).shape)
+    if isinstance(master, DTensor):
+        return DTensor.from_local(
+            view, master.device_mesh, master.placements, shape=master.shape,
+            stride=master.stride(), run_check=False,
+        )  # fmt: skip
+    return view
+
+
+@torch.no_grad()
+def step_masters(
+    optimizers: Sequence[Optimizer],
+    pairs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
+    factor: float,
+    master_dtype: torch.dtype,
+    chunk_numel: int = CHUNK_NUMEL,
+) -> None:
+    """Step `optimizers` (each with its (model parameter, master) `pairs` that have a
+    gradient): cast, multiply by `factor` (unscale x clip), step, write back, drop gradients."""
+    chunked: list[Triple] = []
+    for opt, live in zip(optimizers, pairs):
+        if type(opt) in PER_PARAMETER and not any(p.grad.is_sparse for p, _ in live):
+            chunked.extend((opt, p, m) for p, m in live)
+        else:
+            _step_whole(opt, live, factor, master_dtype)
+    for run in _chunks(chunked, chunk_numel):
+        numel = sum(_local(m).numel() for _, _, m in run)
+        if master_dtype == torch.float32:
+            buffer = scratch(_local(run[0][2]).device, numel)
+        else:
+            buffer = torch.empty(numel, dtype=master_dtype, device=_local(run[0][2]).device)
+        views = list(torch.split(buffer, [_local(m).numel() for _, _, m in run]))
+        grads = [_local(p.grad).reshape(-1) for _, p, _ in run]
+        torch._foreach_copy_(views, grads)
+        del grads
+        for _, p, _ in run:
+            p.grad = None  # cast: the low-precision gradient can go now
+        if factor != 1.0:
+            torch._foreach_mul_(views, factor)
+        for (_, _, m), view in zip(run, views):
+            m.grad = _as_grad(view, m)
+        for opt in dict.fromkeys(opt for opt, _, _ in run):
+            opt.step()
+        for _, _, m in run:
+            m.grad = None
+        torch._foreach_copy_([_local(p) for _, p, _ in run], [_local(m) for _, _, m in run])
+
+
+def _step_whole(
+    opt: Optimizer,
+    live: list[tuple[torch.Tensor, torch.Tensor]],
+    factor: float,
+    master_dtype: torch.dtype,
+) -> None:
+    """One step of `opt` over fp32 copies of all its gradients (any optimizer)."""
+    for p, m in live:
+        m.grad = p.grad.to(master_dtype)
+        p.grad = None
+    if factor != 1.0 and live:
+        torch._foreach_mul_([_local(m.grad) for _, m in live], factor)
+    opt.step()
+    for _, m in live:
+        m.grad = None
+    if live:
+        torch._foreach_copy_([_local(p) for p, _ in live], [_local(m) for _, m in live])
