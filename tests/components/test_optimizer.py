@@ -209,14 +209,20 @@ def _same_after_steps(parts, container, ref_parts, ref, steps: int = 3) -> None:
     ("cfg", "cls", "expected"),
     [
         (
-            OptimizerConfig(name="Muon", lr=0.02, weight_decay=0.01, ns_steps=3),
+            OptimizerConfig(
+                name="Muon", lr=0.02, weight_decay=0.01, ns_steps=3, ns_dtype="bfloat16"
+            ),
             ShardedMuon,
             # momentum left unset: Muon's own 0.95 and nesterov, never a silent 0
             {"momentum": 0.95, "nesterov": True, "ns_steps": 3, "adjust_lr_fn": "original"},
         ),
         (
             OptimizerConfig(
-                name="Muon", momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw"
+                name="Muon",
+                momentum=0.0,
+                nesterov=False,
+                adjust_lr_fn="match_rms_adamw",
+                ns_dtype="bfloat16",
             ),
             ShardedMuon,
             {"momentum": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"},

@@ -120,7 +120,7 @@ def test_bf16_newton_schulz_is_torch_muon_bitwise_in_one_process():
 def test_refuses_a_non_matrix_and_an_unknown_ns_dtype():
     with pytest.raises(ValueError, match="2D parameters"):
         ShardedMuon([nn.Parameter(torch.zeros(3))], lr=0.02)
-    with pytest.raises(ValueError, match="ns_dtype = 'float16': use 'bfloat16'"):
+    with pytest.raises(ValueError, match="ns_dtype = 'float16': use 'auto'"):
         ShardedMuon([nn.Parameter(torch.zeros(3, 2))], lr=0.02, ns_dtype="float16")
 
 
@@ -141,7 +141,10 @@ def _fsdp_vs_one_process() -> dict:
     for name, build in (
         ("sharded", lambda n: _muon_only(n, "float32")),
         ("sharded_bf16", lambda n: _muon_only(n, "bfloat16")),
-        ("shard_local", lambda n: ShardLocalMuon([n.up.weight, n.down.weight], **MUON)),
+        (
+            "shard_local",
+            lambda n: ShardLocalMuon([n.up.weight, n.down.weight], ns_dtype="float32", **MUON),
+        ),
         ("container", _container),
     ):
         net = _fsdp(_net(), mesh)
