@@ -187,24 +187,34 @@ def test_fsdp2_4_ranks_uneven_shards_match_one_process_and_a_shard_local_step_do
     )
 
 
-def _tp_fsdp() -> dict:
+def _tp_fsdp(path: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     net = _net()
     parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     _fsdp(net, mesh["dp_shard"])
     opt = _container(net)
     _train(net, opt, mesh["dp_shard"].get_local_rank(), 2)
+    dcp.save({"optim": opt}, checkpoint_id=path)
     placements = {n: str(p.placements) for n, p in net.named_parameters()}
-    return {"weights": _weights(net), "placements": placements}
+    state = {k: full(v) for k, v in opt.state_dict().items()}
+    return {"weights": _weights(net), "placements": placements, "state": state}
 
 
-def test_tp2_x_fsdp2_matches_one_process():
-    got = run_ranks(4, _tp_fsdp)[0]
+def _load(path: str) -> dict:
+    opt = _container(_fsdp(_net(), init_device_mesh("cpu", (dist.get_world_size(),))))
+    dcp.load({"optim": opt}, checkpoint_id=path)
+    return {k: full(v) for k, v in opt.state_dict().items()}
+
+
+def test_tp2_x_fsdp2_matches_one_process_and_its_checkpoint_loads_at_fsdp2_alone(tmp_path):
+    got = run_ranks(4, _tp_fsdp, str(tmp_path))[0]
     assert "_StridedShard" in got["placements"]["up.weight"], got["placements"]
     assert "Shard(dim=1)" in got["placements"]["down.weight"], got["placements"]
     ref = _net()
     _train(ref, _container(ref))
     assert _rel(got["weights"], _weights(ref)) < 1e-5
+    # Another layout: the momentum buffers (and AdamW's state) element for element.
+    assert_same(run_ranks(2, _load, str(tmp_path))[0], got["state"])
 
 
 def _save(path: str) -> dict:
