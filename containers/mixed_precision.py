@@ -86,7 +86,13 @@ class MasterWeights(Precision):
         return None
 
     def cast_model(self, model: nn.Module) -> nn.Module:
-        return model.to(self.param_dtype)
+        """Cast the floating-point parameters only: buffers that carry numerics (a rotary
+        table, running statistics) keep their dtype, and the model casts them where used."""
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(self.param_dtype)
+        return model
 
     def stepped(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
         if param.dtype != self.param_dtype:

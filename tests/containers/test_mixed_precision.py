@@ -12,10 +12,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
 from config import MixedPrecision as MP
 from config import load_job_config
-from containers import LossScaler, MixedPrecisionOptimizersContainer, ParamGroupRule
+from containers import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer, ParamGroupRule
 from tests.harness.dist import launch, run_ranks
 from tests.harness.helpers import assert_same, batch, forward, full, three_parts
 
@@ -163,6 +164,19 @@ def test_state_dict_round_trip_and_offload_reload_are_exact():
     with pytest.raises(ValueError, match=r"missing keys \[master_weights\.mid\.weight\]"):
         mp.load_state_dict(broken)
     assert_same({k: full(v) for k, v in mp.state_dict().items()}, saved)
+
+
+def test_the_cast_keeps_the_rotary_table_in_fp32():
+    """Parameters become bf16; the rotary table, a buffer that carries numerics, stays fp32
+    (bf16 would round its angles' cos/sin to 3 digits) and the model still runs in bf16."""
+    model = Transformer(FLAVORS["tiny"])
+    table = model.rope.clone()
+    MasterWeights(MP(param_dtype="bfloat16")).cast_model(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope.dtype == torch.float32 and torch.equal(model.rope, table)
+    assert not torch.equal(table.bfloat16().float(), table)  # the rounding it avoids
+    model(torch.randint(0, 256, (2, 16))).square().mean().backward()
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
 
 
 def test_refusals_name_the_problem():
