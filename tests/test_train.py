@@ -248,10 +248,9 @@ DYNAMIC_FLOOR = [
     [
         ("config/debug.toml", [], 4),
         ("config/in_backward.toml", [], 4),
-        ("config/mixed_precision.toml", [], 4),  # bf16: no loss scaling by default
         ("config/mixed_precision.toml", DYNAMIC_FLOOR, 6),
     ],
-    ids=["default", "in_backward", "bf16", "dynamic_scale_at_its_floor"],
+    ids=["default", "in_backward", "mixed_precision_dynamic_scale_at_its_floor"],
 )
 def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(
     tmp_path, config, extra, last

@@ -139,7 +139,6 @@ def _fsdp_vs_one_process() -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name, build in (
-        ("sharded", lambda n: _muon_only(n, "float32")),
         ("sharded_bf16", lambda n: _muon_only(n, "bfloat16")),
         (
             "shard_local",
@@ -168,13 +167,12 @@ def test_fsdp2_4_ranks_uneven_shards_match_one_process_and_a_shard_local_step_do
     mixed = _container(ref_mixed)
     _train(ref_mixed, mixed)
     ref = _weights(ref_net)
-    assert _rel(got["sharded"], ref) < 1e-5
+    # Muon (fp32 Newton-Schulz) on the matrices and AdamW on the rest, in one container.
+    assert _rel(got["container"], _weights(ref_mixed)) < 1e-5  # measured 1.3e-6
     # torch's Muon runs Newton-Schulz in bf16: its rounding, not ours.
     assert _rel(got["sharded_bf16"], _weights(bf16_net)) < 2e-2
     # The naive per-shard step lands far outside either tolerance.
     assert _rel(got["shard_local"], ref) > 1e-2  # measured 0.12
-    # Muon on the matrices and AdamW on the rest, in one container.
-    assert _rel(got["container"], _weights(ref_mixed)) < 1e-5
     assert got["buffers_sharded"]
     ref_state = {k: full(v) for k, v in mixed.state_dict().items()}
     assert got["state"].keys() == ref_state.keys()
