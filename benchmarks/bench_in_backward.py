@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, run_fresh
+from benchmarks.common import markdown_table, run_fresh, train_peak
 from containers import InBackward, OptimizersContainer, OptimizersInBackwardContainer
 
 
@@ -39,19 +37,7 @@ def child(container: str, width: int, layers: int, steps: int) -> dict[str, floa
         optimizers = OptimizersInBackwardContainer([model], torch.optim.AdamW, kwargs)
     else:
         optimizers = OptimizersContainer([model], torch.optim.AdamW, kwargs)
-    x = torch.randn(4, width)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizers.zero_grad()
-        optimizers.backward(model(x).square().mean())
-        optimizers.step()
-        times.append(time.perf_counter() - start)
-    return {
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "step_s": statistics.median(times[1:]),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-    }
+    return train_peak(model, optimizers, torch.randn(4, width), steps)
 
 
 def run_child(container: str, args: argparse.Namespace) -> dict[str, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, run_fresh
+from benchmarks.common import markdown_table, run_fresh, train_peak
 from config import MixedPrecision
 from containers import InBackward, MixedPrecisionOptimizersContainer, grad_norm
 
@@ -199,19 +198,7 @@ def _fwd_bwd(kind: str, args: argparse.Namespace) -> dict[str, float]:
     opt = MixedPrecisionOptimizersContainer(
         [model], torch.optim.AdamW, {"lr": 1e-4, "fused": True}, settings=settings, timing=timing
     )
-    x = torch.randn(4, width, dtype=torch.bfloat16)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        opt.zero_grad()
-        opt.backward(model(x).float().square().mean())
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return {
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "step_s": statistics.median(times[1:]),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-    }
+    return train_peak(model, opt, torch.randn(4, width, dtype=torch.bfloat16), args.steps)
 
 
 def run(kind: str, args: argparse.Namespace) -> dict[str, float]:

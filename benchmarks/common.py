@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import torch
+import torch.nn as nn
 
 HEADER = ("measure", "value", "ratio", "goal")
 
@@ -34,3 +40,21 @@ def run_fresh(script: str, argv: list[str]) -> dict[str, Any]:
         [sys.executable, script, *argv], env=env, check=True, capture_output=True, text=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def train_peak(model: nn.Module, optimizers: Any, x: torch.Tensor, steps: int) -> dict[str, float]:
+    """Train `model` on `x` for `steps` steps through `optimizers` (a container); return the
+    process's peak resident memory, the median step time (first step left out) and the bytes
+    of the parameters (= of their gradients)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizers.zero_grad()
+        optimizers.backward(model(x).float().square().mean())
+        optimizers.step()
+        times.append(time.perf_counter() - start)
+    return {
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_s": statistics.median(times[1:]),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
