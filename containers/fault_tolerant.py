@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from containers.base import OptimizersContainer
+from containers.grad_norm import local
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision
 
@@ -56,8 +56,7 @@ class TorchFTGate(Gate):
         """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        grads = [g for g in grads if g is not None]
+        grads = [local(p.grad) for p in params if p.grad is not None]
         if not grads:
             return
         # In the gradients' own dtype: under fp16 loss scaling every group scaled its loss by

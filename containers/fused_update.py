@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from containers.grad_norm import local
+
 __all__ = ["COMPILE_MIN_NUMEL", "compiled", "fused_adamw_step", "supports_fused_update"]
 
 COMPILE_MIN_NUMEL = 1 << 16
@@ -126,11 +128,10 @@ def fused_adamw_step(
     scalars: dict[tuple[int, float], torch.Tensor] = {}
     for (p, grad, master), state, step in zip(pairs, states, counts):
         group = group_of[id(master)]
-        local = master.to_local() if hasattr(master, "to_local") else master
+        piece = local(master)
         key = (id(group), step)
         if key not in scalars:
-            scalars[key] = _scalars(opt, group, step, factor, local.device)
+            scalars[key] = _scalars(opt, group, step, factor, piece.device)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if hasattr(exp_avg, "to_local"):
-            exp_avg, exp_avg_sq = exp_avg.to_local(), exp_avg_sq.to_local()
-        update(*_flat((p, grad, local, exp_avg, exp_avg_sq)), scalars[key])
+        exp_avg, exp_avg_sq = local(exp_avg), local(exp_avg_sq)
+        update(*_flat((p, grad, piece, exp_avg, exp_avg_sq)), scalars[key])

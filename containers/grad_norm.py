@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GlobalNorm", "dense", "scratch"]
+__all__ = ["GlobalNorm", "dense", "local", "scratch"]
 
 SCRATCH_NUMEL = 1 << 20
 """Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
@@ -44,6 +44,11 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
 
 SquareSum = Callable[[torch.Tensor], torch.Tensor]
 """A tensor -> its sum of squares as an fp32 scalar (e.g. a compiled kernel)."""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` (a DTensor's local shard; a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def dense(grad: torch.Tensor) -> torch.Tensor:
@@ -127,10 +132,7 @@ class GlobalNorm:
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
         for g in grads:
-            n = self.copies(g)
-            if isinstance(g, DTensor):
-                g = g.to_local()
-            by_copies.setdefault(n, []).append(dense(g))
+            by_copies.setdefault(self.copies(g), []).append(dense(local(g)))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, tensors in sorted(by_copies.items()):
             sq = _sum_of_squares(tensors, square_sum, min_numel, self.device)

@@ -28,6 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from containers.grad_norm import local
+
 __all__ = ["Derived", "derive", "initial_states"]
 
 # Settings that meta tensors cannot run with (kernel flags; maximize negates a sparse
@@ -55,10 +57,6 @@ class Derived:
 
     states: dict[torch.Tensor, State]
     created: dict[torch.Tensor, frozenset[str]]
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _shadow(opt: Optimizer, groups: list[dict[str, Any]], meta: bool) -> Optimizer:
@@ -90,8 +88,8 @@ def _groups(
 
 def _zero_grad(p: torch.Tensor) -> torch.Tensor:
     """A zero gradient shaped like `p` that owns no parameter-sized memory."""
-    local = _local(p)
-    zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+    piece = local(p)
+    zero = torch.zeros((), dtype=piece.dtype, device=piece.device).expand(piece.shape)
     if isinstance(p, DTensor):
         return DTensor.from_local(
             zero, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -115,7 +113,7 @@ def _meta_init_group_states(
     """`_init_group` on meta stand-ins: names, shapes and dtypes, no values."""
     stand_ins = {}
     for p in params:
-        meta = torch.empty_like(_local(p).detach(), device="meta")
+        meta = torch.empty_like(local(p).detach(), device="meta")
         meta.grad = torch.empty_like(meta)
         stand_ins[p] = meta
     return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=True), meta=True), stand_ins)
@@ -140,7 +138,7 @@ def _meta_step_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # sparse meta tensors warn about invariants
                 for p in params:
-                    meta = torch.empty_like(_local(p).detach(), device="meta")
+                    meta = torch.empty_like(local(p).detach(), device="meta")
                     meta.grad = _meta_grad(meta, sparse)
                     stand_ins[p] = meta
                 shadow = _shadow(opt, _groups(opt, stand_ins, meta=True), meta=True)
@@ -211,7 +209,7 @@ def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> 
         return type(value)(0)
     if not isinstance(value, torch.Tensor):
         return value
-    full_shape = value.shape == _local(p).shape and value.dim() > 0
+    full_shape = value.shape == local(p).shape and value.dim() > 0
     if not materialize:
         if value.dim() == 0:
             return torch.zeros((), dtype=value.dtype)
@@ -223,7 +221,7 @@ def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> 
         return torch.zeros((), dtype=value.dtype)
     if full_shape:
         return torch.zeros_like(p, dtype=value.dtype)
-    return torch.zeros(value.shape, dtype=value.dtype, device=_local(p).device)
+    return torch.zeros(value.shape, dtype=value.dtype, device=local(p).device)
 
 
 def initial_states(

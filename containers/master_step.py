@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.grad_norm import SCRATCH_NUMEL, scratch
+from containers.grad_norm import SCRATCH_NUMEL, local, scratch
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
 
@@ -56,17 +56,13 @@ gradient and state, so stepping their parameters chunk by chunk is one step."""
 Triple = tuple[Optimizer, torch.Tensor, torch.Tensor]  # (optimizer, model parameter, master)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _chunks(triples: list[Triple], limit: int) -> list[list[Triple]]:
     """`triples` from the smallest gradient to the largest, cut into runs of at most `limit`
     elements (a larger tensor is a run of its own)."""
     runs: list[list[Triple]] = []
     size = 0
-    for t in sorted(triples, key=lambda t: _local(t[1]).numel()):
-        n = _local(t[1]).numel()
+    for t in sorted(triples, key=lambda t: local(t[1]).numel()):
+        n = local(t[1]).numel()
         if not runs or size + n > limit:
             runs.append([])
             size = 0
@@ -77,7 +73,7 @@ def _chunks(triples: list[Triple], limit: int) -> list[list[Triple]]:
 
 def _as_grad(view: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     """`view` (a piece of the local buffer) as the gradient of `master` (a DTensor's too)."""
-    view = view.view(_local(master).shape)
+    view = view.view(local(master).shape)
     if isinstance(master, DTensor):
         return DTensor.from_local(
             view, master.device_mesh, master.placements, shape=master.shape,
@@ -103,13 +99,13 @@ def step_masters(
         else:
             _step_whole(opt, live, factor, master_dtype)
     for run in _chunks(chunked, chunk_numel):
-        numel = sum(_local(m).numel() for _, _, m in run)
+        numel = sum(local(m).numel() for _, _, m in run)
         if master_dtype == torch.float32:
-            buffer = scratch(_local(run[0][2]).device, numel)
+            buffer = scratch(local(run[0][2]).device, numel)
         else:
-            buffer = torch.empty(numel, dtype=master_dtype, device=_local(run[0][2]).device)
-        views = list(torch.split(buffer, [_local(m).numel() for _, _, m in run]))
-        grads = [_local(p.grad).reshape(-1) for _, p, _ in run]
+            buffer = torch.empty(numel, dtype=master_dtype, device=local(run[0][2]).device)
+        views = list(torch.split(buffer, [local(m).numel() for _, _, m in run]))
+        grads = [local(p.grad).reshape(-1) for _, p, _ in run]
         torch._foreach_copy_(views, grads)
         del grads
         for _, p, _ in run:
@@ -122,7 +118,7 @@ def step_masters(
             opt.step()
         for _, _, m in run:
             m.grad = None
-        torch._foreach_copy_([_local(p) for _, p, _ in run], [_local(m) for _, _, m in run])
+        torch._foreach_copy_([local(p) for _, p, _ in run], [local(m) for _, _, m in run])
 
 
 def _step_whole(
@@ -136,9 +132,9 @@ def _step_whole(
         m.grad = p.grad.to(master_dtype)
         p.grad = None
     if factor != 1.0 and live:
-        torch._foreach_mul_([_local(m.grad) for _, m in live], factor)
+        torch._foreach_mul_([local(m.grad) for _, m in live], factor)
     opt.step()
     for _, m in live:
         m.grad = None
     if live:
-        torch._foreach_copy_([_local(p) for p, _ in live], [_local(m) for _, m in live])
+        torch._foreach_copy_([local(p) for p, _ in live], [local(m) for _, m in live])

@@ -31,7 +31,7 @@ from containers.fused_update import (
     fused_adamw_step,
     supports_fused_update,
 )
-from containers.grad_norm import GlobalNorm
+from containers.grad_norm import GlobalNorm, local
 from containers.loss_scaler import LossScaler
 from containers.master_step import step_masters
 from containers.param_groups import ParamGroupRule
@@ -43,10 +43,6 @@ logger = logging.getLogger(__name__)
 
 MASTER = "master_weights"
 SCALER = "loss_scaler"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MasterWeights(Precision):
@@ -158,8 +154,8 @@ class MasterWeights(Precision):
         for opt in optimizers:
             live = self._pairs([opt])
             if self.compile and supports_fused_update(opt):
-                big = [(p, m) for p, m in live if _local(p).numel() >= self.compile_min_numel]
-                fused_adamw_step(opt, [(_local(p), _local(p.grad), m) for p, m in big], factor)
+                big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
+                fused_adamw_step(opt, [(local(p), local(p.grad), m) for p, m in big], factor)
                 for p, _ in big:
                     p.grad = None
                 live = [(p, m) for p, m in live if p.grad is not None]
@@ -215,8 +211,8 @@ class MasterWeights(Precision):
     def load_state(self, taken: Any) -> None:
         masters, scaler = taken
         for m, value in masters:
-            _local(m).copy_(_local(value))
-            _local(self._model_param[id(m)]).copy_(_local(m))
+            local(m).copy_(local(value))
+            local(self._model_param[id(m)]).copy_(local(m))
         self.scaler.load_state_dict(scaler)
         # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
         # from its peers' losses, which were scaled by the scale it has just received.
@@ -245,7 +241,7 @@ class MasterWeights(Precision):
 
     def reload(self, optimizers: Sequence[Optimizer]) -> None:
         """Move master weights and optimizer state back to the parameters' device."""
-        device = _local(next(iter(self._model_param.values()))).device
+        device = local(next(iter(self._model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
 
@@ -254,8 +250,8 @@ def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     if t.device == device:
         return t
     if pin:
-        out = torch.empty_like(_local(t), device="cpu", pin_memory=True)
-        out.copy_(_local(t), non_blocking=True)
+        out = torch.empty_like(local(t), device="cpu", pin_memory=True)
+        out.copy_(local(t), non_blocking=True)
         if isinstance(t, DTensor):
             return DTensor.from_local(
                 out, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()

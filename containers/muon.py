@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from containers.grad_norm import local
 
 __all__ = ["ShardedMuon", "newton_schulz"]
 
@@ -48,13 +51,9 @@ def newton_schulz(
 
 def _ns_dtype(name: str, param: torch.Tensor | None) -> torch.dtype:
     if name == "auto":
-        on_cuda = param is not None and _local(param).device.type == "cuda"
+        on_cuda = param is not None and local(param).device.type == "cuda"
         return torch.bfloat16 if on_cuda else torch.float32
     return getattr(torch, name)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _sharded_dims(t: DTensor) -> tuple[int, ...]:
@@ -94,17 +93,23 @@ class _Exchange:
     blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]  # by matrix, by rank: rows, cols
     index: list[list[tuple[Any, Any]]]  # by matrix, by rank: the block's index into the matrix
 
+    @cached_property
+    def owned(self) -> list[list[int]]:
+        """The matrices each rank owns, by rank."""
+        return [[m for m, r in enumerate(self.owner) if r == rank] for rank in range(self.world)]
+
+    @cached_property
     def split(self) -> int:
         """The most elements one rank sends to one owner: every all-to-all split is this."""
-        world = len(self.owner) and len(self.blocks[0])
         return max(
-            sum(self.numel(m, sender) for m in self.owned(owner))
-            for owner in range(world)
-            for sender in range(world)
+            sum(self.numel(m, sender) for m in mine)
+            for mine in self.owned
+            for sender in range(self.world)
         )
 
-    def owned(self, rank: int) -> list[int]:
-        return [m for m, r in enumerate(self.owner) if r == rank]
+    @property
+    def world(self) -> int:
+        return len(self.blocks[0])
 
     def numel(self, matrix: int, rank: int) -> int:
         rows, cols = self.blocks[matrix][rank]
@@ -191,16 +196,16 @@ class ShardedMuon(torch.optim.Muon):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                grad, buf = local(p.grad), local(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - momentum)
                 params.append(p)
                 updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
             ortho = self._orthogonalize(params, updates, group)
             lr, decay = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho):
-                local = _local(p)
-                local.mul_(1 - lr * decay)
-                local.add_(
+                piece = local(p)
+                piece.mul_(1 - lr * decay)
+                piece.add_(
                     o, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
                 )
         return loss
@@ -216,9 +221,9 @@ class ShardedMuon(torch.optim.Muon):
         for i, p in enumerate(params):
             if p.ndim != 2:
                 raise ValueError(f"Muon steps 2-D parameters only; got shape {tuple(p.shape)}")
-            if isinstance(p, DTensor) and _sharded_dims(p):
-                key = (id(p.device_mesh), _sharded_dims(p))
-                batches.setdefault(key, []).append(i)
+            dims = _sharded_dims(p) if isinstance(p, DTensor) else ()
+            if dims:
+                batches.setdefault((id(p.device_mesh), dims), []).append(i)
             else:
                 out[i] = newton_schulz(updates[i], *ns)
         for idx in batches.values():
@@ -236,7 +241,7 @@ class ShardedMuon(torch.optim.Muon):
             mine = [tuple(i.cpu() for i in _held(p)) for p in params]
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, mine, group=group)
-            device = _local(params[0]).device
+            device = local(params[0]).device
             blocks = [
                 [tuple(i.to(device) for i in everyone[r][m]) for r in range(world)]
                 for m in range(len(params))
@@ -252,11 +257,9 @@ class ShardedMuon(torch.optim.Muon):
         self, updates: list[torch.Tensor], ex: _Exchange, ns: tuple[Any, ...]
     ) -> list[torch.Tensor]:
         """Each update's local block, orthogonalized as a whole matrix by its owner."""
-        world, me, split, like = len(ex.blocks[0]), ex.rank, ex.split(), updates[0]
-        mine = ex.owned(me)
-        to_owners = [
-            _flat([updates[m] for m in ex.owned(r)], like, like.dtype) for r in range(world)
-        ]
+        world, me, split, like = ex.world, ex.rank, ex.split, updates[0]
+        mine = ex.owned[me]
+        to_owners = [_flat([updates[m] for m in ms], like, like.dtype) for ms in ex.owned]
         sizes = [sum(ex.numel(m, r) for m in mine) for r in range(world)]
         received = _all_to_all(to_owners, ex.group, sizes, split)
         offsets = [0] * world
@@ -273,12 +276,12 @@ class ShardedMuon(torch.optim.Muon):
             _flat([o[ex.index[m][r]] for o, m in zip(results, mine)], like, ns[3])
             for r in range(world)
         ]
-        sizes = [sum(ex.numel(m, me) for m in ex.owned(r)) for r in range(world)]
+        sizes = [sum(ex.numel(m, me) for m in ms) for ms in ex.owned]
         returned = _all_to_all(to_holders, ex.group, sizes, split)
         out: list[torch.Tensor] = [like] * len(updates)
-        for r in range(world):
+        for r, ms in enumerate(ex.owned):
             offset = 0
-            for m in ex.owned(r):
+            for m in ms:
                 rows, cols = ex.blocks[m][me]
                 out[m] = returned[r][offset : offset + ex.numel(m, me)].view(len(rows), len(cols))
                 offset += ex.numel(m, me)
@@ -299,13 +302,6 @@ def _as_slice(index: torch.Tensor) -> slice | None:
     if torch.equal(index.cpu(), torch.arange(start, start + len(index))):
         return slice(start, start + len(index))
     return None
-
-
-def _range(index: torch.Tensor, other: torch.Tensor, axis: int) -> Any:
-    if len(index) == 0 or bool((index == torch.arange(index[0], index[0] + len(index))).all()):
-        start = int(index[0]) if len(index) else 0
-        return slice(start, start + len(index))
-    return index[:, None] if axis == 0 else index[None, :]
 
 
 def _flat(tensors: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

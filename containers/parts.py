@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.grad_norm import GlobalNorm, dense
+from containers.grad_norm import GlobalNorm, dense, local
 
 if TYPE_CHECKING:
     from containers.base import OptimizersContainer
@@ -76,14 +76,14 @@ def all_finite(
     dimension of the DTensors' mesh, so each rank holding a shard decides the same): one fused
     pass, one collective per group, one host sync for the list.
     """
-    local = [dense(t.to_local() if isinstance(t, DTensor) else t) for t in tensors]
+    pieces = [dense(local(t)) for t in tensors]
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
-    device = local[0].device if local else torch.device(mesh.device_type if mesh else "cpu")
+    device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
     found = torch.zeros((), device=device)
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in local:
+    for t in pieces:
         if t.numel():
             by_kind.setdefault((t.device, t.dtype), []).append(t)
     for (dev, _), group in by_kind.items():
