@@ -147,6 +147,7 @@ class OptimizersContainer(Optimizer, Stateful):
             self.units.append(unit)
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
+        self.precision.built(self.optimizers)
         self.defaults = dict(optimizer_kwargs)
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()

@@ -1,4 +1,5 @@
-"""The eager mixed-precision step: low-precision gradients to fp32, chunk by chunk.
+"""The eager mixed-precision step of optimizers without flat buffers (`containers.flat_adam`
+takes fused Adam/AdamW groups): low-precision gradients to fp32, chunk by chunk.
 
 `MasterWeights.apply` steps fp32 masters with the inner optimizers, which need fp32 gradients.
 Casting every gradient at once
@@ -25,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from containers.flat_adam import shaped_like
 from containers.grad_norm import SCRATCH_NUMEL, local, scratch
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
@@ -71,17 +72,6 @@ def _chunks(triples: list[Triple], limit: int) -> list[list[Triple]]:
     return runs
 
 
-def _as_grad(view: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """`view` (a piece of the local buffer) as the gradient of `master` (a DTensor's too)."""
-    view = view.view(local(master).shape)
-    if isinstance(master, DTensor):
-        return DTensor.from_local(
-            view, master.device_mesh, master.placements, shape=master.shape,
-            stride=master.stride(), run_check=False,
-        )  # fmt: skip
-    return view
-
-
 @torch.no_grad()
 def step_masters(
     optimizers: Sequence[Optimizer],
@@ -113,7 +103,7 @@ def step_masters(
         if factor != 1.0:
             torch._foreach_mul_(views, factor)
         for (_, _, m), view in zip(run, views):
-            m.grad = _as_grad(view, m)
+            m.grad = shaped_like(view, m)
         for opt in dict.fromkeys(opt for opt, _, _ in run):
             opt.step()
         for _, _, m in run:

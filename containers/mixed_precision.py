@@ -5,9 +5,10 @@ inner optimizers step fp32 masters sharded the same way. A step: one pass over t
 for the global norm (non-finite gradients make it non-finite, so overflow detection cannot be
 defeated by 0 * inf) or, without a clip, the container's finite check; one collective, one
 host sync for the skip decision; then the gradients are cast to fp32 chunk by chunk, unscaled
-and clipped in one multiply, stepped, and the masters written back to the parameters
-(`containers.master_step`), or, compiled, stepped in one pass per tensor
-(`containers.fused_update`).
+and clipped in one multiply, stepped, and the masters written back to the parameters. Fused
+Adam/AdamW groups keep masters and state in flat buffers and step each chunk in one kernel
+call (`containers.flat_adam`); other optimizers step per tensor (`containers.master_step`),
+or, compiled, in one pass per tensor (`containers.fused_update`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
 from containers.base import OptimizersContainer
+from containers.flat_adam import FlatGroup, eligible
 from containers.flat_state import describe_keys
 from containers.fused_update import (
     COMPILE_MIN_NUMEL,
@@ -66,6 +68,7 @@ class MasterWeights(Precision):
         self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
+        self._flat: dict[int, list[FlatGroup]] = {}  # id(inner optimizer) -> its flat groups
         self._unscale = 1.0
         self._backing_off = False  # the last step overflowed with the scale above its floor
 
@@ -100,6 +103,18 @@ class MasterWeights(Precision):
         master = param.detach().to(self.master_dtype)
         self._model_param[id(master)] = param
         return master
+
+    def built(self, optimizers: Sequence[Optimizer]) -> None:
+        """Masters and state of fused Adam/AdamW groups go into flat buffers (`flat_adam`)."""
+        for opt in optimizers:
+            flats = [
+                FlatGroup(opt, g, [self._model_param[id(m)] for m in g["params"]])
+                for g in opt.param_groups
+                if eligible(opt, g)
+            ]
+            if flats:
+                self._flat[id(opt)] = flats
+                opt.register_load_state_dict_post_hook(_mark_stale(flats))
 
     def _pairs(self, optimizers: Sequence[Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, master) of `optimizers`' parameters that have a gradient."""
@@ -152,6 +167,9 @@ class MasterWeights(Precision):
         factor = clip * self._unscale  # unscale and clip in the same multiply
         eager = []
         for opt in optimizers:
+            for flat in self._flat.get(id(opt), ()):
+                if flat.ready():
+                    flat.step(factor)  # drops its gradients: `_pairs` skips it below
             live = self._pairs([opt])
             if self.compile and supports_fused_update(opt):
                 big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
@@ -224,12 +242,18 @@ class MasterWeights(Precision):
         pin = device.type == "cpu" and torch.cuda.is_available()
         with torch.no_grad():
             for opt in optimizers:
+                flats = self._flat.get(id(opt), [])
+                for flat in flats:
+                    flat.move(device, lambda t, d: _moved(t, d, pin))
+                done = {id(m) for flat in flats for m in flat.masters}
                 for group in opt.param_groups:
                     for m in group["params"]:
-                        m.data = _moved(m.data, device, pin)
-                for st in opt.state.values():
+                        if id(m) not in done:
+                            m.data = _moved(m.data, device, pin)
+                for m, st in opt.state.items():
                     for key, value in st.items():
-                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        moves = isinstance(value, torch.Tensor) and value.dim() > 0
+                        if moves and id(m) not in done:
                             st[key] = _moved(value, device, pin)
         if device.type == "cuda":
             torch.cuda.current_stream().synchronize()
@@ -244,6 +268,17 @@ class MasterWeights(Precision):
         device = local(next(iter(self._model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
+
+
+def _mark_stale(flats: list[FlatGroup]):
+    """A load-state-dict post hook: the loaded state is taken into the buffers at the next
+    use, not now, so a load that fails in a later optimizer can still be rolled back."""
+
+    def hook(opt: Optimizer) -> None:
+        for flat in flats:
+            flat.stale = True
+
+    return hook
 
 
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

@@ -123,6 +123,9 @@ class Precision:
         """The tensor the inner optimizer steps for the model parameter `param`."""
         return param
 
+    def built(self, optimizers: Sequence[Optimizer]) -> None:
+        """Told the inner optimizers, built over the `stepped` tensors."""
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 

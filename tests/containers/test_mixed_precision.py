@@ -135,9 +135,10 @@ def test_unused_parameters_and_accumulation():
             )
 
 
-def test_state_dict_round_trip_and_offload_reload_are_exact():
+@pytest.mark.parametrize("fused", [False, True])  # True: flat buffers (containers/flat_adam)
+def test_state_dict_round_trip_and_offload_reload_are_exact(fused):
     parts = _parts()
-    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2, "fused": fused})
     for step in range(3):
         mp.zero_grad()
         _backward(parts, mp, step)

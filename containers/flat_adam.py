@@ -1,0 +1,244 @@
+"""Masters and Adam state of a param group in flat buffers: one fused kernel call per chunk.
+
+Torch's fused Adam/AdamW makes one kernel call per tensor. On a CPU each call costs ~10 us
+of dispatch and thread-pool hand-off, so on a transformer's hundreds of tensors that overhead
+is a third of the fp32 step, and the mixed-precision step adds two per-tensor passes (the
+cast in, the copy back) of its own. Here each eligible param group (`eligible`) keeps its fp32
+masters, `exp_avg`, `exp_avg_sq` and step counts in flat buffers. The masters are rebound onto
+them (`Tensor.set_`, so every holder of a master still holds it) and the optimizer state
+entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
+layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
+time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
+chunk's flat slices.
+
+Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
+kernel runs every element on its vector path whatever the chunking (a tensor's last few
+elements otherwise take a scalar tail, which can round differently in the last place): the
+result does not depend on how params are grouped into units, chunks or optimizers, and equals
+torch's per-tensor fused step bitwise for tensors whose size is a multiple of `PAD`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from containers.grad_norm import SCRATCH_NUMEL, local, scratch
+
+__all__ = ["PAD", "FlatGroup", "eligible", "shaped_like"]
+
+PAD = 64
+"""Elements each tensor's slice is rounded up to: a multiple of every CPU vector width and of
+the fused kernel's per-thread split (one 64-byte cache line)."""
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def eligible(opt: Optimizer, group: dict) -> bool:
+    """Whether `group` of `opt` can step flat: torch's own Adam or AdamW with the fused
+    kernel chosen, whose update of an element reads only that element's gradient and state."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not group["params"]:
+        return False
+    if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
+        return False
+    tensors = [local(m) for m in group["params"]]
+    return all(t.is_contiguous() for t in tensors) and len({t.device for t in tensors}) == 1
+
+
+def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`view` (a flat slice) shaped as `like`'s local piece, a DTensor placed as `like` if it is."""
+    view = view.view(local(like).shape)
+    if isinstance(like, DTensor):
+        return DTensor.from_local(
+            view, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+            run_check=False,
+        )  # fmt: skip
+    return view
+
+
+def _position(opt: Optimizer, group: dict) -> int:
+    return next(i for i, g in enumerate(opt.param_groups) if g is group)
+
+
+def _padded(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+class FlatGroup:
+    """One param group's masters and Adam state as views of flat buffers.
+
+    Args:
+        opt: the inner optimizer (`eligible` for `group`).
+        group: one of its param groups; its params are the masters.
+        model: the model parameter of each master, in the group's order.
+        chunk_numel: elements cast and stepped per kernel call (rounded down to `PAD`).
+    """
+
+    def __init__(
+        self,
+        opt: Optimizer,
+        group: dict,
+        model: Sequence[torch.Tensor],
+        chunk_numel: int = SCRATCH_NUMEL,
+    ) -> None:
+        with torch.no_grad():
+            self._build(opt, group, model, chunk_numel)
+
+    def _build(
+        self, opt: Optimizer, group: dict, model: Sequence[torch.Tensor], chunk_numel: int
+    ) -> None:
+        # By position: torch's load_state_dict replaces the group dicts (an LR scheduler
+        # then sets lr in the new ones).
+        self.opt, self.index, self.model = opt, _position(opt, group), list(model)
+        self.masters: list[torch.Tensor] = list(group["params"])
+        pieces = [local(m) for m in self.masters]
+        self.sizes = [t.numel() for t in pieces]
+        self.starts = [0]
+        for n in self.sizes:
+            self.starts.append(self.starts[-1] + _padded(n))
+        total, first = self.starts[-1], pieces[0]
+        self.buffers = {
+            "master": torch.zeros(total, dtype=first.dtype, device=first.device),
+            **{k: torch.zeros(total, dtype=first.dtype, device=first.device) for k in _MOMENTS},
+            # fused kernels want float32 step counts on the parameters' device
+            "step": torch.zeros(len(pieces), dtype=torch.float32, device=first.device),
+        }
+        for piece, start, n in zip(pieces, self.starts, self.sizes):
+            self.buffers["master"][start : start + n].copy_(piece.view(-1))
+        self.chunks = self._plan(max(PAD, chunk_numel // PAD * PAD))
+        # Stale: the optimizer state holds values that are not in the buffers (torch's start,
+        # a load, torch's own step having made new tensors), to take at the next use.
+        self.stale = True
+        self.uniform: bool | None = None  # all step counts equal; None: not known
+        self._rebind()
+        self.adopt()  # state views from the start: DCP loads into them in place
+
+    def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """Chunks (start, stop, pieces) of at most `limit` elements of the flat buffers, cut
+        between tensors where they fit; a piece (i, lo, hi) is elements lo:hi of tensor i (a
+        tensor larger than a chunk spans several)."""
+        chunks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+        start, pieces = 0, []
+        for i, (begin, n) in enumerate(zip(self.starts, self.sizes)):
+            end = begin + _padded(n)
+            if end - start > limit and pieces:
+                chunks.append((start, begin, pieces))
+                start, pieces = begin, []
+            lo = 0
+            while end - start > limit:  # tensor i alone is larger: full chunks of it
+                chunks.append((start, start + limit, [(i, lo, lo + limit)]))
+                start, lo = start + limit, lo + limit
+            pieces.append((i, lo, n))
+        if pieces:
+            chunks.append((start, self.starts[-1], pieces))
+        return chunks
+
+    @torch.no_grad()
+    def _rebind(self) -> None:
+        """Point every master at its slice of the master buffer and every state entry at
+        its slices (after the buffers were made or moved); values are not touched."""
+        master = self.buffers["master"]
+        for i, m in enumerate(self.masters):
+            piece = local(m)
+            piece.set_(master.untyped_storage(), self.starts[i], piece.shape, piece.stride())
+        self._cast_from = [local(m) for m in self.masters]
+        self._views: dict[str, list[torch.Tensor]] = {
+            k: [self._slice(k, i) for i in range(len(self.masters))] for k in _MOMENTS
+        }
+        self._views["step"] = [self.buffers["step"][i] for i in range(len(self.masters))]
+        if not self.stale:
+            self._install()
+
+    def _slice(self, name: str, i: int) -> torch.Tensor:
+        start = self.starts[i]
+        return shaped_like(self.buffers[name][start : start + self.sizes[i]], self.masters[i])
+
+    def _install(self) -> None:
+        for i, m in enumerate(self.masters):
+            state = self.opt.state[m]
+            for name, views in self._views.items():
+                state[name] = views[i]
+
+    @torch.no_grad()
+    def adopt(self) -> None:
+        """Take the values the optimizer state holds now (torch's start, a load, torch's own
+        step) into the buffers and make the state views of them again."""
+        for i, m in enumerate(self.masters):
+            state = self.opt.state.get(m, {})
+            for name, views in self._views.items():
+                value, view = state.get(name), local(views[i])
+                if value is None:
+                    view.zero_()  # no state yet: torch's start (zero moments, step 0)
+                elif not isinstance(value, torch.Tensor):
+                    view.fill_(value)  # a step count saved as a number
+                elif local(value).data_ptr() != view.data_ptr():
+                    view.copy_(local(value))
+        self.uniform = None
+        self.stale = False
+        self._install()
+
+    def move(self, device: torch.device, moved) -> None:
+        """Move the buffers to `device` with `moved(tensor, device)` and rebind onto them."""
+        if self.stale:
+            self.adopt()
+        self.buffers = {k: moved(v, device) for k, v in self.buffers.items()}
+        self._rebind()
+
+    def ready(self) -> bool:
+        """Whether this step can be flat: every tensor has a gradient and all step counts
+        agree. If not (a parameter without a gradient, a load of uneven counts), torch's own
+        step runs on the same views, and the counts are checked again next time."""
+        if self.stale:
+            self.adopt()
+        if self.uniform is None:
+            steps = self.buffers["step"]
+            self.uniform = bool(steps.eq(steps[0]).all())
+        if self.uniform and all(p.grad is not None for p in self.model):
+            return True
+        self.uniform = None
+        return False
+
+    @torch.no_grad()
+    def step(self, factor: float) -> None:
+        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk;
+        drop each low-precision gradient once it is cast."""
+        group, buf = self.opt.param_groups[self.index], self.buffers
+        decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
+        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        buf["step"].add_(1)
+        step = [buf["step"][0]]
+        grads = [local(p.grad) for p in self.model]
+        device = buf["master"].device
+        for start, stop, pieces in self.chunks:
+            work = scratch(device, stop - start)
+            into, src, cast_to, cast_from, done = [], [], [], [], []
+            for i, lo, hi in pieces:
+                at = self.starts[i] + lo - start
+                g = grads[i]
+                whole = lo == 0 and hi == self.sizes[i]
+                part = work[at : at + hi - lo]
+                into.append(part.view(g.shape) if whole else part)
+                src.append(g if whole else g.view(-1)[lo:hi])
+                target, master = local(self.model[i]), self._cast_from[i]
+                cast_to.append(target if whole else target.view(-1)[lo:hi])
+                cast_from.append(master if whole else master.view(-1)[lo:hi])
+                if hi == self.sizes[i]:
+                    done.append(i)
+            torch._foreach_copy_(into, src)
+            for i in done:
+                grads[i] = None
+                self.model[i].grad = None  # cast: the low-precision gradient can go now
+            del src
+            if factor != 1.0:
+                work.mul_(factor)
+            update(
+                [buf["master"][start:stop]], [work], [buf["exp_avg"][start:stop]],
+                [buf["exp_avg_sq"][start:stop]], [], step, lr=group["lr"], beta1=beta1,
+                beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                amsgrad=False, maximize=group.get("maximize", False),
+            )  # fmt: skip
+            torch._foreach_copy_(cast_to, cast_from)

@@ -1,0 +1,149 @@
+"""containers/flat_adam.py: flat buffers step as torch's fused Adam(W), keep torch's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from config import MixedPrecision as MP
+from containers import MixedPrecisionOptimizersContainer
+from containers.flat_adam import PAD
+
+FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show
+ALIGNED = [(4, PAD), (3 * PAD,), (PAD, 5), (2, 2, PAD)]  # sizes torch's kernel runs all-vector
+ODD = [(5, 3), (7,), (2, 2, 2), (11,), (1,), (4, 67)]
+
+
+def _model(shapes, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Module()
+    for i, s in enumerate(shapes):
+        m.register_parameter(f"w{i}", nn.Parameter(torch.randn(s).to(torch.bfloat16)))
+    return m
+
+
+def _container(model, cls=torch.optim.AdamW, chunk_numel: int | None = None, **kw):
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True, **kw}
+    mp = MixedPrecisionOptimizersContainer([model], cls, kwargs, settings=MP(loss_scaling="none"))
+    if chunk_numel is not None:  # rebuilt with small chunks, so tensors span several
+        flats = mp.precision._flat[id(mp.optimizers[0])]
+        for f in flats:
+            f.chunks = f._plan(chunk_numel)
+    return mp
+
+
+def _grads(shapes, step: int) -> list[torch.Tensor]:
+    torch.manual_seed(100 + step)
+    return [torch.randn(s).to(torch.bfloat16) for s in shapes]
+
+
+def _step(mp, model, grads, factor: float = 1.0) -> None:
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    mp.precision._unscale = factor  # as a loss scale of 1 / factor would
+    mp.precision.apply(mp.optimizers)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_flat_steps_equal_torch_fused_per_tensor_bitwise_across_chunks(cls):
+    model = _model(ALIGNED)
+    mp = _container(model, cls, chunk_numel=2 * PAD)
+    assert len(mp.precision._flat[id(mp.optimizers[0])][0].chunks) > len(ALIGNED)  # split
+    masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
+    ref = cls(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        grads = _grads(ALIGNED, step)
+        _step(mp, model, grads, FACTOR)
+        for m, g in zip(masters, grads):
+            m.grad = g.float() * FACTOR
+        ref.step()
+        assert all(p.grad is None for p in model.parameters())  # dropped once cast
+    state = mp.state_dict()
+    for i, (p, m) in enumerate(zip(model.parameters(), masters)):
+        assert torch.equal(p, m.detach().bfloat16()), i
+        assert torch.equal(state[f"master_weights.w{i}"], m.detach()), i
+        for name, value in ref.state[m].items():
+            assert torch.equal(state[f"state.w{i}.{name}"], value), (i, name)
+
+
+def test_odd_sizes_do_not_depend_on_chunking_and_stay_within_an_ulp_of_torch():
+    runs = []
+    for chunk in (PAD, 1 << 20):
+        model = _model(ODD)
+        mp = _container(model, chunk_numel=chunk)
+        for step in range(3):
+            _step(mp, model, _grads(ODD, step), FACTOR)
+        runs.append(mp.state_dict())
+    masters = [nn.Parameter(p.detach().float()) for p in _model(ODD).parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        for m, g in zip(masters, _grads(ODD, step)):
+            m.grad = g.float() * FACTOR
+        ref.step()
+    for key, value in runs[0].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(runs[1][key], value), key
+    for i, m in enumerate(masters):
+        torch.testing.assert_close(runs[0][f"master_weights.w{i}"], m.detach(), rtol=1e-6, atol=0)
+
+
+def test_state_is_torch_layout_as_views_and_a_load_lands_in_the_buffers():
+    model = _model(ALIGNED)
+    mp = _container(model)
+    opt = mp.optimizers[0]
+    (flat,) = mp.precision._flat[id(opt)]
+    storage = flat.buffers["exp_avg"].untyped_storage()
+    for step in range(2):
+        _step(mp, model, _grads(ALIGNED, step))
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mp.state_dict().items()}
+    # A second run from the saved state continues exactly as the first.
+    other_model = _model(ALIGNED, seed=1)
+    other = _container(other_model)
+    other.load_state_dict(saved)
+    for container in (mp, other):  # as an LR scheduler would, in the groups a load made
+        container.param_groups[0]["lr"] = 5e-3
+    for step in (2, 3):
+        _step(mp, model, _grads(ALIGNED, step))
+        _step(other, other_model, _grads(ALIGNED, step))
+    for (key, a), b in zip(mp.state_dict().items(), other.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), key
+    # Torch's own layout, held in the buffers: no step made a tensor of its own.
+    assert all(opt.state[m]["exp_avg"].untyped_storage() is storage for m in flat.masters)
+    (other_flat,) = other.precision._flat[id(other.optimizers[0])]
+    other_storage = other_flat.buffers["master"].untyped_storage()
+    assert all(m.untyped_storage() is other_storage for m in other_flat.masters)
+
+
+def test_a_parameter_without_a_gradient_takes_torchs_step_and_counts_stay_right():
+    model = _model(ALIGNED)
+    mp = _container(model)
+    masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    (flat,) = mp.precision._flat[id(mp.optimizers[0])]
+    for step in range(4):
+        grads = _grads(ALIGNED, step)
+        if step == 1:
+            grads[2] = None  # unused this step: its count stays behind
+        for p, g in zip(model.parameters(), grads):
+            p.grad = None if g is None else g.clone()
+        mp.precision.apply(mp.optimizers)
+        for m, g in zip(masters, grads):
+            m.grad = None if g is None else g.float()
+        ref.step()
+    assert not flat.uniform  # uneven counts: every later step is torch's, still exact
+    state = mp.state_dict()
+    for i, m in enumerate(masters):
+        for name, value in ref.state[m].items():
+            assert torch.equal(state[f"state.w{i}.{name}"], value), (i, name)
+    assert state["state.w2.step"].item() == 3 and state["state.w0.step"].item() == 4
+
+
+def test_only_fused_adam_groups_go_flat():
+    model = _model(ALIGNED)
+    assert len(_container(model).precision._flat) == 1
+    foreach = _container(model, fused=False)
+    amsgrad = _container(model, amsgrad=True)
+    sgd = MixedPrecisionOptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
+    assert not foreach.precision._flat and not amsgrad.precision._flat and not sgd.precision._flat
