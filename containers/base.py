@@ -387,15 +387,17 @@ class OptimizersContainer(Optimizer, Stateful):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        sliced: set[str] = set()
+        zeros: set[str] = set()
         if self.flat_shards:
-            state_dict = self.flat_shards.take_local(state_dict)
+            state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
         taken = self.precision.take_state(state_dict, self._fqns)
         layout, created = [], {}
         for opt in self.optimizers:
             states, news = self._states(opt, materialize=False)
             layout.append(states)
             created.update(news)
-        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict)
+        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
         changes = changed_settings(self.optimizers, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:

@@ -216,7 +216,7 @@ class FlatShards:
             for _, piece, value in entries:
                 mine[piece.offset : piece.offset + piece.numel] = value
             every = mine.new_empty(unit.shard_numel * unit.group.size())
-            dist.all_gather_into_tensor(every, mine, group=unit.group)
+            dist.all_gather_single(every, mine, group=unit.group)
             for key, piece, _ in entries:
                 end = piece.begin + piece.shape.numel()
                 whole = every[piece.begin : end].view(piece.shape).clone()
@@ -236,10 +236,13 @@ class FlatShards:
     # -- load: full-shape tensors -> local slices --------------------------------------------
 
     @torch.no_grad()
-    def take_local(self, flat: dict[str, Any]) -> dict[str, Any]:
+    def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
         """`flat` with every full-shape FSDP1 entry (a DTensor of any placement, or a plain
-        tensor) cut to this rank's slice; other entries as they are (shape checks follow)."""
+        tensor) cut to this rank's slice, other entries as they are (shape checks follow);
+        the keys cut, and those of them whose whole tensor is all zeros (a placeholder, which
+        the slice alone cannot tell)."""
         out = dict(flat)
+        sliced, zeros = set(), set()
         for key, value in flat.items():
             found = self._piece_of(key)
             if found is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -249,7 +252,10 @@ class FlatShards:
                 continue
             whole = value.full_tensor() if isinstance(value, DTensor) else value
             out[key] = whole.reshape(-1)[piece.start : piece.start + piece.numel].clone()
-        return out
+            sliced.add(key)
+            if not whole.ne(0).any():
+                zeros.add(key)
+        return out, sliced, zeros
 
 
 def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
