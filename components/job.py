@@ -189,7 +189,9 @@ def _build_locked(
     model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
     n_params = sum(p.numel() for p in model.parameters())
     stages = dims.stages(rank, cfg.model.num_parts)
-    model_parts = spec.parallelize_fn(model, cfg.model, mesh, stages)
+    model_parts = spec.parallelize_fn(
+        model, cfg.model, mesh, stages, shard_impl=cfg.parallelism.data_parallel_shard_impl
+    )
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,

@@ -1,5 +1,5 @@
-"""Shard model parts with FSDP2 over the data-parallel dims of the job's mesh, whatever the
-model family."""
+"""Shard model parts with FSDP2 (or FSDP1) over the data-parallel dims of the job's mesh,
+whatever the model family."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+
+from config import ShardImpl
 
 __all__ = ["data_parallel_mesh", "replicate_rest", "shard_parts"]
 
@@ -56,13 +59,31 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh["dp_shard"] if mesh["dp_shard"].size() > 1 else None
 
 
+def _fsdp1(part: nn.Module, mesh: DeviceMesh, units: set[nn.Module]) -> nn.Module:
+    """`part` wrapped by FSDP1, each of `units` wrapped inside it; HSDP on a 2-D mesh."""
+    return FullyShardedDataParallel(
+        part,
+        auto_wrap_policy=CustomPolicy(lambda module: module in units),
+        device_mesh=mesh,
+        sharding_strategy=(
+            ShardingStrategy.HYBRID_SHARD if mesh.ndim == 2 else ShardingStrategy.FULL_SHARD
+        ),
+        # Original parameters (FQNs, param groups by name) for the optimizers; FSDP1 needs a
+        # device even on CPU.
+        use_orig_params=True,
+        device_id=torch.device(mesh.device_type),
+    )
+
+
 def shard_parts(
     parts: list[nn.Module],
     mesh: DeviceMesh | None,
     units: Callable[[nn.Module], Iterable[nn.Module]],
+    impl: ShardImpl = "fsdp2",
 ) -> list[nn.Module]:
-    """`fully_shard` each unit of each part, then the part itself, over `mesh`'s
-    data-parallel dims (`data_parallel_mesh`).
+    """Shard each unit of each part, then the part itself, over `mesh`'s data-parallel dims
+    (`data_parallel_mesh`): `fully_shard` (FSDP2), or FSDP1's `FullyShardedDataParallel`
+    (`use_orig_params=True`; FULL_SHARD, or HYBRID_SHARD with a replicate dim).
 
     Each unit is all-gathered and resharded on its own (e.g. a transformer block), so the
     whole part is never gathered at once; the part's own call picks up what no unit holds.
@@ -72,15 +93,19 @@ def shard_parts(
         mesh: the job's named mesh, or a 1-D data-parallel mesh; None leaves the parts
             unsharded (one process).
         units: a part's modules to shard one by one, in forward order.
+        impl: "fsdp2" or "fsdp1".
 
     Returns:
-        `parts` (the same module objects).
+        FSDP2: `parts` (the same module objects); FSDP1: each part's wrapper.
     """
     if mesh is not None and mesh.mesh_dim_names is not None and "dp_shard" in mesh.mesh_dim_names:
         mesh = data_parallel_mesh(mesh)
-    if mesh is not None:
-        for part in parts:
-            for unit in units(part):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(part, mesh=mesh)
+    if mesh is None:
+        return parts
+    if impl == "fsdp1":
+        return [_fsdp1(part, mesh, set(units(part))) for part in parts]
+    for part in parts:
+        for unit in units(part):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(part, mesh=mesh)
     return parts

@@ -48,12 +48,21 @@ class ModelBuilder(Protocol):
 
 
 class Parallelizer(Protocol):
-    """`(model, cfg: [model], mesh, stages) -> this rank's model parts`: `model` split into
-    `[model] num_parts` parts that keep their FQNs, the parts whose indices are in `stages`
-    kept, parallelized over the job's named `mesh` (None: one process, unsharded)."""
+    """`(model, cfg: [model], mesh, stages, *, shard_impl) -> this rank's model parts`:
+    `model` split into `[model] num_parts` parts that keep their FQNs, the parts whose indices
+    are in `stages` kept, parallelized over the job's named `mesh` (None: one process,
+    unsharded) and sharded by `shard_impl` (`[parallelism] data_parallel_shard_impl`, e.g.
+    through `components.parallelize.shard_parts`)."""
 
     def __call__(
-        self, model: nn.Module, cfg: config.Model, mesh: DeviceMesh | None, stages: Sequence[int], /
+        self,
+        model: nn.Module,
+        cfg: config.Model,
+        mesh: DeviceMesh | None,
+        stages: Sequence[int],
+        /,
+        *,
+        shard_impl: config.ShardImpl = "fsdp2",
     ) -> list[nn.Module]: ...
 
 

@@ -15,6 +15,7 @@ from config.job_config import (
     Optimizer,
     Parallelism,
     ParamGroup,
+    ShardImpl,
     Training,
 )
 from config.loader import load_job_config
@@ -34,6 +35,7 @@ __all__ = [
     "Optimizer",
     "Parallelism",
     "ParamGroup",
+    "ShardImpl",
     "Training",
     "accumulation_steps",
     "field_docs",

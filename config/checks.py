@@ -42,6 +42,44 @@ def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
     return found
 
 
+def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
+    """What FSDP1 model parts cannot run with (`containers.fsdp1` says why in full)."""
+    par = cfg.parallelism
+    key = "[parallelism] data_parallel_shard_impl = 'fsdp1'"
+    fix = "use data_parallel_shard_impl = 'fsdp2'"
+    found = []
+    for degree in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(par, degree) > 1:
+            found.append(
+                f"{key} with {degree} = {getattr(par, degree)}: FSDP1 parameters are flat "
+                f"slices that tensor and pipeline parallelism cannot take; {fix} or set "
+                f"{degree} = 1"
+            )
+    if steps_in_backward(cfg.optimizer):
+        found.append(
+            f"{key} with in-backward steps: FSDP1 gives the parameters their gradients only "
+            f"when backward has ended; {fix} or set [optimizer] early_step_in_backward = false "
+            "and container to 'default'"
+        )
+    if cfg.fault_tolerance.enable:
+        found.append(
+            f"{key} with [fault_tolerance] enable = true: FSDP1 state dicts gather across the "
+            f"group, which torchft cannot run while serving a healing peer; {fix}"
+        )
+    names = [("[optimizer] name", cfg.optimizer.name)] + [
+        (f"[optimizer.param_groups[{i}]] name", g.name)
+        for i, g in enumerate(cfg.optimizer.param_groups)
+    ]
+    for where, name in names:
+        if name in ("Muon", "Adafactor"):
+            found.append(
+                f"{key} with {where} = {name!r}: FSDP1 hands the optimizer 1-D slices of each "
+                f"matrix, and {name} does not update elementwise; {fix} or pick an elementwise "
+                "optimizer (AdamW, Adam, SGD, ...)"
+            )
+    return found
+
+
 def cross_check(cfg: JobConfig) -> None:
     """Raise `ConfigError` for the first rule `cfg` breaks."""
     ft = cfg.fault_tolerance
@@ -57,6 +95,8 @@ def cross_check(cfg: JobConfig) -> None:
             f"[mixed_precision] initial_scale = {mp.initial_scale!r}: must lie within "
             f"min_scale = {mp.min_scale!r} and max_scale = {mp.max_scale!r}; adjust one of them"
         )
+    if cfg.parallelism.data_parallel_shard_impl == "fsdp1":
+        problems += _fsdp1_conflicts(cfg)
     if steps_in_backward(cfg.optimizer):
         problems += _in_backward_conflicts(cfg)
     container = cfg.optimizer.container

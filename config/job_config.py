@@ -54,6 +54,7 @@ class Model:
 
 
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+ShardImpl = Literal["fsdp2", "fsdp1"]
 
 
 @dataclass(kw_only=True)
@@ -67,6 +68,14 @@ class Parallelism:
     data_parallel_shard_degree: int = bounded(-1, ge=-1)
     """Ranks that FSDP2 shards parameters, gradients and optimizer state over; -1 = the ranks
     the other degrees leave."""
+
+    data_parallel_shard_impl: ShardImpl = "fsdp2"
+    """Which FSDP shards the model parts over the data-parallel ranks: "fsdp2"
+    (`fully_shard`, DTensor parameters) or "fsdp1" (`FullyShardedDataParallel` with
+    `use_orig_params=True`; FULL_SHARD, HYBRID_SHARD when data_parallel_replicate_degree > 1).
+    Checkpoints are the same flat FQN format either way and move between the two. fsdp1 runs
+    without tensor or pipeline parallelism, in-backward steps or torchft, with elementwise
+    optimizers only (not Muon or Adafactor)."""
 
     tensor_parallel_degree: int = bounded(1, ge=1)
     """Ranks that split attention and feed-forward matrices column- and row-wise."""

@@ -43,10 +43,11 @@ from containers.flat_state import (
     plan_load,
     refuse_other_layout,
 )
+from containers.fsdp1 import FlatShards, refuse_optimizers
 from containers.grad_norm import GlobalNorm
 from containers.initial_state import derive
 from containers.param_groups import ParamGroupRule, assign, trainable
-from containers.parts import Gate, Precision, StepReport, Timing, all_finite
+from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
@@ -118,20 +119,29 @@ class OptimizersContainer(Optimizer, Stateful):
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
         self._skipped_units = 0
-        self._refuse_impossible_composition()
+        # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
+        # full-shape DTensors on save and back on load (`containers.fsdp1`).
+        self.flat_shards = FlatShards(self.model_parts)
+        refuse_impossible(
+            self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards)
+        )
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
-        self.global_norm = GlobalNorm([p for named in named_units for _, p in named], mesh)
+        self.flat_shards.name({p: fqn for named in named_units for fqn, p in named})
+        self.global_norm = GlobalNorm(
+            [p for named in named_units for _, p in named],
+            mesh,
+            shards=self.flat_shards.shard_counts(),
+        )
         stepped_units = [
             [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
         ]
+        if self.flat_shards:  # before `assign`, whose 2-D check would blame the rules
+            refuse_optimizers([optimizer_cls, *(r.optimizer_cls for r in param_groups)])
+        assigned = assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs)
         self.units: list[Unit] = []
         self.optimizers: list[Optimizer] = []
-        for named, stepped, groups in zip(
-            named_units,
-            stepped_units,
-            assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs),
-        ):
+        for named, stepped, groups in zip(named_units, stepped_units, assigned):
             unit = Unit(params=[p for _, p in named])
             for fqn, s in stepped:
                 self._fqns[s] = fqn
@@ -158,27 +168,6 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self.timing.attach(self)
-
-    def _refuse_impossible_composition(self) -> None:
-        """The one place where parts that cannot work together are refused, with the reason."""
-        if not self.timing.in_backward:
-            return
-        clip = None
-        if self.max_norm:
-            clip = (
-                f"max_norm = {self.max_norm}: the global gradient norm exists only once "
-                "backward has ended, after units stepped; set max_norm to 0 or None"
-            )
-        for part, reason in (
-            ("precision", self.precision.in_backward_conflict()),
-            ("gate", self.gate.in_backward_conflict()),
-            ("clipping", clip),
-        ):
-            if reason:
-                raise ValueError(
-                    f"{type(self.timing).__name__} steps units inside backward, which this "
-                    f"{part} cannot work with: {reason}"
-                )
 
     # -- what the trainer asks -----------------------------------------------------------
 
@@ -378,6 +367,8 @@ class OptimizersContainer(Optimizer, Stateful):
                         if key != "params":
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
         flat.update(self.precision.state_dict(self._fqns))
+        if self.flat_shards:
+            flat = self.flat_shards.export(flat)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, flat)
             if result is not None:
@@ -397,13 +388,17 @@ class OptimizersContainer(Optimizer, Stateful):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        sliced: set[str] = set()
+        zeros: set[str] = set()
+        if self.flat_shards:
+            state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
         taken = self.precision.take_state(state_dict, self._fqns)
         layout, created = [], {}
         for opt in self.optimizers:
             states, news = self._states(opt, materialize=False)
             layout.append(states)
             created.update(news)
-        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict)
+        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
         changes = changed_settings(self.optimizers, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:

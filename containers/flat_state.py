@@ -116,6 +116,8 @@ def plan_load(
     created: Mapping[torch.Tensor, Collection[str]],
     fqns: Mapping[torch.Tensor, str],
     flat: Mapping[str, Any],
+    zeros: Collection[str] = frozenset(),
+    sliced: Collection[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
 
@@ -131,6 +133,9 @@ def plan_load(
         created: each parameter's state names that its optimizer's first update creates.
         fqns: each parameter's FQN.
         flat: the flat state dict to load.
+        sliced: keys of which `flat` holds only this rank's slice (FSDP1), whose slice
+            alone cannot tell whether the whole tensor is a placeholder;
+        zeros: those of them whose whole tensor is all zeros.
     """
     expected: dict[str, Any] = {}
     for states in layout:
@@ -184,9 +189,12 @@ def plan_load(
             loaded: dict[str, Any] = {k: v for k, v in group.items() if k != "params"}
             loaded["params"] = []
             for p in group["params"]:
-                state = unflatten(flat, f"{STATE}.{fqns[p]}", states[p])
+                prefix = f"{STATE}.{fqns[p]}"
+                state = unflatten(flat, prefix, states[p])
                 for name in created.get(p, ()):
-                    if name in state and _all_zero(state[name]):
+                    key = f"{prefix}.{name}"
+                    placeholder = key in zeros if key in sliced else _all_zero(state.get(name))
+                    if name in state and placeholder:
                         del state[name]
                 osd_state[index] = state
                 loaded["params"].append(index)

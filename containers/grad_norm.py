@@ -10,11 +10,15 @@ replicated on, and the stage's dims outside its mesh, copy it); a plain tensor b
 copies, and one all-reduce over the world sums shards, replicas (back to one) and stages.
 Dividing rather than electing one owner per copy keeps every rank's gradients in the sum, so
 a non-finite gradient anywhere makes the norm non-finite on every rank.
+
+FSDP1 parameters (`containers.fsdp1`) are plain tensors holding a 1-D slice each: every
+element lies on one rank of the shard group, so their copies are `world / pp` over the
+group's size (HSDP replicas), told by `shards`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,10 +84,17 @@ class GlobalNorm:
             every rank, whether a collective is needed when `mesh` is None).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); without a
             "pp" dim it is one stage. None: one stage over the world, with a collective only
-            if some parameter is a DTensor.
+            if some parameter is a DTensor or in `shards`.
+        shards: plain parameters that hold disjoint pieces (FSDP1 slices) -> into how many
+            pieces they are cut; their gradients must be passed with `params=`.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], mesh: DeviceMesh | None = None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        mesh: DeviceMesh | None = None,
+        shards: Mapping[torch.Tensor, int] | None = None,
+    ) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         pp = 1
         if mesh is not None:
@@ -97,7 +108,8 @@ class GlobalNorm:
         self.ranks_per_stage = world // pp
         # With a job mesh the ranks always agree on the norm (replicas that drifted apart
         # count by their mean square); without one, plain tensors stay local, as in torch.
-        sharded = any(isinstance(p, DTensor) for p in params)
+        self.shards = dict(shards or {})
+        sharded = bool(self.shards) or any(isinstance(p, DTensor) for p in params)
         self.collective = world > 1 and (mesh is not None or sharded)
         device = next((p.device for p in params), None)
         self.device = device if device is not None else torch.device("cpu")
@@ -108,11 +120,21 @@ class GlobalNorm:
                     f"not divide the {self.ranks_per_stage} ranks of a pipeline stage: shard "
                     "parameters on sub-meshes of the job's mesh without its pp dim"
                 )
+        for n in self.shards.values():
+            if self.ranks_per_stage % n:
+                raise ValueError(
+                    f"an FSDP1 parameter is sharded over {n} ranks, which does not divide the "
+                    f"{self.ranks_per_stage} ranks of a pipeline stage: shard over the job's "
+                    "data-parallel ranks"
+                )
 
-    def copies(self, grad: torch.Tensor) -> int:
-        """How many ranks of the world hold an identical copy of this rank's piece of `grad`."""
+    def copies(self, grad: torch.Tensor, param: torch.Tensor | None = None) -> int:
+        """How many ranks of the world hold an identical copy of this rank's piece of `grad`
+        (the gradient of `param`, if given)."""
         if not self.collective:
             return 1
+        if param is not None and param in self.shards:
+            return self.ranks_per_stage // self.shards[param]
         if isinstance(grad, DTensor):
             return self.ranks_per_stage // _shards(grad)
         return self.ranks_per_stage
@@ -123,16 +145,19 @@ class GlobalNorm:
         grads: Sequence[torch.Tensor],
         square_sum: SquareSum | None = None,
         min_numel: int = 0,
+        params: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of `grads`, this rank's gradients; inf or nan if any
         gradient on any rank is. Every rank must call it (one all-reduce when needed).
 
         `square_sum` replaces the per-tensor fp32 sum of squares (e.g. a compiled kernel) for
         tensors of at least `min_numel` elements; smaller ones take the foreach path.
+        `params`: the parameters whose gradients `grads` are, in order (needed for `shards`).
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
-        for g in grads:
-            by_copies.setdefault(self.copies(g), []).append(dense(local(g)))
+        owners = params if params is not None else [None] * len(grads)
+        for g, p in zip(grads, owners, strict=True):
+            by_copies.setdefault(self.copies(g, p), []).append(dense(local(g)))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, tensors in sorted(by_copies.items()):
             sq = _sum_of_squares(tensors, square_sum, min_numel, self.device)

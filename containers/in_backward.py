@@ -53,6 +53,17 @@ class InBackward(Timing):
         self._passes: dict[Unit, int] = {}  # backward passes that reached the unit this step
         self._stepped: set[Unit] = set()
 
+    def fsdp1_conflict(self) -> str | None:
+        # Measured: FSDP1 runs forward and backward on its flat parameter, so hooks on the
+        # original parameters never fire, and their gradient views exist only once the
+        # whole backward has ended.
+        return (
+            "FSDP1 computes gradients on its flat parameters and gives the original "
+            "parameters theirs only when backward has ended, so no unit can step inside "
+            "backward; shard with FSDP2 ([parallelism] data_parallel_shard_impl = 'fsdp2') "
+            "or step after backward (early_step_in_backward = false)"
+        )
+
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
         """One unit per FSDP2 module (its gradients arrive together after one reduce-scatter),
         else one per module that directly owns parameters."""

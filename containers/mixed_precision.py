@@ -144,8 +144,9 @@ class MasterWeights(Precision):
         over = over if over is not None else GlobalNorm(params)
         grads = [p.grad for p in params]
         if self.compile:
-            return over(grads, compiled()[1], self.compile_min_numel) * self._unscale
-        return over(grads) * self._unscale
+            norm = over(grads, compiled()[1], self.compile_min_numel, params=params)
+            return norm * self._unscale
+        return over(grads, params=params) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self._backing_off = not applied and self.scaler.can_back_off

@@ -16,7 +16,7 @@ from containers.parts import Named
 __all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 GroupSpecs = dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]
 """One unit's inner optimizers: class -> [(params, group kwargs)]."""

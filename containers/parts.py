@@ -10,8 +10,9 @@ Every container runs the same step (`OptimizersContainer.step`); three parts plu
 - **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
   inside backward as each unit's gradients become final (`containers.in_backward`).
 
-A part that cannot work when units apply inside backward says why in `in_backward_conflict`;
-the container refuses such a composition when it is built.
+A part that cannot work when units apply inside backward says why in `in_backward_conflict`,
+one that cannot work on FSDP1 model parts in `fsdp1_conflict`; the container refuses such a
+composition when it is built (`refuse_impossible`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ from containers.grad_norm import GlobalNorm, dense, local
 if TYPE_CHECKING:
     from containers.base import OptimizersContainer
 
-__all__ = ["Gate", "Named", "Precision", "StepReport", "Timing", "all_finite", "params_with_grad"]
+__all__ = [
+    "Gate",
+    "Named",
+    "Precision",
+    "StepReport",
+    "Timing",
+    "all_finite",
+    "params_with_grad",
+    "refuse_impossible",
+]
 
 Named = list[tuple[str, torch.Tensor]]
 """(FQN, parameter) pairs of one model part or one unit."""
@@ -115,6 +125,9 @@ class Precision:
     def in_backward_conflict(self) -> str | None:
         return None
 
+    def fsdp1_conflict(self) -> str | None:
+        return None
+
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Give `model` the parameter dtype this precision expects (before it is sharded)."""
         return model
@@ -138,7 +151,8 @@ class Precision:
     ) -> torch.Tensor:
         """Global L2 norm of the gradients of `params` (model parameters), each element
         counted once over the job's mesh as `over` says (None: `GlobalNorm(params)`)."""
-        return (over if over is not None else GlobalNorm(params))([p.grad for p in params])
+        over = over if over is not None else GlobalNorm(params)
+        return over([p.grad for p in params], params=params)
 
     @torch.no_grad()
     def clip_(
@@ -200,6 +214,9 @@ class Gate:
     def in_backward_conflict(self) -> str | None:
         return None
 
+    def fsdp1_conflict(self) -> str | None:
+        return None
+
     def on_zero_grad(self) -> None:
         """A new step begins."""
 
@@ -215,6 +232,9 @@ class Timing:
 
     in_backward = False
 
+    def fsdp1_conflict(self) -> str | None:
+        return None
+
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
         """Split each part's trainable parameters into units with inner optimizers of their own."""
         return [named for named in parts if named]
@@ -227,3 +247,36 @@ class Timing:
 
     def finish(self, container: OptimizersContainer) -> None:
         """In `step()`, for timings that apply inside backward: apply what is left."""
+
+
+def refuse_impossible(
+    precision: Precision, gate: Gate, timing: Timing, max_norm: float | None, fsdp1: bool
+) -> None:
+    """The one place where parts that cannot work together (or on FSDP1 model parts) are
+    refused, with the reason: raise ValueError."""
+    if fsdp1:
+        for part, obj in (("precision", precision), ("gate", gate), ("timing", timing)):
+            reason = obj.fsdp1_conflict()
+            if reason:
+                raise ValueError(
+                    f"the model parts are FSDP1 (FullyShardedDataParallel), which the {part} "
+                    f"{type(obj).__name__} cannot work with: {reason}"
+                )
+    if not timing.in_backward:
+        return
+    clip = None
+    if max_norm:
+        clip = (
+            f"max_norm = {max_norm}: the global gradient norm exists only once "
+            "backward has ended, after units stepped; set max_norm to 0 or None"
+        )
+    for part, reason in (
+        ("precision", precision.in_backward_conflict()),
+        ("gate", gate.in_backward_conflict()),
+        ("clipping", clip),
+    ):
+        if reason:
+            raise ValueError(
+                f"{type(timing).__name__} steps units inside backward, which this "
+                f"{part} cannot work with: {reason}"
+            )

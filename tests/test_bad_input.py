@@ -45,6 +45,9 @@ def test_no_arguments_run_the_debug_job(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
 
 
+FSDP1 = ["--parallelism.data_parallel_shard_impl", "fsdp1"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -58,6 +61,22 @@ def test_no_arguments_run_the_debug_job(tmp_path):
         (["--model.flavor", "huge"], "[model] flavor = 'huge': unknown flavor"),
         (["--optimizer.container", "x"], "[optimizer] container = 'x': unknown container"),
         (["--training.global_batch_size", "12"], "global_batch_size = 12: not a multiple"),
+        (
+            [*FSDP1, "--parallelism.tensor_parallel_degree", "2"],
+            "data_parallel_shard_impl = 'fsdp1' with tensor_parallel_degree = 2",
+        ),
+        (
+            [*FSDP1, "--optimizer.early_step_in_backward"],
+            "data_parallel_shard_impl = 'fsdp1' with in-backward steps: FSDP1 gives",
+        ),
+        (
+            [*FSDP1, "--fault_tolerance.enable"],
+            "'fsdp1' with [fault_tolerance] enable = true",
+        ),
+        (
+            [*FSDP1, "--optimizer.name", "Muon"],
+            "'fsdp1' with [optimizer] name = 'Muon': FSDP1 hands the optimizer 1-D slices",
+        ),
     ],
 )
 def test_what_the_job_cannot_run_is_refused_before_any_process_group(args, message):

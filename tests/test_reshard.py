@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (ranks, [parallelism] flags)
     "pp2_dp1": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "pp2_dp2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
     "tp2_dp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp1_dp3": (3, ["--parallelism.data_parallel_shard_impl", "fsdp1"]),
 }
 
 
@@ -111,6 +112,10 @@ def _merged(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return merged
 
 
+def _tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
 def _metrics(dump: Path) -> dict[int, dict[str, Any]]:
     """Step -> its metrics.jsonl row."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -145,7 +150,15 @@ def test_a_pp2_dp2_checkpoint_resumes_at(layout, saved, tmp_path):
     _check(run, saved.ref, 4, 6, reference=saved.ref)
 
 
-@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2"])
+@pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2", "fsdp1_dp3"])
 def test_a_dp4_checkpoint_resumes_at(layout, saved, tmp_path):
     run = _resume(saved.dp4.dump, 6, tmp_path / layout, layout, steps=8)
     _check(run, saved.dp4.dump, 6, 8, reference=saved.ref)
+    if layout == "fsdp1_dp3":
+        # What FSDP1 (FullyShardedDataParallel) wrote: FSDP2's keys, shapes and dtypes.
+        fsdp1, fsdp2 = _stored(run.dump, 8), _stored(saved.ref, 8)
+        for name in ("model", "optimizer"):
+            assert {k: (v.shape, v.dtype) for k, v in fsdp1[name].items() if _tensor(v)} == {
+                k: (v.shape, v.dtype) for k, v in fsdp2[name].items() if _tensor(v)
+            }
+            assert fsdp1[name].keys() == fsdp2[name].keys()

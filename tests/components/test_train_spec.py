@@ -21,7 +21,7 @@ def _spec(name: str) -> TrainSpec:
     return TrainSpec(
         name=name,
         build_model_fn=lambda cfg: torch.nn.Linear(2, 2),
-        parallelize_fn=lambda model, cfg, mesh, stages: [model],
+        parallelize_fn=lambda model, cfg, mesh, stages, **_: [model],
         build_loss_fn=lambda cfg: F.mse_loss,
         build_dataloader_fn=lambda cfg, rank, world: iter(()),
     )

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 from components.models.llama.model import Transformer, split_model
 from components.parallelize import replicate_rest, shard_parts
 from config import Model as ModelConfig
+from config import ShardImpl
 
 __all__ = ["parallelize"]
 
@@ -38,7 +39,13 @@ def _blocks(part: nn.Module) -> Iterable[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh | None, stages: Sequence[int]
+    model: nn.Module,
+    cfg: ModelConfig,
+    mesh: DeviceMesh | None,
+    stages: Sequence[int],
+    /,
+    *,
+    shard_impl: ShardImpl = "fsdp2",
 ) -> list[nn.Module]:
     """This rank's model parts: `model` split into `[model] num_parts`, the parts `stages`
     kept; blocks tensor-parallel over the mesh's tp dim, then each block and part sharded over
@@ -49,6 +56,7 @@ def parallelize(
         cfg: the `[model]` section (reads `num_parts`).
         mesh: the job's named mesh (`components.parallel_dims.MESH_DIMS`); None: one process.
         stages: indices of the parts this rank holds (all of them without pipelining).
+        shard_impl: "fsdp2" (`fully_shard`) or "fsdp1" (`FullyShardedDataParallel`).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"llama parallelize: expected a llama Transformer, got {type(model)}")
@@ -60,4 +68,4 @@ def parallelize(
             for block in _blocks(part):
                 parallelize_module(block, mesh["tp"], _BLOCK_PLAN)
             replicate_rest(part, mesh["tp"])
-    return shard_parts(parts, mesh, _blocks)
+    return shard_parts(parts, mesh, _blocks, shard_impl)

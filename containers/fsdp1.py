@@ -1,0 +1,271 @@
+"""FSDP1 model parts: `FullyShardedDataParallel(use_orig_params=True)` in the flat DCP format.
+
+FSDP1 flattens each wrapped module's parameters into one flat parameter and gives every rank
+an equal, padded slice of it. With `use_orig_params=True` the optimizer sees each original
+parameter as a 1-D view of the part of it inside the rank's slice: a range of its flattened
+elements, which may be empty or cut anywhere, under `_fsdp_wrapped_module.` names. A state
+dict of those views is rank-local and no other layout can load it.
+
+`FlatShards` turns them into what FSDP2 writes, as torch's own FSDP1 optimizer state dict
+does (gather, then chunk): each per-element entry of a parameter (moments, masters) is
+all-gathered over the shard group, one collective per flat parameter and state name, and
+becomes a full-shape DTensor placed `Shard(0)` (HSDP: `(Replicate(), Shard(0))`); a scalar
+(Adam's `step`) is taken from a rank that holds elements of the parameter (a rank whose
+slice is empty never steps it). A load takes each rank's range back out of the full tensor.
+So checkpoints move between FSDP1 and FSDP2 at any world size, and keys are the original
+FQNs.
+
+Only optimizers whose update is elementwise can step such slices: a matrix optimizer (Muon)
+or a factored one (Adafactor) would compute something else on a 1-D piece of a matrix, so
+they are refused (`refuse_optimizers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim import Optimizer
+
+__all__ = ["ELEMENTWISE", "FlatShards", "refuse_optimizers"]
+
+ELEMENTWISE: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+"""torch optimizers whose update of an element depends on that element alone (and on
+per-parameter scalars): they step an FSDP1 slice exactly as they would the whole tensor."""
+
+_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One flat parameter: the group it is sharded over and where its parameters lie."""
+
+    group: dist.ProcessGroup
+    mesh: DeviceMesh
+    placements: tuple[Shard | Replicate, ...]
+    shard_numel: int
+    """Elements of each rank's padded slice (the same on every rank)."""
+    begins: list[int]
+    """Each parameter's first element in the unsharded, padded flat parameter."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """This rank's part of one original parameter."""
+
+    unit: _Unit
+    shape: torch.Size
+    offset: int
+    """Where the part lies in this rank's slice of the flat parameter."""
+    start: int
+    """Its first element in the flattened full parameter."""
+    numel: int
+    begin: int
+    """Where the whole parameter begins in the unsharded, padded flat parameter."""
+    owner: int
+    """The lowest group rank holding elements of the parameter: its scalars are the truth."""
+
+
+def _fsdp_modules(part: nn.Module) -> Iterable[FullyShardedDataParallel]:
+    for module in part.modules():
+        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+            yield module
+
+
+def _unit(module: FullyShardedDataParallel) -> _Unit:
+    strategy = module.sharding_strategy
+    if strategy not in _STRATEGIES:
+        raise ValueError(
+            f"FullyShardedDataParallel sharding_strategy = {strategy.name}: the containers "
+            "support FULL_SHARD and HYBRID_SHARD; wrap with one of them"
+        )
+    if not module._use_orig_params:
+        raise ValueError(
+            "FullyShardedDataParallel(use_orig_params=False) hands the optimizer flat "
+            "parameters without FQNs; wrap with use_orig_params=True"
+        )
+    group = module.process_group
+    mesh = getattr(module, "_device_mesh", None)
+    if strategy == ShardingStrategy.HYBRID_SHARD:
+        if mesh is None or mesh.ndim != 2:
+            raise ValueError(
+                "FullyShardedDataParallel(sharding_strategy=HYBRID_SHARD) without a 2-D "
+                "device_mesh: pass device_mesh=(replicate, shard) so checkpoints can say "
+                "which ranks hold copies"
+            )
+        placements: tuple[Shard | Replicate, ...] = (Replicate(), Shard(0))
+    else:
+        if mesh is None:
+            mesh = DeviceMesh.from_group(group, module.compute_device.type)
+        placements = (Shard(0),)
+    flat = module._handle.flat_param
+    begins, at = [], 0
+    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if not padding:
+            begins.append(at)
+        at += numel
+    return _Unit(group, mesh, placements, flat._sharded_size.numel(), begins)
+
+
+class FlatShards:
+    """The FSDP1 parameters of some model parts, and the conversion of their flat state
+    entries to and from full-shape DTensors.
+
+    Args:
+        model_parts: modules that may hold `FullyShardedDataParallel` modules.
+    """
+
+    def __init__(self, model_parts: Sequence[nn.Module]) -> None:
+        self.pieces: dict[torch.Tensor, _Piece] = {}
+        for part in model_parts:
+            for module in _fsdp_modules(part):
+                unit = _unit(module)
+                flat = module._handle.flat_param
+                for i, (param, info) in enumerate(zip(flat._params, flat._shard_param_infos)):
+                    shape = flat._shapes[i]
+                    total = shape.numel()
+                    owner = unit.begins[i] // unit.shard_numel if total else 0
+                    self.pieces[param] = _Piece(
+                        unit=unit,
+                        shape=shape,
+                        offset=info.offset_in_shard if info.in_shard else 0,
+                        start=info.intra_param_start_idx if info.in_shard else 0,
+                        numel=info.numel_in_shard if info.in_shard else 0,
+                        begin=unit.begins[i],
+                        owner=owner,
+                    )
+        self._by_fqn: dict[str, _Piece] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.pieces)
+
+    def name(self, fqn_of: Mapping[torch.Tensor, str]) -> None:
+        """Learn each FSDP1 parameter's FQN (`fqn_of`: model parameter -> FQN)."""
+        self._by_fqn = {fqn_of[p]: piece for p, piece in self.pieces.items() if p in fqn_of}
+
+    def shard_counts(self) -> dict[torch.Tensor, int]:
+        """Each FSDP1 parameter's number of distinct pieces (its shard group's size), for
+        the global norm: each element is held by one rank of the group."""
+        return {p: piece.unit.group.size() for p, piece in self.pieces.items()}
+
+    def _piece_of(self, key: str) -> tuple[_Piece, str] | None:
+        """The FSDP1 parameter that a flat `<kind>.<fqn>[.<name>]` key is about, and the key
+        with the FQN left out (what entries of the same kind share)."""
+        kind, _, rest = key.partition(".")
+        if kind == "param_groups" or not self._by_fqn:
+            return None
+        parts = rest.split(".")
+        for cut in range(len(parts), 0, -1):
+            piece = self._by_fqn.get(".".join(parts[:cut]))
+            if piece is not None:
+                return piece, ".".join([kind, *parts[cut:]])
+        return None
+
+    # -- save: local slices -> full-shape DTensors -------------------------------------------
+
+    @torch.no_grad()
+    def export(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """`flat` with every FSDP1 entry as FSDP2 writes it: per-element tensors as full-shape
+        DTensors, scalars as the owner's. Every rank must call it (collectives in each shard
+        group, in the same order everywhere)."""
+        elements: dict[tuple[int, str, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
+        scalars: dict[tuple[int, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
+        units: dict[int, _Unit] = {}
+        for key, value in flat.items():
+            found = self._piece_of(key)
+            if found is None:
+                continue
+            piece, kind = found
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{key} = {value!r}: FSDP1 state must be tensors")
+            units[id(piece.unit)] = piece.unit
+            if value.dim() == 0:
+                scalars.setdefault((id(piece.unit), value.dtype), []).append((key, piece, value))
+            elif value.dim() == 1 and value.numel() == piece.numel:
+                group_key = (id(piece.unit), kind, value.dtype)
+                elements.setdefault(group_key, []).append((key, piece, value))
+            else:
+                raise ValueError(
+                    f"{key} has shape {tuple(value.shape)}, neither a scalar nor one value per "
+                    f"element of this rank's FSDP1 slice ({piece.numel}): an optimizer that is "
+                    "not elementwise cannot step FSDP1 parameters; use FSDP2"
+                )
+        out = dict(flat)
+        for (uid, _, dtype), entries in elements.items():
+            unit = units[uid]
+            mine = torch.zeros(unit.shard_numel, dtype=dtype, device=entries[0][2].device)
+            for _, piece, value in entries:
+                mine[piece.offset : piece.offset + piece.numel] = value
+            every = mine.new_empty(unit.shard_numel * unit.group.size())
+            dist.all_gather_single(every, mine, group=unit.group)
+            for key, piece, _ in entries:
+                end = piece.begin + piece.shape.numel()
+                whole = every[piece.begin : end].view(piece.shape).clone()
+                out[key] = distribute_tensor(whole, unit.mesh, unit.placements, src_data_rank=None)
+        for (uid, _), entries in scalars.items():
+            unit = units[uid]
+            me = dist.get_rank(unit.group)
+            values = torch.stack(
+                [v if piece.owner == me else torch.zeros_like(v) for _, piece, v in entries]
+            )
+            # One rank adds its value, the others zeros: exact.
+            dist.all_reduce(values, group=unit.group)
+            for (key, _, _), value in zip(entries, values.unbind()):
+                out[key] = value.clone()
+        return out
+
+    # -- load: full-shape tensors -> local slices --------------------------------------------
+
+    @torch.no_grad()
+    def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
+        """`flat` with every full-shape FSDP1 entry (a DTensor of any placement, or a plain
+        tensor) cut to this rank's slice, other entries as they are (shape checks follow);
+        the keys cut, and those of them whose whole tensor is all zeros (a placeholder, which
+        the slice alone cannot tell)."""
+        out = dict(flat)
+        sliced, zeros = set(), set()
+        for key, value in flat.items():
+            found = self._piece_of(key)
+            if found is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            piece = found[0]
+            if tuple(value.shape) != tuple(piece.shape):
+                continue
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            out[key] = whole.reshape(-1)[piece.start : piece.start + piece.numel].clone()
+            sliced.add(key)
+            if not whole.ne(0).any():
+                zeros.add(key)
+        return out, sliced, zeros
+
+
+def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
+    """Raise ValueError for an optimizer class that cannot step FSDP1 slices (None: none)."""
+    for cls in classes:
+        if cls is not None and not issubclass(cls, ELEMENTWISE):
+            raise ValueError(
+                f"{cls.__name__} on FSDP1 parameters: FSDP1 hands the optimizer a 1-D slice of "
+                f"each parameter, cut anywhere, and {cls.__name__} does not update elementwise "
+                "(it would compute another update on a piece of a matrix); shard with FSDP2 "
+                "([parallelism] data_parallel_shard_impl = 'fsdp2'), or use one of "
+                f"{', '.join(c.__name__ for c in ELEMENTWISE)}"
+            )
