@@ -100,18 +100,21 @@ def open_seed(path_text: str, model_only: bool, what: str = _KEY) -> Seed:
     if not path.is_dir():
         raise ConfigError(
             f"{where}: no such folder; point it at a checkpoint folder (the one holding "
-            "`.metadata`, e.g. .../checkpoint/step-1000) or leave it empty"
+            f"`.metadata`, e.g. .../checkpoint/step-1000){' or leave it empty' * (what == _KEY)}"
+        )
+    steps = checkpoint_steps(path)
+    if steps and not (path / ".metadata").exists():
+        raise ConfigError(
+            f"{where}: a folder of checkpoints, not one; point at one of them, e.g. "
+            f"{path / f'step-{max(steps)}'}"
         )
     try:
         metadata = verify(path)
     except Damaged as damage:
-        steps = checkpoint_steps(path)
-        fix = (
-            f"it holds checkpoints, point at one of them, e.g. {path / f'step-{max(steps)}'}"
-            if steps
-            else "point it at a complete DCP checkpoint folder"
-        )
-        raise ConfigError(f"{where} is not a usable checkpoint: {damage}; {fix}") from None
+        raise ConfigError(
+            f"{where} is not a usable checkpoint: {damage}; point it at a complete DCP "
+            "checkpoint folder"
+        ) from None
     saved = metadata.state_dict_metadata
     layout = detect_layout(saved)
     if layout is None:
@@ -213,7 +216,7 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
             )
         except ValueError as e:
             raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
-    _load(seed.path, flat, fill)
+    _load(seed, flat, fill)
     nested = unflatten_state_dict(flat, mapping)
     loaded = {key.split(".", 1)[0] for key in fill}
     for name in names:
@@ -224,14 +227,19 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     return step
 
 
-def _load(path: Path, flat: dict[str, Any], fill: Mapping[str, str]) -> None:
+def _load(seed: Seed, flat: dict[str, Any], fill: Mapping[str, str]) -> None:
     """DCP-load the seed's values into `flat` (tensors in place, others replaced); one saved
     key may feed several of ours (weights and their fp32 masters)."""
     readers: dict[str, list[str]] = {}
     for key, source in fill.items():
         readers.setdefault(source, []).append(key)
+    for source, keys in readers.items():
+        # Read into the tensor of the saved dtype (fp32 masters, not bf16 weights), so the
+        # others are cast from the saved values and nothing is rounded twice.
+        dtype = getattr(getattr(seed.saved[source], "properties", None), "dtype", None)
+        keys.sort(key=lambda k: getattr(flat[k], "dtype", None) != dtype)
     request = {source: flat[keys[0]] for source, keys in readers.items()}
-    dcp.load(request, checkpoint_id=path)
+    dcp.load(request, checkpoint_id=seed.path)
     for source, keys in readers.items():
         value = request[source]
         for key in keys:

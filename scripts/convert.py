@@ -211,7 +211,8 @@ def main(argv: list[str]) -> int:
     """Convert; return the exit code."""
     parser = argparse.ArgumentParser(
         prog="python -m scripts.convert",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Other --section.key arguments are train.py's config (conversions into ours).",
     )
     parser.add_argument("src", type=Path, help="our or torchtitan's DCP folder, or a .pt file")
@@ -221,6 +222,8 @@ def main(argv: list[str]) -> int:
     src, dst = args.src, args.dst
     if dst.exists():
         raise ConfigError(f"DST = '{dst}' exists; remove it or name another folder")
+    if not src.exists():
+        raise ConfigError(f"SRC = '{src}': no such file or folder")
     # A folder is checked and its layout read from its DCP metadata; a file is torch.save's.
     layout = "torch.save" if src.is_file() else open_seed(str(src), True, what="SRC").layout
     if layout == "ours" and config_args:

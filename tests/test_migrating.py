@@ -25,12 +25,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from components.checkpoint_seed import open_seed
+from components.job import validate_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config
 from scripts.convert import _read_all
 from scripts.convert import main as convert
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import train_resumed
+from tests.harness.helpers import load_job_state, train_resumed
 from tests.test_train import BASE
 
 ARGS = [*BASE, "--training.steps", "3", "--checkpoint.enable"]
@@ -148,9 +149,15 @@ def test_seed_and_convert_refuse_what_they_cannot_use(seeded, tmp_path, caplog):
     off = ["--checkpoint.enable", "false", "--checkpoint.initial_load_path", str(seeded.source)]
     with pytest.raises(ConfigError, match=r"initial_load_path = .*loads nothing; set .*enable"):
         load_job_config([*BASE, *off])
+    # Checked before any rank starts, when it would be used: a run that has its own
+    # checkpoint restarts with the same arguments even once the seed is gone.
+    gone = [*ARGS, "--checkpoint.initial_load_path", "/no/such", "--job.dump_folder"]
     with pytest.raises(ConfigError, match=r"initial_load_path = '/no/such': no such folder"):
-        open_seed("/no/such", model_only=True)
-    with pytest.raises(ConfigError, match=r"point at one of them, e.g. .*step-3"):
+        validate_job(load_job_config([*gone, str(tmp_path / "new")]))
+    validate_job(load_job_config([*gone, str(seeded.dump)]))
+    with pytest.raises(
+        ConfigError, match=r"a folder of checkpoints, not one; point at one of them, e.g. .*step-3"
+    ):
         open_seed(str(seeded.dump / "checkpoint"), model_only=True)
     other = tmp_path / "other"
     dcp.save({"train_state": {"step": 1}}, checkpoint_id=other, no_dist=True)
@@ -179,3 +186,26 @@ def test_seed_and_convert_refuse_what_they_cannot_use(seeded, tmp_path, caplog):
     skipped = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
     assert len(skipped) == 1 and "dataloader.dp_rank_0" in skipped[0]
     assert "train_state.ntokens_seen" in skipped[0] and "first sample" in skipped[0]
+
+
+def test_weights_only_by_default_and_the_runs_own_checkpoint_wins(seeded, tmp_path):
+    argv = [*ARGS, "--checkpoint.initial_load_path", str(seeded.source)]
+    mixed = [*argv, "--optimizer.container", "mixed_precision"]
+    runs = [
+        (str(tmp_path / "fresh"), argv),
+        (str(tmp_path / "mp"), mixed),
+        (str(seeded.dump), argv),
+    ]
+    fresh, mp, own = run_ranks(1, _load_each, runs)[0]
+    assert fresh["step"] == 0 and fresh["sched"] == 0
+    assert all(torch.equal(fresh["model"][k], v) for k, v in seeded.weights.items())
+    assert all(not v.any() for k, v in fresh["optim"].items() if k.startswith("state."))
+    # bf16 weights with fp32 masters: the masters are the saved weights, not their bf16 cast.
+    for k, v in seeded.weights.items():
+        assert torch.equal(mp["optim"][f"master_weights.{k}"], v)
+        assert torch.equal(mp["model"][k], v.bfloat16())
+    assert own["step"] == 3  # its own step-3, not the seed's step 2
+
+
+def _load_each(runs: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    return [load_job_state(dump, argv) for dump, argv in runs]
