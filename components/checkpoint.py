@@ -34,10 +34,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_files import (
     Damaged,
+    agree_across_ranks,
     checkpoint_steps,
     damaged_checkpoint_error,
     verify,
 )
+from components.checkpoint_seed import load_seed, open_seed
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
 from containers import OptimizersContainer
@@ -155,6 +157,7 @@ class CheckpointManager:
 
     def load(self, read_only: bool = False) -> int:
         """Load the checkpoint that `load_step` picks (newest by default); return its step.
+        With none in the folder, `initial_load_path` seeds the run (`components.checkpoint_seed`).
 
         A run that trains on from a step older than the newest would overwrite and rotate
         away the newer checkpoints: refused (or, with `set_aside_newer`, they are moved
@@ -175,6 +178,10 @@ class CheckpointManager:
             step = self.cfg.load_step
         elif found:
             step = max(found)
+        elif self.cfg.initial_load_path:
+            model_only = self.cfg.initial_load_model_only
+            seed = open_seed(self.cfg.initial_load_path, model_only)
+            return load_seed(seed, self.states, model_only)
         else:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
@@ -188,7 +195,11 @@ class CheckpointManager:
         if newer and not read_only:
             self._protect_newer(step, newer)
         dcp.load(self.states, checkpoint_id=path)
-        logger.info("resumed from %s", path)
+        seed = self.cfg.initial_load_path
+        # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
+        logger.info(
+            "resumed from %s%s", path, f" (not from initial_load_path {seed})" if seed else ""
+        )
         return step
 
     def _prepare_folder(self) -> None:
@@ -255,14 +266,8 @@ class CheckpointManager:
             and isinstance(saved[k], TensorStorageMetadata)
             and tuple(saved[k].size) != tuple(v.shape)
         }
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # A pipeline rank holds only its stages' keys: a saved key is unexpected only if
-            # no rank takes it. Every rank then sees the same verdict and stops together.
-            views: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(views, (missing, unexpected, reshaped))
-            missing = set().union(*(m for m, _, _ in views))
-            unexpected = set.intersection(*(u for _, u, _ in views))
-            reshaped = set().union(*(r for _, _, r in views))
+        # Every rank sees the same verdict and stops together.
+        (missing, reshaped), (unexpected,) = agree_across_ranks((missing, reshaped), (unexpected,))
         if missing or unexpected or reshaped:
             raise ConfigError(
                 f"[checkpoint] checkpoint {path} does not match this job (another model or "

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from config import ConfigError
 
-__all__ = ["Damaged", "checkpoint_steps", "damaged_checkpoint_error", "verify"]
+__all__ = [
+    "Damaged",
+    "agree_across_ranks",
+    "checkpoint_steps",
+    "damaged_checkpoint_error",
+    "verify",
+]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -96,3 +104,18 @@ def damaged_checkpoint_error(step: int, damage: Damaged, found: dict[int, Path])
     if any(s > best for s in found):
         fix += " and set_aside_newer = true (moves the newer steps aside)"
     return ConfigError(f"{message}, or {fix}; intact: {intact}")
+
+
+def agree_across_ranks(
+    any_rank: tuple[set[str], ...], every_rank: tuple[set[str], ...]
+) -> tuple[tuple[set[str], ...], tuple[set[str], ...]]:
+    """Key sets that every rank then sees alike: each of `any_rank` holds what some rank
+    found (missing, reshaped), each of `every_rank` what all ranks found (a saved key is
+    unexpected only if no rank takes it: a pipeline rank holds only its stages' keys)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return any_rank, every_rank
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (any_rank, every_rank))
+    union = tuple(set().union(*(v[0][i] for v in views)) for i in range(len(any_rank)))
+    inter = tuple(set.intersection(*(v[1][i] for v in views)) for i in range(len(every_rank)))
+    return union, inter

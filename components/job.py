@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
+from components.checkpoint_files import checkpoint_steps
+from components.checkpoint_seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
 from components.ft import build_ft_manager, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
@@ -31,7 +34,7 @@ from containers import OptimizersContainer, TorchFTGate
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["Job", "build_job", "init_distributed", "validate_job"]
+__all__ = ["Job", "build_job", "init_distributed", "run_folder", "validate_job"]
 
 
 @dataclass(kw_only=True)
@@ -134,7 +137,20 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> ParallelDims:
     accumulation_steps(cfg.training, ft.group_size * dims.dp)
     if spec.validate_config_fn is not None:
         spec.validate_config_fn(cfg)
+    ckpt = cfg.checkpoint
+    seeds = ckpt.enable and ckpt.initial_load_path
+    # Only a seed that would be used: a restart resumes its own checkpoint whatever the path.
+    if seeds and not checkpoint_steps(Path(run_folder(cfg)) / ckpt.folder):
+        open_seed(ckpt.initial_load_path, ckpt.initial_load_model_only)
     return dims
+
+
+def run_folder(cfg: JobConfig) -> str:
+    """This process's dump folder: each torchft replica group keeps its own files."""
+    ft = cfg.fault_tolerance
+    if ft.enable:
+        return os.path.join(cfg.job.dump_folder, f"replica_{ft.replica_id}")
+    return cfg.job.dump_folder
 
 
 def build_job(cfg: JobConfig) -> Job:
@@ -146,11 +162,7 @@ def build_job(cfg: JobConfig) -> Job:
     """
     dims = validate_job(cfg)
     device, mesh, rank = init_distributed(cfg.comm, dims)
-    ft = cfg.fault_tolerance
-    # Each replica group reads its own share of the data and keeps its own files.
-    dump_folder = cfg.job.dump_folder
-    if ft.enable:
-        dump_folder = os.path.join(dump_folder, f"replica_{ft.replica_id}")
+    dump_folder = run_folder(cfg)
     run_lock = lock_dump_folder(dump_folder)
     try:
         return _build_locked(cfg, device, dims, mesh, rank, dump_folder, run_lock)

@@ -105,6 +105,12 @@ def cross_check(cfg: JobConfig) -> None:
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (then container 'default' is enough)"
         )
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_path and not ckpt.enable:
+        problems.append(
+            f"[checkpoint] initial_load_path = {ckpt.initial_load_path!r}: a run without "
+            "checkpoints loads nothing; set [checkpoint] enable = true or leave it empty"
+        )
     if problems:
         raise ConfigError(problems[0])
 

@@ -313,6 +313,14 @@ class Checkpoint:
     export_model: bool = False
     """At the end, also write the full model state dict to one file (`model-step-N.pt`)."""
 
+    initial_load_path: str = ""
+    """A checkpoint folder (one holding `.metadata`: ours or torchtitan's) that seeds the run
+    when `folder` holds no checkpoint yet; a checkpoint in `folder` always wins. Empty: none."""
+
+    initial_load_model_only: bool = True
+    """With `initial_load_path`: load the model weights only; false also loads optimizer state,
+    LR schedule position and step (and, from our own layout, data position and RNG)."""
+
 
 @dataclass(kw_only=True)
 class FaultTolerance:
