@@ -108,6 +108,7 @@ class FlatGroup:
         }
         for piece, start, n in zip(pieces, self.starts, self.sizes):
             self.buffers["master"][start : start + n].copy_(piece.view(-1))
+        self.live = list(zip(self.model, self.sizes))
         self.chunks = self._plan(max(PAD, chunk_numel // PAD * PAD))
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
@@ -131,7 +132,8 @@ class FlatGroup:
             while end - start > limit:  # tensor i alone is larger: full chunks of it
                 chunks.append((start, start + limit, [(i, lo, lo + limit)]))
                 start, lo = start + limit, lo + limit
-            pieces.append((i, lo, n))
+            if n:
+                pieces.append((i, lo, n))
         if pieces:
             chunks.append((start, self.starts[-1], pieces))
         return chunks
@@ -196,7 +198,8 @@ class FlatGroup:
         if self.uniform is None:
             steps = self.buffers["step"]
             self.uniform = bool(steps.eq(steps[0]).all())
-        if self.uniform and all(p.grad is not None for p in self.model):
+        # (An empty shard, e.g. an FSDP1 slice elsewhere, may get no gradient: nothing to do.)
+        if self.uniform and all(p.grad is not None or not n for p, n in self.live):
             return True
         self.uniform = None
         return False
@@ -211,7 +214,10 @@ class FlatGroup:
         beta1, beta2 = group["betas"]
         buf["step"].add_(1)
         step = [buf["step"][0]]
-        grads = [local(p.grad) for p in self.model]
+        grads = [local(p.grad) if n else None for p, n in self.live]
+        for p, n in self.live:
+            if not n:
+                p.grad = None  # empty: stepped with the rest (its count stays even)
         device = buf["master"].device
         for start, stop, pieces in self.chunks:
             work = scratch(device, stop - start)
