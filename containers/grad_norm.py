@@ -195,9 +195,10 @@ def _sum_of_squares(
 
 
 def _low_precision_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 norms of low-precision tensors: converted into the scratch buffer a piece at a time
-    (one foreach copy and one foreach norm per piece) rather than by `vector_norm(dtype=)`,
-    which allocates an fp32 copy of each tensor."""
+    """fp32 norms of pieces of low-precision tensors (their squares sum to the tensors'):
+    each piece converted into the scratch buffer with one foreach copy and measured with one
+    norm, rather than by `vector_norm(dtype=)`, which allocates an fp32 copy of each tensor,
+    or one norm per tensor, which costs a kernel call per tensor."""
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
@@ -206,7 +207,7 @@ def _low_precision_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             buffer = scratch(piece[0].device, size)
             views = list(torch.split(buffer, [x.numel() for x in piece]))
             torch._foreach_copy_(views, [x.reshape(-1) for x in piece])
-            norms.extend(torch._foreach_norm(views))
+            norms.append(torch.linalg.vector_norm(buffer))
             piece, size = [], 0
         if t is not None:
             piece.append(t)
