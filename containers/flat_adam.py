@@ -109,13 +109,20 @@ class FlatGroup:
         for piece, start, n in zip(pieces, self.starts, self.sizes):
             self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self.live = list(zip(self.model, self.sizes))
-        self.chunks = self._plan(max(PAD, chunk_numel // PAD * PAD))
+        self.chunk(chunk_numel)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
         self.stale = True
         self.uniform: bool | None = None  # all step counts equal; None: not known
         self._rebind()
         self.adopt()  # state views from the start: DCP loads into them in place
+
+    def chunk(self, numel: int) -> None:
+        """Step in chunks of at most `numel` elements (rounded down to `PAD`)."""
+        self.chunks = self._plan(max(PAD, numel // PAD * PAD))
+        # per chunk: the tensors whose last piece it holds; its views (see `_chunk_views`)
+        self._done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
+        self._views_of: dict[int, tuple] = {}
 
     def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Chunks (start, stop, pieces) of at most `limit` elements of the flat buffers, cut
@@ -153,6 +160,25 @@ class FlatGroup:
         self._views["step"] = [self.buffers["step"][i] for i in range(len(self.masters))]
         if not self.stale:
             self._install()
+
+    def _chunk_views(
+        self, c: int, work: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Chunk `c`'s pieces of the scratch buffer `work` and of the masters, kept while
+        `work` and the buffers stay where they are (the step's Python is most of its cost)."""
+        key = (work.data_ptr(), self.buffers["master"].data_ptr())
+        if self._views_of.get(c, (None,))[0] != key:
+            start, _, pieces = self.chunks[c]
+            into, cast_from = [], []
+            for i, lo, hi in pieces:
+                at = self.starts[i] + lo - start
+                part = work[at : at + hi - lo]
+                whole = lo == 0 and hi == self.sizes[i]
+                master = self._cast_from[i]
+                into.append(part.view(master.shape) if whole else part)
+                cast_from.append(master if whole else master.view(-1)[lo:hi])
+            self._views_of[c] = (key, into, cast_from)
+        return self._views_of[c][1], self._views_of[c][2]
 
     def _slice(self, name: str, i: int) -> torch.Tensor:
         start = self.starts[i]
@@ -219,26 +245,22 @@ class FlatGroup:
             if not n:
                 p.grad = None  # empty: stepped with the rest (its count stays even)
         device = buf["master"].device
-        for start, stop, pieces in self.chunks:
+        for c, (start, stop, pieces) in enumerate(self.chunks):
             work = scratch(device, stop - start)
-            into, src, cast_to, cast_from, done = [], [], [], [], []
+            into, cast_from = self._chunk_views(c, work)
+            src, cast_to = [], []
             for i, lo, hi in pieces:
-                at = self.starts[i] + lo - start
-                g = grads[i]
-                whole = lo == 0 and hi == self.sizes[i]
-                part = work[at : at + hi - lo]
-                into.append(part.view(g.shape) if whole else part)
-                src.append(g if whole else g.view(-1)[lo:hi])
-                target, master = local(self.model[i]), self._cast_from[i]
-                cast_to.append(target if whole else target.view(-1)[lo:hi])
-                cast_from.append(master if whole else master.view(-1)[lo:hi])
-                if hi == self.sizes[i]:
-                    done.append(i)
+                if lo == 0 and hi == self.sizes[i]:
+                    src.append(grads[i])
+                    cast_to.append(local(self.model[i]))
+                else:
+                    src.append(grads[i].view(-1)[lo:hi])
+                    cast_to.append(local(self.model[i]).view(-1)[lo:hi])
             torch._foreach_copy_(into, src)
-            for i in done:
+            del src
+            for i in self._done[c]:
                 grads[i] = None
                 self.model[i].grad = None  # cast: the low-precision gradient can go now
-            del src
             if factor != 1.0:
                 work.mul_(factor)
             update(

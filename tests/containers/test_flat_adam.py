@@ -29,7 +29,7 @@ def _container(model, cls=torch.optim.AdamW, chunk_numel: int | None = None, **k
     if chunk_numel is not None:  # rebuilt with small chunks, so tensors span several
         flats = mp.precision._flat[id(mp.optimizers[0])]
         for f in flats:
-            f.chunks = f._plan(chunk_numel)
+            f.chunk(chunk_numel)
     return mp
 
 
