@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.base import OptimizersContainer
-from containers.grad_norm import local
+from containers.grad_norm import local, shaped_like
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision
 
@@ -64,19 +64,22 @@ class TorchFTGate(Gate):
         """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        if not grads:
+        live = [p for p in params if p.grad is not None]
+        if not live:
             return
         # In the gradients' own dtype: under fp16 loss scaling every group scaled its loss by
         # the same scale (the scaler's state is the same everywhere), so the average is the
         # scaled average; an overflow on any group (or of the sum) is inf or nan on all of
         # them, and every group skips the step and backs its scale off alike.
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([local(p.grad).reshape(-1) for p in live])
         self.manager.allreduce(flat).wait()
+        # The averages become the gradients (views of the flat buffer): copied once, not
+        # copied back.
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in live:
+            n = local(p.grad).numel()
+            p.grad = shaped_like(flat[offset : offset + n], p.grad)
+            offset += n
 
     def commit(self) -> bool:
         # A collective inside the replica group: every rank gets the same answer.

@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.grad_norm import SCRATCH_NUMEL, local, scratch
+from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
 
-__all__ = ["PAD", "FlatGroup", "eligible", "shaped_like"]
+__all__ = ["PAD", "FlatGroup", "eligible"]
 
 PAD = 64
 """Elements each tensor's slice is rounded up to: a multiple of every CPU vector width and of
@@ -46,17 +45,6 @@ def eligible(opt: Optimizer, group: dict) -> bool:
         return False
     tensors = [local(m) for m in group["params"]]
     return all(t.is_contiguous() for t in tensors) and len({t.device for t in tensors}) == 1
-
-
-def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`view` (a flat slice) shaped as `like`'s local piece, a DTensor placed as `like` if it is."""
-    view = view.view(local(like).shape)
-    if isinstance(like, DTensor):
-        return DTensor.from_local(
-            view, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
-            run_check=False,
-        )  # fmt: skip
-    return view
 
 
 def _position(opt: Optimizer, group: dict) -> int:

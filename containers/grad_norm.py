@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GlobalNorm", "dense", "local", "scratch"]
+__all__ = ["GlobalNorm", "dense", "local", "scratch", "shaped_like"]
 
 SCRATCH_NUMEL = 1 << 20
 """Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
@@ -53,6 +53,17 @@ SquareSum = Callable[[torch.Tensor], torch.Tensor]
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `t` (a DTensor's local shard; a plain tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`view` (a flat slice) shaped as `like`'s local piece, a DTensor placed as `like` if it is."""
+    view = view.view(local(like).shape)
+    if isinstance(like, DTensor):
+        return DTensor.from_local(
+            view, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+            run_check=False,
+        )  # fmt: skip
+    return view
 
 
 def dense(grad: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.flat_adam import shaped_like
-from containers.grad_norm import SCRATCH_NUMEL, local, scratch
+from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
 
