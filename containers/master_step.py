@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim import Optimizer
 
+from containers.fsdp1 import ELEMENTWISE
 from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
@@ -37,19 +38,7 @@ CHUNK_NUMEL = SCRATCH_NUMEL
 optimizer's step costs ~0.2 ms of Python per call, so chunks must not be many (2^18 was slower
 on the benchmark's 8.5M parameters: 40 chunks); larger chunks raise the peak."""
 
-PER_PARAMETER: tuple[type[Optimizer], ...] = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.SGD,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.Adadelta,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
+PER_PARAMETER = ELEMENTWISE
 """Optimizers (the exact classes) whose update of a parameter reads only that parameter's
 gradient and state, so stepping their parameters chunk by chunk is one step."""
 
