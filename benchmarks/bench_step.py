@@ -48,12 +48,34 @@ class Settings:
     warmup: int
     copy_mb: int
     copy_trials: int
+    tiny_steps: int
+    """Section 6: steps per sample (a tiny step takes tens of microseconds)."""
+    threads: int | None = None
+    """torch's intra-op threads while timing; None: torch's default. On a shared machine the
+    OpenMP workers of a step wait on each other when another process holds a core."""
 
 
 DEFAULT = Settings(
-    params=8_000_000, parts=8, repeats=15, steps=5, warmup=2, copy_mb=256, copy_trials=10
+    params=8_000_000,
+    parts=8,
+    repeats=15,
+    steps=5,
+    warmup=2,
+    copy_mb=256,
+    copy_trials=10,
+    tiny_steps=100,
 )
-QUICK = Settings(params=20_000, parts=2, repeats=2, steps=5, warmup=3, copy_mb=4, copy_trials=3)
+QUICK = Settings(
+    params=20_000,
+    parts=2,
+    repeats=2,
+    steps=5,
+    warmup=3,
+    copy_mb=4,
+    copy_trials=3,
+    tiny_steps=5,
+    threads=1,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,22 +249,19 @@ def load_average() -> float | None:
         return None
 
 
-SPLITS = (8, 32)
-"""Section 5: the same parameter count in this many model parts."""
+SPLITS = (1, 4)
+"""Section 5: the same parameter count in `--parts` times this many model parts (8, 32)."""
 
 TINY_WIDTH = 32
 """Section 6: part width of the tiny parts (4,256 params each), where only fixed costs show."""
 
-TINY_STEPS = 100
-"""Section 6: steps per sample (a tiny step takes tens of microseconds)."""
-
 
 def run_splits(settings: Settings, kw: dict[str, Any], cfg: OptimizerConfig) -> list[Row]:
     """Section 5: "auto" (one fused call across parts) and the per-optimizer steps it
-    replaced, each over one fused AdamW of all parameters, at each of `SPLITS` parts; and a
-    second such AdamW over the first, which shows the noise floor of these ratios."""
+    replaced, each over one fused AdamW of all parameters, at each part count of `SPLITS`;
+    and a second such AdamW over the first, which shows the noise floor of these ratios."""
     rows = []
-    for parts in SPLITS:
+    for parts in (settings.parts * k for k in SPLITS):
         model = make_model(part_width(settings.params, parts), parts)
         auto = build_optimizers(clone_model(model), cfg)
         auto.skip_nonfinite = False
@@ -280,7 +299,7 @@ def run_splits(settings: Settings, kw: dict[str, Any], cfg: OptimizerConfig) -> 
 def run_fixed_cost(settings: Settings, kw: dict[str, Any]) -> list[Row]:
     """Section 6: what the container adds per step over the bare per-part optimizers, on
     parts so small that the kernels cost next to nothing (microseconds per step)."""
-    parts = DEFAULT.parts
+    parts = settings.parts
     model = make_model(TINY_WIDTH, parts)
     opts = {**kw, "fused": True}
     container = OptimizersContainer(
@@ -302,7 +321,7 @@ def run_fixed_cost(settings: Settings, kw: dict[str, Any]) -> list[Row]:
     t = time_interleaved(
         {"container": container.step, "before": before.step, "bare": step_bare},
         2 * settings.repeats,
-        TINY_STEPS,
+        settings.tiny_steps,
         settings.warmup,
     )
 
@@ -494,6 +513,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         metavar="S",
         help=f"steps per sample, fastest contender ({DEFAULT.steps})",
     )
+    parser.add_argument(
+        "--threads", type=int, metavar="T", help="torch threads (torch's default; --quick: 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats (smoke run)")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULT
@@ -501,19 +523,28 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         base,
         **{
             k: v
-            for k in ("params", "parts", "repeats", "steps")
+            for k in ("params", "parts", "repeats", "steps", "threads")
             if (v := getattr(args, k)) is not None
         },
     )
     if min(settings.params, settings.parts, settings.repeats, settings.steps) < 1:
         parser.error("--params, --parts, --repeats and --steps must be positive")
+    if settings.threads is not None and settings.threads < 1:
+        parser.error(f"--threads {settings.threads}: must be positive")
     return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its header and table."""
     start = time.perf_counter()
-    header, rows = run(parse_args(argv))
+    settings = parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        header, rows = run(settings)
+    finally:
+        torch.set_num_threads(threads)  # the caller's (a test process runs on)
     print("\n".join(header))
     print()
     print(format_table(rows))
