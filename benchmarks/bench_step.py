@@ -29,6 +29,7 @@ import torch.nn as nn
 from components.optimizer import build_optimizers, resolve_optimizer
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer
+from containers.parts import Precision
 
 BYTES_PER_PARAM = 28
 """fp32 AdamW traffic per param per step: read param, grad, exp_avg, exp_avg_sq; write three."""
@@ -47,12 +48,34 @@ class Settings:
     warmup: int
     copy_mb: int
     copy_trials: int
+    tiny_steps: int
+    """Section 6: steps per sample (a tiny step takes tens of microseconds)."""
+    threads: int | None = None
+    """torch's intra-op threads while timing; None: torch's default. On a shared machine the
+    OpenMP workers of a step wait on each other when another process holds a core."""
 
 
 DEFAULT = Settings(
-    params=8_000_000, parts=8, repeats=15, steps=5, warmup=2, copy_mb=256, copy_trials=10
+    params=8_000_000,
+    parts=8,
+    repeats=15,
+    steps=5,
+    warmup=2,
+    copy_mb=256,
+    copy_trials=10,
+    tiny_steps=100,
 )
-QUICK = Settings(params=20_000, parts=2, repeats=2, steps=5, warmup=3, copy_mb=4, copy_trials=3)
+QUICK = Settings(
+    params=20_000,
+    parts=2,
+    repeats=2,
+    steps=5,
+    warmup=3,
+    copy_mb=4,
+    copy_trials=3,
+    tiny_steps=5,
+    threads=1,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +159,16 @@ def all_params(model: Sequence[nn.Module]) -> list[nn.Parameter]:
     return [p for part in model for p in part.parameters()]
 
 
+class PerOptimizerSteps(Precision):
+    """The default precision as it was before `containers.grouped_step`: each inner
+    optimizer's own `step()`, one kernel call per part (the "before" of sections 5 and 6)."""
+
+    @torch.no_grad()
+    def apply(self, optimizers: Sequence[torch.optim.Optimizer], *_: Any) -> None:
+        for opt in optimizers:
+            opt.step()
+
+
 # -- timing -----------------------------------------------------------------------------------
 
 
@@ -214,6 +247,94 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+SPLITS = (1, 4)
+"""Section 5: the same parameter count in `--parts` times this many model parts (8, 32)."""
+
+TINY_WIDTH = 32
+"""Section 6: part width of the tiny parts (4,256 params each), where only fixed costs show."""
+
+
+def run_splits(settings: Settings, kw: dict[str, Any], cfg: OptimizerConfig) -> list[Row]:
+    """Section 5: "auto" (one fused call across parts) and the per-optimizer steps it
+    replaced, each over one fused AdamW of all parameters, at each part count of `SPLITS`;
+    and a second such AdamW over the first, which shows the noise floor of these ratios."""
+    rows = []
+    for parts in (settings.parts * k for k in SPLITS):
+        model = make_model(part_width(settings.params, parts), parts)
+        auto = build_optimizers(clone_model(model), cfg)
+        auto.skip_nonfinite = False
+        before = build_optimizers(clone_model(model), cfg)
+        before.skip_nonfinite = False
+        before.precision = PerOptimizerSteps()
+        fused = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
+        control = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
+        t = time_interleaved(
+            {
+                "auto": auto.step,
+                "before": before.step,
+                "fused": fused.step,
+                "control": control.step,
+            },
+            settings.repeats,
+            settings.steps,
+            settings.warmup,
+        )
+        size = f"{parts} parts x {count_params(model) // parts:,}"
+        rows += [
+            ratio_row(f'5 {size}: "auto" / one fused AdamW', t["auto"], t["fused"], 1.03),
+            ratio_row(
+                f"5 {size}: per-optimizer steps (before) / one fused AdamW", t["before"], t["fused"]
+            ),
+            ratio_row(
+                f"5 {size}: noise: a 2nd one fused AdamW / the 1st", t["control"], t["fused"]
+            ),
+        ]
+        del model, auto, before, fused, control
+        gc.collect()
+    return rows
+
+
+def run_fixed_cost(settings: Settings, kw: dict[str, Any]) -> list[Row]:
+    """Section 6: what the container adds per step over the bare per-part optimizers, on
+    parts so small that the kernels cost next to nothing (microseconds per step)."""
+    parts = settings.parts
+    model = make_model(TINY_WIDTH, parts)
+    opts = {**kw, "fused": True}
+    container = OptimizersContainer(
+        clone_model(model), torch.optim.AdamW, opts, skip_nonfinite=False
+    )
+    before = OptimizersContainer(
+        clone_model(model),
+        torch.optim.AdamW,
+        opts,
+        skip_nonfinite=False,
+        precision=PerOptimizerSteps(),
+    )
+    bare = [torch.optim.AdamW(part.parameters(), **opts) for part in clone_model(model)]
+
+    def step_bare() -> None:
+        for opt in bare:
+            opt.step()
+
+    t = time_interleaved(
+        {"container": container.step, "before": before.step, "bare": step_bare},
+        2 * settings.repeats,
+        settings.tiny_steps,
+        settings.warmup,
+    )
+
+    def extra_row(name: str, a: Sequence[float], goal: float | None) -> Row:
+        extra = [(x - y) * 1e6 for x, y in zip(a, t["bare"])]
+        return Row(name, median_ms(a), statistics.median(extra), goal, describe_spread(extra))
+
+    size = f"{parts} parts x {count_params(model) // parts:,}"
+    return [
+        Row(f"6 {size}: bare per-part fused AdamW loop", median_ms(t["bare"]), notes="baseline"),
+        extra_row(f"6 {size}: container - bare loop (us, not a ratio)", t["container"], 20.0),
+        extra_row(f"6 {size}: per-optimizer steps (before) - bare (us)", t["before"], None),
+    ]
 
 
 def run(settings: Settings) -> tuple[list[str], list[Row]]:
@@ -354,6 +475,8 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
         )
         for k in groupings[1:]
     ]
+    rows += run_splits(settings, kw, cfg)
+    rows += run_fixed_cost(settings, kw)
     return header, rows
 
 
@@ -390,6 +513,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         metavar="S",
         help=f"steps per sample, fastest contender ({DEFAULT.steps})",
     )
+    parser.add_argument(
+        "--threads", type=int, metavar="T", help="torch threads (torch's default; --quick: 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats (smoke run)")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULT
@@ -397,19 +523,28 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         base,
         **{
             k: v
-            for k in ("params", "parts", "repeats", "steps")
+            for k in ("params", "parts", "repeats", "steps", "threads")
             if (v := getattr(args, k)) is not None
         },
     )
     if min(settings.params, settings.parts, settings.repeats, settings.steps) < 1:
         parser.error("--params, --parts, --repeats and --steps must be positive")
+    if settings.threads is not None and settings.threads < 1:
+        parser.error(f"--threads {settings.threads}: must be positive")
     return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its header and table."""
     start = time.perf_counter()
-    header, rows = run(parse_args(argv))
+    settings = parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        header, rows = run(settings)
+    finally:
+        torch.set_num_threads(threads)  # the caller's (a test process runs on)
     print("\n".join(header))
     print()
     print(format_table(rows))

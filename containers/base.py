@@ -155,6 +155,7 @@ class OptimizersContainer(Optimizer, Stateful):
                 unit.optimizers.append(opt)
                 self.optimizers.append(opt)
             self.units.append(unit)
+        self._params = [p for unit in self.units for p in unit.params]  # read on every step
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
@@ -246,7 +247,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return loss
 
     def _step_after_backward(self) -> StepReport:
-        params = [p for unit in self.units for p in unit.params if p.grad is not None]
+        params = [p for p in self._params if p.grad is not None]
         self.gate.reduce_gradients(params)
         # Commit before measuring: a healing replica group loads its peer's state (the loss
         # scale among it) inside the commit, and the averaged gradients are scaled by the

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from containers.grad_norm import GlobalNorm, dense, local
+from containers.grouped_step import step_together
 
 if TYPE_CHECKING:
     from containers.base import OptimizersContainer
@@ -180,11 +181,11 @@ class Precision:
         grad_norm: torch.Tensor | None = None,
         max_norm: float | None = None,
     ) -> None:
-        """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first."""
+        """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first;
+        like Adam/AdamW groups of all of them in one kernel call (`step_together`)."""
         if grad_norm is not None:
             self.clip_(params_with_grad(optimizers), grad_norm, max_norm)
-        for opt in optimizers:
-            opt.step()
+        step_together(optimizers)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear gradients the inner optimizers do not own (the model's, beside masters)."""
