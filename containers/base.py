@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import ChainMap, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -201,7 +200,7 @@ class OptimizersContainer(Optimizer, Stateful):
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
         """A read-only live view of every inner optimizer's per-parameter state."""
-        return MappingProxyType(ChainMap(*(opt.state for opt in self.optimizers)))
+        return _States(self.optimizers)
 
     def __iter__(self) -> Iterator[Optimizer]:
         return iter(self.optimizers)
@@ -420,3 +419,23 @@ class OptimizersContainer(Optimizer, Stateful):
         another layout than this container's (e.g. AdamW's for SGD), before anything loads."""
         layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
+
+
+class _States(Mapping):
+    """Every inner optimizer's per-parameter state, read-only. Not a ChainMap: looking a
+    parameter up in the torch defaultdicts of optimizers that do not own it would insert it."""
+
+    def __init__(self, optimizers: Sequence[Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
+        for opt in self._optimizers:
+            if p in opt.state:
+                return opt.state[p]
+        raise KeyError(p)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for opt in self._optimizers for p in opt.state)
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)

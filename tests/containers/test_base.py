@@ -372,6 +372,13 @@ def test_frozen_params_are_skipped_and_iter_len_state_work():
     train(parts, container, 1)
     assert len(container.state) == 4
     assert not any(k.startswith("state.mid.") for k in container.state_dict())
+    # A lookup finds the owner's state and leaves the other optimizers' defaultdicts alone.
+    first, last = container.optimizers
+    head = last.param_groups[0]["params"][0]
+    assert container.state[head] is last.state[head] and head not in first.state
+    with pytest.raises(KeyError):
+        container.state[parts[1].mid.weight]  # frozen: nobody's
+    first.state_dict()  # torch's own, which a foreign empty entry would break
 
 
 def test_rules_can_ask_for_another_optimizer():
