@@ -1,6 +1,6 @@
 """Typed job config: dataclass sections, TOML + CLI loading, and `ConfigError`."""
 
-from config.checks import accumulation_steps, steps_in_backward
+from config.checks import accumulation_steps, fsdp_mixed_precision, steps_in_backward
 from config.errors import ConfigError
 from config.job_config import (
     Checkpoint,
@@ -12,12 +12,11 @@ from config.job_config import (
     Metrics,
     MixedPrecision,
     Model,
-    Optimizer,
     Parallelism,
-    ParamGroup,
     Training,
 )
 from config.loader import load_job_config
+from config.optimizer_config import Optimizer, ParamGroup
 from config.usage import field_docs, usage
 
 __all__ = [
@@ -37,6 +36,7 @@ __all__ = [
     "Training",
     "accumulation_steps",
     "field_docs",
+    "fsdp_mixed_precision",
     "load_job_config",
     "steps_in_backward",
     "usage",
