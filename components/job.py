@@ -21,6 +21,7 @@ from components.ft import build_ft_manager, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
+from components.parallelize import mixed_precision_policy
 from components.pipeline import ForwardBackward, backward_passes, build_forward_backward
 from components.run_lock import RunLock, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
@@ -189,7 +190,10 @@ def _build_locked(
     model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
     n_params = sum(p.numel() for p in model.parameters())
     stages = dims.stages(rank, cfg.model.num_parts)
-    model_parts = spec.parallelize_fn(model, cfg.model, mesh, stages)
+    policy = mixed_precision_policy(cfg.training)
+    # Passed only when set, so a family that shards without mixed precision needs no argument.
+    extra = {"mp_policy": policy} if policy is not None else {}
+    model_parts = spec.parallelize_fn(model, cfg.model, mesh, stages, **extra)
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,

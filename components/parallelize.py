@@ -3,15 +3,18 @@ model family."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
-__all__ = ["data_parallel_mesh", "replicate_rest", "shard_parts"]
+from config import Training as TrainingConfig
+
+__all__ = ["data_parallel_mesh", "mixed_precision_policy", "replicate_rest", "shard_parts"]
 
 
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -56,10 +59,22 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh["dp_shard"] if mesh["dp_shard"].size() > 1 else None
 
 
+def mixed_precision_policy(cfg: TrainingConfig) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy of `[training] mixed_precision_param` and `mixed_precision_reduce`; None
+    when both are float32 (FSDP2's default: no casts)."""
+    if cfg.mixed_precision_param == cfg.mixed_precision_reduce == "float32":
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, cfg.mixed_precision_param),
+        reduce_dtype=getattr(torch, cfg.mixed_precision_reduce),
+    )
+
+
 def shard_parts(
     parts: list[nn.Module],
     mesh: DeviceMesh | None,
     units: Callable[[nn.Module], Iterable[nn.Module]],
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[nn.Module]:
     """`fully_shard` each unit of each part, then the part itself, over `mesh`'s
     data-parallel dims (`data_parallel_mesh`).
@@ -72,6 +87,7 @@ def shard_parts(
         mesh: the job's named mesh, or a 1-D data-parallel mesh; None leaves the parts
             unsharded (one process).
         units: a part's modules to shard one by one, in forward order.
+        mp_policy: FSDP2's mixed precision (`mixed_precision_policy`); None: none.
 
     Returns:
         `parts` (the same module objects).
@@ -79,8 +95,13 @@ def shard_parts(
     if mesh is not None and mesh.mesh_dim_names is not None and "dp_shard" in mesh.mesh_dim_names:
         mesh = data_parallel_mesh(mesh)
     if mesh is not None:
+        policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+        # A unit's inputs come from its part, which computes in param_dtype already; the float
+        # inputs a unit-level cast would catch are side inputs that the model keeps at full
+        # precision on purpose (the llama rotary table: cast to bf16 it moves every position).
+        unit_policy = dataclasses.replace(policy, cast_forward_inputs=False)
         for part in parts:
             for unit in units(part):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(part, mesh=mesh)
+                fully_shard(unit, mesh=mesh, mp_policy=unit_policy)
+            fully_shard(part, mesh=mesh, mp_policy=policy)
     return parts

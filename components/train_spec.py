@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import config
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
@@ -48,12 +49,21 @@ class ModelBuilder(Protocol):
 
 
 class Parallelizer(Protocol):
-    """`(model, cfg: [model], mesh, stages) -> this rank's model parts`: `model` split into
-    `[model] num_parts` parts that keep their FQNs, the parts whose indices are in `stages`
-    kept, parallelized over the job's named `mesh` (None: one process, unsharded)."""
+    """`(model, cfg: [model], mesh, stages, *, mp_policy) -> this rank's model parts`: `model`
+    split into `[model] num_parts` parts that keep their FQNs, the parts whose indices are in
+    `stages` kept, parallelized over the job's named `mesh` (None: one process, unsharded),
+    with FSDP2's `mp_policy` (from `[training] mixed_precision_param`/`_reduce`; passed only
+    when one is set, so a family without mixed precision needs no such argument)."""
 
     def __call__(
-        self, model: nn.Module, cfg: config.Model, mesh: DeviceMesh | None, stages: Sequence[int], /
+        self,
+        model: nn.Module,
+        cfg: config.Model,
+        mesh: DeviceMesh | None,
+        stages: Sequence[int],
+        /,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> list[nn.Module]: ...
 
 

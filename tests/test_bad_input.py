@@ -58,6 +58,22 @@ def test_no_arguments_run_the_debug_job(tmp_path):
         (["--model.flavor", "huge"], "[model] flavor = 'huge': unknown flavor"),
         (["--optimizer.container", "x"], "[optimizer] container = 'x': unknown container"),
         (["--training.global_batch_size", "12"], "global_batch_size = 12: not a multiple"),
+        (
+            [
+                "--optimizer.container",
+                "mixed_precision",
+                "--training.mixed_precision_param",
+                "bfloat16",
+            ],
+            "[training] mixed_precision_param = 'bfloat16': container 'mixed_precision' keeps its "
+            "parameters in [mixed_precision] param_dtype 'bfloat16' already",
+        ),
+        (
+            ["--training.mixed_precision_reduce", "bfloat16"],
+            "[training] mixed_precision_reduce = 'bfloat16': FSDP2's mixed precision applies where "
+            "FSDP2 shards, but data_parallel_shard_degree 1 and data_parallel_replicate_degree 1 "
+            "leave nothing to shard; run 2 or more data-parallel ranks",
+        ),
     ],
 )
 def test_what_the_job_cannot_run_is_refused_before_any_process_group(args, message):
