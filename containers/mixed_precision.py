@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
@@ -66,6 +66,7 @@ class MasterWeights(Precision):
         self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
+        self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self._unscale = 1.0
         self._backing_off = False  # the last step overflowed with the scale above its floor
 
@@ -83,10 +84,21 @@ class MasterWeights(Precision):
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Cast the floating-point parameters only: buffers that carry numerics (a rotary
-        table, running statistics) keep their dtype, and the model casts them where used."""
+        table, running statistics) keep their dtype, and the model casts them where used.
+
+        The full-precision values are kept (by FQN) until the masters are made from them
+        (`stepped`): a master made from the rounded parameter would lose the rounding residue,
+        and while updates are a few ulps of the parameter (warmup) that residue is what makes
+        round(master) move by the update on average; without it every element of a tensor
+        rounds its equal-sized Adam update the same way, a bias of up to half an ulp per
+        step (measured: 26% of the weights one ulp off FSDP2's after the first step, and the
+        next loss 0.01 higher).
+        """
         with torch.no_grad():
-            for p in model.parameters():
+            for fqn, p in model.named_parameters():
                 if p.is_floating_point():
+                    if p.dtype == self.master_dtype:
+                        self._initial[fqn] = p.data
                     p.data = p.data.to(self.param_dtype)
         return model
 
@@ -98,6 +110,9 @@ class MasterWeights(Precision):
                 "container 'default' for full-precision models"
             )
         master = param.detach().to(self.master_dtype)
+        initial = self._initial.pop(fqn, None)
+        if initial is not None and initial.shape == param.shape:
+            _from_initial(local(master), local(param), initial, param)
         self._model_param[id(master)] = param
         return master
 
@@ -116,6 +131,7 @@ class MasterWeights(Precision):
         return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
+        self._initial.clear()  # what no master took (e.g. other pipeline stages' parameters)
         if self.offloaded:
             self.reload(optimizers)
         self._unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
@@ -244,6 +260,23 @@ class MasterWeights(Precision):
         device = local(next(iter(self._model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
+
+
+@torch.no_grad()
+def _from_initial(
+    master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor, like: torch.Tensor
+) -> None:
+    """Overwrite the local `master` (of the local `param`) with the full-precision `initial`
+    values (the whole tensor before the cast), sliced as `like` is sharded, wherever they round
+    to the parameter's value (elsewhere the parameter changed since the cast: keep it)."""
+    if isinstance(like, DTensor):
+        # src_data_rank=None: every rank slices its own copy, no communication.
+        initial = distribute_tensor(
+            initial.to(master.device), like.device_mesh, like.placements, src_data_rank=None
+        ).to_local()
+    initial = initial.to(master.device, master.dtype)
+    if initial.shape == master.shape:
+        master.copy_(torch.where(initial.to(param.dtype) == param, initial, master))
 
 
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
