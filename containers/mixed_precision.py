@@ -86,13 +86,13 @@ class MasterWeights(Precision):
         """Cast the floating-point parameters only: buffers that carry numerics (a rotary
         table, running statistics) keep their dtype, and the model casts them where used.
 
-        The full-precision values are kept (by FQN) until the masters are made from them
-        (`stepped`): a master made from the rounded parameter would lose the rounding residue,
-        and while updates are a few ulps of the parameter (warmup) that residue is what makes
-        round(master) move by the update on average; without it every element of a tensor
-        rounds its equal-sized Adam update the same way, a bias of up to half an ulp per
-        step (measured: 26% of the weights one ulp off FSDP2's after the first step, and the
-        next loss 0.01 higher).
+        The full-precision values are kept (by FQN, until the masters are made from them in
+        `stepped`): a master made from the rounded parameter loses the rounding residue, which
+        is what makes round(master) move by the update on average while updates are a few
+        ulps (warmup). Without it all elements of a tensor round their equal-sized early Adam
+        updates alike, a bias of up to half an ulp per tensor (measured on the debug job: 26%
+        of the bf16 weights one ulp off FSDP2's bf16 policy after the first step, the next
+        loss 0.01 higher; benchmarks/README.md).
         """
         with torch.no_grad():
             for fqn, p in model.named_parameters():
@@ -112,7 +112,7 @@ class MasterWeights(Precision):
         master = param.detach().to(self.master_dtype)
         initial = self._initial.pop(fqn, None)
         if initial is not None and initial.shape == param.shape:
-            _from_initial(local(master), local(param), initial, param)
+            _from_initial(master, param, initial)
         self._model_param[id(master)] = param
         return master
 
@@ -263,17 +263,18 @@ class MasterWeights(Precision):
 
 
 @torch.no_grad()
-def _from_initial(
-    master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor, like: torch.Tensor
-) -> None:
-    """Overwrite the local `master` (of the local `param`) with the full-precision `initial`
-    values (the whole tensor before the cast), sliced as `like` is sharded, wherever they round
-    to the parameter's value (elsewhere the parameter changed since the cast: keep it)."""
-    if isinstance(like, DTensor):
+def _from_initial(master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor) -> None:
+    """Overwrite `master` (a fresh fp32 copy of the model parameter `param`) with `initial`,
+    the whole tensor's full-precision value before the cast, sliced as `param` is sharded,
+    wherever it rounds to the parameter's value (elsewhere the parameter changed since the
+    cast, e.g. a load: its own value stays)."""
+    if isinstance(param, DTensor):
         # src_data_rank=None: every rank slices its own copy, no communication.
         initial = distribute_tensor(
-            initial.to(master.device), like.device_mesh, like.placements, src_data_rank=None
-        ).to_local()
+            initial.to(local(param).device), param.device_mesh, param.placements,
+            src_data_rank=None,
+        ).to_local()  # fmt: skip
+    master, param = local(master), local(param)
     initial = initial.to(master.device, master.dtype)
     if initial.shape == master.shape:
         master.copy_(torch.where(initial.to(param.dtype) == param, initial, master))
@@ -343,6 +344,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             max_norm=max_norm,
             mesh=mesh,
         )
+        # The masters exist: what none took (other pipeline stages' parameters) can go.
+        self.precision._initial.clear()
         if self.precision.compile and not all(supports_fused_update(o) for o in self):
             logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")
 
