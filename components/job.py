@@ -24,6 +24,7 @@ from components.ft import build_ft_manager, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
+from components.parallelize import mixed_precision_policy
 from components.pipeline import ForwardBackward, backward_passes, build_forward_backward
 from components.run_lock import RunLock, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
@@ -201,9 +202,13 @@ def _build_locked(
     model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
     n_params = sum(p.numel() for p in model.parameters())
     stages = dims.stages(rank, cfg.model.num_parts)
+    policy = mixed_precision_policy(cfg.training)
+    # Passed only when set, so a family that shards without mixed precision needs no argument.
+    extra = {"mp_policy": policy} if policy is not None else {}
     model_parts = spec.parallelize_fn(
-        model, cfg.model, mesh, stages, shard_impl=cfg.parallelism.data_parallel_shard_impl
-    )
+        model, cfg.model, mesh, stages, shard_impl=cfg.parallelism.data_parallel_shard_impl,
+        **extra,
+    )  # fmt: skip
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,

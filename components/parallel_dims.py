@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from config import ConfigError, JobConfig
+from config import ConfigError, JobConfig, fsdp_mixed_precision
 
 __all__ = ["MESH_DIMS", "ParallelDims"]
 
@@ -64,6 +64,7 @@ class ParallelDims:
             p.tensor_parallel_degree,
         )
         dims._check_pipeline(cfg)
+        fsdp_mixed_precision(cfg, dims.dp_replicate, dims.dp_shard)
         return dims
 
     def _check_pipeline(self, cfg: JobConfig) -> None:

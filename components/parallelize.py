@@ -3,18 +3,25 @@ whatever the model family."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
 from config import ShardImpl
+from config import Training as TrainingConfig
 
-__all__ = ["data_parallel_mesh", "replicate_rest", "shard_parts"]
+__all__ = ["data_parallel_mesh", "mixed_precision_policy", "replicate_rest", "shard_parts"]
 
 
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -75,11 +82,23 @@ def _fsdp1(part: nn.Module, mesh: DeviceMesh, units: set[nn.Module]) -> nn.Modul
     )
 
 
+def mixed_precision_policy(cfg: TrainingConfig) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy of `[training] mixed_precision_param` and `mixed_precision_reduce`; None
+    when both are float32 (FSDP2's default: no casts)."""
+    if cfg.mixed_precision_param == cfg.mixed_precision_reduce == "float32":
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, cfg.mixed_precision_param),
+        reduce_dtype=getattr(torch, cfg.mixed_precision_reduce),
+    )
+
+
 def shard_parts(
     parts: list[nn.Module],
     mesh: DeviceMesh | None,
     units: Callable[[nn.Module], Iterable[nn.Module]],
     impl: ShardImpl = "fsdp2",
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[nn.Module]:
     """Shard each unit of each part, then the part itself, over `mesh`'s data-parallel dims
     (`data_parallel_mesh`): `fully_shard` (FSDP2), or FSDP1's `FullyShardedDataParallel`
@@ -94,6 +113,7 @@ def shard_parts(
             unsharded (one process).
         units: a part's modules to shard one by one, in forward order.
         impl: "fsdp2" or "fsdp1".
+        mp_policy: FSDP2's mixed precision (`mixed_precision_policy`); None: none.
 
     Returns:
         FSDP2: `parts` (the same module objects); FSDP1: each part's wrapper.
@@ -104,8 +124,13 @@ def shard_parts(
         return parts
     if impl == "fsdp1":
         return [_fsdp1(part, mesh, set(units(part))) for part in parts]
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    # A unit's inputs come from its part, which computes in param_dtype already; the float
+    # inputs a unit-level cast would catch are side inputs that the model keeps at full
+    # precision on purpose (the llama rotary table: cast to bf16 it moves every position).
+    unit_policy = dataclasses.replace(policy, cast_forward_inputs=False)
     for part in parts:
         for unit in units(part):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(part, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=unit_policy)
+        fully_shard(part, mesh=mesh, mp_policy=policy)
     return parts

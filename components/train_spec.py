@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import config
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
@@ -48,11 +49,13 @@ class ModelBuilder(Protocol):
 
 
 class Parallelizer(Protocol):
-    """`(model, cfg: [model], mesh, stages, *, shard_impl) -> this rank's model parts`:
-    `model` split into `[model] num_parts` parts that keep their FQNs, the parts whose indices
-    are in `stages` kept, parallelized over the job's named `mesh` (None: one process,
-    unsharded) and sharded by `shard_impl` (`[parallelism] data_parallel_shard_impl`, e.g.
-    through `components.parallelize.shard_parts`)."""
+    """`(model, cfg: [model], mesh, stages, *, shard_impl, mp_policy) -> this rank's model
+    parts`: `model` split into `[model] num_parts` parts that keep their FQNs, the parts whose
+    indices are in `stages` kept, parallelized over the job's named `mesh` (None: one process,
+    unsharded), sharded by `shard_impl` (`[parallelism] data_parallel_shard_impl`, e.g.
+    through `components.parallelize.shard_parts`), with FSDP2's `mp_policy` (from `[training]
+    mixed_precision_param`/`_reduce`; passed only when one is set, so a family without mixed
+    precision needs no such argument)."""
 
     def __call__(
         self,
@@ -63,6 +66,7 @@ class Parallelizer(Protocol):
         /,
         *,
         shard_impl: config.ShardImpl = "fsdp2",
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> list[nn.Module]: ...
 
 

@@ -1,6 +1,6 @@
 """Typed job config: dataclass sections, TOML + CLI loading, and `ConfigError`."""
 
-from config.checks import accumulation_steps, steps_in_backward
+from config.checks import accumulation_steps, fsdp_mixed_precision, steps_in_backward
 from config.errors import ConfigError
 from config.job_config import (
     Checkpoint,
@@ -12,13 +12,12 @@ from config.job_config import (
     Metrics,
     MixedPrecision,
     Model,
-    Optimizer,
     Parallelism,
-    ParamGroup,
     ShardImpl,
     Training,
 )
 from config.loader import load_job_config
+from config.optimizer_config import Optimizer, ParamGroup
 from config.usage import field_docs, usage
 
 __all__ = [
@@ -39,6 +38,7 @@ __all__ = [
     "Training",
     "accumulation_steps",
     "field_docs",
+    "fsdp_mixed_precision",
     "load_job_config",
     "steps_in_backward",
     "usage",

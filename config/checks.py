@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from config.errors import ConfigError
 from config.job_config import JobConfig, Training
-from config.job_config import Optimizer as OptimizerConfig
+from config.optimizer_config import Optimizer as OptimizerConfig
 
-__all__ = ["accumulation_steps", "cross_check", "steps_in_backward"]
+__all__ = ["accumulation_steps", "cross_check", "fsdp_mixed_precision", "steps_in_backward"]
 
 
 def steps_in_backward(cfg: OptimizerConfig) -> bool:
@@ -66,6 +66,13 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
             f"{key} with [fault_tolerance] enable = true: FSDP1 state dicts gather across the "
             f"group, which torchft cannot run while serving a healing peer; {fix}"
         )
+    policy = _fsdp_policy_set(cfg.training)
+    if policy is not None:
+        found.append(
+            f"{key} with [training] {policy[0]} = {policy[1]!r}: that is FSDP2's mixed "
+            f"precision policy; {fix} or set mixed_precision_param and mixed_precision_reduce "
+            "to 'float32'"
+        )
     names = [("[optimizer] name", cfg.optimizer.name)] + [
         (f"[optimizer.param_groups[{i}]] name", g.name)
         for i, g in enumerate(cfg.optimizer.param_groups)
@@ -78,6 +85,46 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
                 "optimizer (AdamW, Adam, SGD, ...)"
             )
     return found
+
+
+def _fsdp_policy_set(cfg: Training) -> tuple[str, str] | None:
+    """The first of `mixed_precision_param` / `_reduce` that asks FSDP2 for a cast, as
+    (key, value); None when both are float32 (nothing to apply)."""
+    for key in ("mixed_precision_param", "mixed_precision_reduce"):
+        if getattr(cfg, key) != "float32":
+            return key, getattr(cfg, key)
+    return None
+
+
+def _policy_conflict(cfg: JobConfig) -> str | None:
+    found = _fsdp_policy_set(cfg.training)
+    if found is None or cfg.optimizer.container != "mixed_precision":
+        return None
+    key, value = found
+    return (
+        f"[training] {key} = {value!r}: container 'mixed_precision' keeps its parameters in "
+        f"[mixed_precision] param_dtype {cfg.mixed_precision.param_dtype!r} already, and FSDP2 "
+        "computes and reduces in that dtype; leave mixed_precision_param and "
+        "mixed_precision_reduce at 'float32', or use container 'default' (float32 parameters) "
+        "for FSDP2's mixed precision"
+    )
+
+
+def fsdp_mixed_precision(cfg: JobConfig, dp_replicate: int, dp_shard: int) -> None:
+    """Raise `ConfigError` when `[training] mixed_precision_param` or `_reduce` asks for FSDP2's
+    mixed precision but the resolved data-parallel degrees leave FSDP2 nothing to shard
+    (`fully_shard` is applied only when dp_shard or dp_replicate is above 1)."""
+    found = _fsdp_policy_set(cfg.training)
+    if found is None or dp_shard > 1 or dp_replicate > 1:
+        return
+    key, value = found
+    raise ConfigError(
+        f"[training] {key} = {value!r}: FSDP2's mixed precision applies where FSDP2 shards, "
+        f"but data_parallel_shard_degree {dp_shard} and data_parallel_replicate_degree "
+        f"{dp_replicate} leave nothing to shard; run 2 or more data-parallel ranks, or set "
+        "mixed_precision_param and mixed_precision_reduce to 'float32' (container "
+        "'mixed_precision' gives bf16 parameters without FSDP2)"
+    )
 
 
 def cross_check(cfg: JobConfig) -> None:
@@ -100,6 +147,9 @@ def cross_check(cfg: JobConfig) -> None:
     if steps_in_backward(cfg.optimizer):
         problems += _in_backward_conflicts(cfg)
     container = cfg.optimizer.container
+    conflict = _policy_conflict(cfg)
+    if conflict is not None:
+        problems.append(conflict)
     if container == "fault_tolerant" and not ft.enable:
         problems.append(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "

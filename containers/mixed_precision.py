@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
@@ -69,6 +69,7 @@ class MasterWeights(Precision):
         self.offloaded = False
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._flat: dict[int, list[FlatGroup]] = {}  # id(inner optimizer) -> its flat groups
+        self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self._unscale = 1.0
         self._backing_off = False  # the last step overflowed with the scale above its floor
 
@@ -86,10 +87,21 @@ class MasterWeights(Precision):
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Cast the floating-point parameters only: buffers that carry numerics (a rotary
-        table, running statistics) keep their dtype, and the model casts them where used."""
+        table, running statistics) keep their dtype, and the model casts them where used.
+
+        The full-precision values are kept (by FQN, until the masters are made from them in
+        `stepped`): a master made from the rounded parameter loses the rounding residue, which
+        is what makes round(master) move by the update on average while updates are a few
+        ulps (warmup). Without it all elements of a tensor round their equal-sized early Adam
+        updates alike, a bias of up to half an ulp per tensor (measured on the debug job: 26%
+        of the bf16 weights one ulp off FSDP2's bf16 policy after the first step, the next
+        loss 0.01 higher; benchmarks/README.md).
+        """
         with torch.no_grad():
-            for p in model.parameters():
+            for fqn, p in model.named_parameters():
                 if p.is_floating_point():
+                    if p.dtype == self.master_dtype:
+                        self._initial[fqn] = p.data
                     p.data = p.data.to(self.param_dtype)
         return model
 
@@ -101,6 +113,9 @@ class MasterWeights(Precision):
                 "container 'default' for full-precision models"
             )
         master = param.detach().to(self.master_dtype)
+        initial = self._initial.pop(fqn, None)
+        if initial is not None and initial.shape == param.shape:
+            _from_initial(master, param, initial)
         self._model_param[id(master)] = param
         return master
 
@@ -131,6 +146,7 @@ class MasterWeights(Precision):
         return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
+        self._initial.clear()  # what no master took (e.g. other pipeline stages' parameters)
         if self.offloaded:
             self.reload(optimizers)
         self._unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
@@ -282,6 +298,24 @@ def _mark_stale(flats: list[FlatGroup]):
     return hook
 
 
+@torch.no_grad()
+def _from_initial(master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor) -> None:
+    """Overwrite `master` (a fresh fp32 copy of the model parameter `param`) with `initial`,
+    the whole tensor's full-precision value before the cast, sliced as `param` is sharded,
+    wherever it rounds to the parameter's value (elsewhere the parameter changed since the
+    cast, e.g. a load: its own value stays)."""
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank slices its own copy, no communication.
+        initial = distribute_tensor(
+            initial.to(local(param).device), param.device_mesh, param.placements,
+            src_data_rank=None,
+        ).to_local()  # fmt: skip
+    master, param = local(master), local(param)
+    initial = initial.to(master.device, master.dtype)
+    if initial.shape == master.shape:
+        master.copy_(torch.where(initial.to(param.dtype) == param, initial, master))
+
+
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     if t.device == device:
         return t
@@ -346,6 +380,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             max_norm=max_norm,
             mesh=mesh,
         )
+        # The masters exist: what none took (other pipeline stages' parameters) can go.
+        self.precision._initial.clear()
         if self.precision.compile and not all(supports_fused_update(o) for o in self):
             logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")
 

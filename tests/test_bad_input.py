@@ -77,6 +77,22 @@ FSDP1 = ["--parallelism.data_parallel_shard_impl", "fsdp1"]
             [*FSDP1, "--optimizer.name", "Muon"],
             "'fsdp1' with [optimizer] name = 'Muon': FSDP1 hands the optimizer 1-D slices",
         ),
+        (
+            [
+                "--optimizer.container",
+                "mixed_precision",
+                "--training.mixed_precision_param",
+                "bfloat16",
+            ],
+            "[training] mixed_precision_param = 'bfloat16': container 'mixed_precision' keeps its "
+            "parameters in [mixed_precision] param_dtype 'bfloat16' already",
+        ),
+        (
+            ["--training.mixed_precision_reduce", "bfloat16"],
+            "[training] mixed_precision_reduce = 'bfloat16': FSDP2's mixed precision applies where "
+            "FSDP2 shards, but data_parallel_shard_degree 1 and data_parallel_replicate_degree 1 "
+            "leave nothing to shard; run 2 or more data-parallel ranks",
+        ),
     ],
 )
 def test_what_the_job_cannot_run_is_refused_before_any_process_group(args, message):

@@ -96,3 +96,14 @@ def test_the_launcher_refuses_a_bad_layout_in_one_line_before_any_rank_starts(tm
     errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "tensor_parallel_degree" in errors[0], result.stdout
     assert not (tmp_path / "run.lock").exists()  # no rank started
+
+
+def test_fsdp_mixed_precision_needs_a_data_parallel_dim_to_shard():
+    """FSDP2 (and so its mixed precision) runs when dp_shard or dp_replicate is above 1; with
+    tensor parallelism alone nothing is sharded, and the policy is refused, not ignored."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16"]
+    assert ParallelDims.from_config(_cfg(*bf16), 2).dp_shard == 2
+    hsdp = _cfg(*bf16, "--parallelism.data_parallel_replicate_degree", "2")
+    assert ParallelDims.from_config(hsdp, 2).dp_replicate == 2
+    with pytest.raises(ConfigError, match=r"mixed_precision_param = 'bfloat16': FSDP2's mixed"):
+        ParallelDims.from_config(_cfg(*bf16, "--parallelism.tensor_parallel_degree", "2"), 2)

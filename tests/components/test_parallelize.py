@@ -12,11 +12,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from components.job import build_job
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.models.llama.parallelize import parallelize
 from components.parallel_dims import ParallelDims
-from components.parallelize import shard_parts
+from components.parallelize import mixed_precision_policy, shard_parts
 from config import Model as ModelConfig
+from config import Training, load_job_config
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import forward, three_parts
 
@@ -114,3 +116,76 @@ def test_no_mesh_leaves_parts_plain():
 def test_llama_parallelize_refuses_another_model():
     with pytest.raises(TypeError, match="expected a llama Transformer"):
         parallelize(nn.Linear(2, 2), ModelConfig(), None, [0])
+
+
+class _Probe(nn.Module):
+    """loss = sum(w * x): the gradient of `w` is the input, so each rank picks its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+        self.compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.compute_dtype = self.w.dtype  # the unsharded parameter FSDP2 computes with
+        return (self.w * x).sum()
+
+
+# (mixed_precision_param, mixed_precision_reduce) -> (compute dtype, reduced gradient)
+_POLICIES = {
+    ("float32", "float32"): (torch.float32, 0.5 + 2.0**-10),
+    ("float32", "bfloat16"): (torch.float32, 0.5),
+    ("bfloat16", "float32"): (torch.bfloat16, 0.5 + 2.0**-10),
+}
+
+
+def _policies_on_ranks() -> dict:
+    mesh = init_device_mesh("cpu", (2,))
+    # Gradients 1 (rank 0) and 2^-9 (rank 1), both exact in bf16: their mean 0.5 + 2^-10
+    # needs 10 significant bits, so a bf16 reduction (8) rounds it to 0.5.
+    x = torch.full((2,), 1.0 if dist.get_rank() == 0 else 2.0**-9)
+    seen = {}
+    for param, reduce in _POLICIES:
+        training = Training(mixed_precision_param=param, mixed_precision_reduce=reduce)
+        (probe,) = shard_parts([_Probe()], mesh, lambda part: [], mixed_precision_policy(training))
+        probe(x).backward()
+        seen[param, reduce] = (probe.compute_dtype, probe.w.grad.dtype, probe.w.grad.to_local())
+    return seen
+
+
+def test_mixed_precision_options_reach_fully_shard():
+    """`[training] mixed_precision_param` sets the dtype FSDP2 computes in and
+    `mixed_precision_reduce` the one it sums gradients in: a sum that bf16 rounds is exact in
+    fp32; the sharded gradient stays fp32 either way."""
+    for seen in run_ranks(2, _policies_on_ranks):
+        for key, (compute, reduced) in _POLICIES.items():
+            dtype, grad_dtype, grad = seen[key]
+            assert (dtype, grad_dtype) == (compute, torch.float32), key
+            assert grad.tolist() == [reduced], key
+
+
+def _llama_policy_on_ranks(dump: str) -> dict:
+    args = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size"]
+    args += ["2", "--training.mixed_precision_param", "bfloat16", "--job.dump_folder", dump]
+    job = build_job(load_job_config(args))
+    seen = {}
+
+    def record(block: nn.Module, inputs: tuple) -> None:
+        h, rope = inputs
+        seen["block"] = (h.dtype, rope.dtype, block.attention.wq.weight.dtype)
+
+    job.model_parts[0].layers["0"].register_forward_pre_hook(record)
+    job.forward_backward(*next(job.dataloader))
+    seen["grads"] = {p.grad.dtype for p in job.parameters()}
+    job.close()
+    return seen
+
+
+def test_the_policy_computes_in_bf16_from_the_config_and_keeps_the_rotary_table_fp32(tmp_path):
+    """Through `build_job`, `mixed_precision_param = "bfloat16"` reaches the llama family's
+    `fully_shard` calls: a block runs on bf16 hidden states with bf16 weights, but its
+    rotary table, a side input, is not cast (FSDP2 casts a module's float inputs; the
+    blocks' policy does not); gradients land in the fp32 sharded parameters."""
+    for seen in run_ranks(2, _llama_policy_on_ranks, str(tmp_path)):
+        assert seen["block"] == (torch.bfloat16, torch.float32, torch.bfloat16)
+        assert seen["grads"] == {torch.float32}

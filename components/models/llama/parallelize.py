@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -46,6 +47,7 @@ def parallelize(
     /,
     *,
     shard_impl: ShardImpl = "fsdp2",
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[nn.Module]:
     """This rank's model parts: `model` split into `[model] num_parts`, the parts `stages`
     kept; blocks tensor-parallel over the mesh's tp dim, then each block and part sharded over
@@ -57,6 +59,7 @@ def parallelize(
         mesh: the job's named mesh (`components.parallel_dims.MESH_DIMS`); None: one process.
         stages: indices of the parts this rank holds (all of them without pipelining).
         shard_impl: "fsdp2" (`fully_shard`) or "fsdp1" (`FullyShardedDataParallel`).
+        mp_policy: FSDP2's mixed precision for every `fully_shard` (None: none).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"llama parallelize: expected a llama Transformer, got {type(model)}")
@@ -68,4 +71,4 @@ def parallelize(
             for block in _blocks(part):
                 parallelize_module(block, mesh["tp"], _BLOCK_PLAN)
             replicate_rest(part, mesh["tp"])
-    return shard_parts(parts, mesh, _blocks, shard_impl)
+    return shard_parts(parts, mesh, _blocks, shard_impl, mp_policy)
