@@ -147,7 +147,9 @@ def _policies_on_ranks() -> dict:
     seen = {}
     for param, reduce in _POLICIES:
         training = Training(mixed_precision_param=param, mixed_precision_reduce=reduce)
-        (probe,) = shard_parts([_Probe()], mesh, lambda part: [], mixed_precision_policy(training))
+        (probe,) = shard_parts(
+            [_Probe()], mesh, lambda part: [], mp_policy=mixed_precision_policy(training)
+        )
         probe(x).backward()
         seen[param, reduce] = (probe.compute_dtype, probe.w.grad.dtype, probe.w.grad.to_local())
     return seen
