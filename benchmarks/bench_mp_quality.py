@@ -18,7 +18,8 @@ CPU without bf16 units, and 200 steps of 4 x 8 sequences take ~25 minutes per bf
 
 The memory rows come from one extra 2-rank job per contender (`--measure-memory`, one step):
 the local bytes each rank keeps between steps, per local parameter element: parameters,
-gradients (as they stand after backward), optimizer state and masters.
+gradients as they stand after backward (the container's fp32 sums included), optimizer state
+and masters.
 
 Runs whose folder under `--out` already holds `--steps` logged steps are read, not run
 again, so an interrupted table resumes.
@@ -118,6 +119,8 @@ def measure_memory(argv: list[str]) -> None:
         job.forward_backward(*next(job.dataloader))
     params = job.parameters()
     grads = [p.grad for p in params if p.grad is not None]
+    sums = getattr(job.optimizers.precision, "sums", None)  # fp32 gradient sums, if any
+    grads += list(sums.sums.values()) if sums is not None else []
     count = {"params": params, "grads": grads}
     job.optimizers.step()  # creates the optimizer state
 

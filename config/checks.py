@@ -33,6 +33,12 @@ def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
     scaled = mp.loss_scaling in ("dynamic", "static") or (
         mp.loss_scaling == "auto" and mp.param_dtype == "float16"
     )
+    if cfg.optimizer.container == "mixed_precision" and mp.grad_accumulation_dtype == "float32":
+        found.append(
+            f"[mixed_precision] grad_accumulation_dtype = 'float32': the in-backward container "
+            f"{why}, from its bf16 gradients, while fp32 sums are stepped after backward; use "
+            "grad_accumulation_dtype 'param_dtype'"
+        )
     if cfg.optimizer.container == "mixed_precision" and scaled:
         found.append(
             f"[mixed_precision] loss_scaling = {mp.loss_scaling!r} with param_dtype "
@@ -147,6 +153,12 @@ def cross_check(cfg: JobConfig) -> None:
     if steps_in_backward(cfg.optimizer):
         problems += _in_backward_conflicts(cfg)
     container = cfg.optimizer.container
+    if ft.enable and container == "mixed_precision" and mp.grad_accumulation_dtype == "float32":
+        problems.append(
+            "[mixed_precision] grad_accumulation_dtype = 'float32': torchft averages the bf16 "
+            "gradients across replica groups, but the masters would step on this group's own "
+            "fp32 sums; use grad_accumulation_dtype 'param_dtype' with [fault_tolerance]"
+        )
     conflict = _policy_conflict(cfg)
     if conflict is not None:
         problems.append(conflict)

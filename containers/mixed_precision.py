@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
@@ -35,6 +35,7 @@ from containers.fused_update import (
 )
 from containers.grad_norm import GlobalNorm, local
 from containers.loss_scaler import LossScaler
+from containers.master_sources import FullPrecisionSums, from_initial, step_on_sums
 from containers.master_step import step_masters
 from containers.param_groups import ParamGroupRule
 from containers.parts import Gate, Precision, Timing
@@ -67,6 +68,12 @@ class MasterWeights(Precision):
         # Smaller tensors take the eager path even when compiling (`fused_update`).
         self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
+        # Gradients summed in fp32 over micro-batches (`containers.master_sources`).
+        self.sums = (
+            FullPrecisionSums(self.master_dtype)
+            if self.settings.grad_accumulation_dtype == "float32"
+            else None
+        )
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._flat: dict[int, list[FlatGroup]] = {}  # id(inner optimizer) -> its flat groups
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
@@ -78,6 +85,11 @@ class MasterWeights(Precision):
         return self.scaler.mode != "none"
 
     def in_backward_conflict(self) -> str | None:
+        if self.sums is not None:
+            return (
+                "grad_accumulation_dtype 'float32': the fp32 sums are stepped after backward; "
+                "use grad_accumulation_dtype 'param_dtype'"
+            )
         if self.scaler.mode != "none":
             return (
                 f"loss scaling {self.scaler.mode!r}: an overflow found after some units "
@@ -115,8 +127,10 @@ class MasterWeights(Precision):
         master = param.detach().to(self.master_dtype)
         initial = self._initial.pop(fqn, None)
         if initial is not None and initial.shape == param.shape:
-            _from_initial(master, param, initial)
+            from_initial(master, param, initial)
         self._model_param[id(master)] = param
+        if self.sums is not None:
+            self.sums.watch(param)
         return master
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
@@ -149,6 +163,8 @@ class MasterWeights(Precision):
         self._initial.clear()  # what no master took (e.g. other pipeline stages' parameters)
         if self.offloaded:
             self.reload(optimizers)
+        if self.sums is not None:
+            self.sums.restore()  # the finite check, norm and clip read the rounded sums
         self._unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
 
     @torch.no_grad()
@@ -170,6 +186,8 @@ class MasterWeights(Precision):
         if not applied:
             for p in self._model_param.values():
                 p.grad = None
+            if self.sums is not None:
+                self.sums.clear()
 
     @torch.no_grad()
     def apply(
@@ -182,6 +200,10 @@ class MasterWeights(Precision):
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self._unscale  # unscale and clip in the same multiply
+        if self.sums is not None:
+            live = [self._pairs([opt]) for opt in optimizers]
+            step_on_sums(optimizers, live, self.sums.sums, factor)
+            return
         eager = []
         for opt in optimizers:
             for flat in self._flat.get(id(opt), ()):
@@ -198,6 +220,8 @@ class MasterWeights(Precision):
         step_masters(optimizers, eager, factor, self.master_dtype)
 
     def zero_grad(self, set_to_none: bool) -> None:
+        if self.sums is not None:
+            self.sums.clear()
         for p in self._model_param.values():
             if p.grad is not None:
                 if set_to_none:
@@ -298,24 +322,6 @@ def _mark_stale(flats: list[FlatGroup]):
     return hook
 
 
-@torch.no_grad()
-def _from_initial(master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor) -> None:
-    """Overwrite `master` (a fresh fp32 copy of the model parameter `param`) with `initial`,
-    the whole tensor's full-precision value before the cast, sliced as `param` is sharded,
-    wherever it rounds to the parameter's value (elsewhere the parameter changed since the
-    cast, e.g. a load: its own value stays)."""
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank slices its own copy, no communication.
-        initial = distribute_tensor(
-            initial.to(local(param).device), param.device_mesh, param.placements,
-            src_data_rank=None,
-        ).to_local()  # fmt: skip
-    master, param = local(master), local(param)
-    initial = initial.to(master.device, master.dtype)
-    if initial.shape == master.shape:
-        master.copy_(torch.where(initial.to(param.dtype) == param, initial, master))
-
-
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     if t.device == device:
         return t
@@ -382,6 +388,12 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         )
         # The masters exist: what none took (other pipeline stages' parameters) can go.
         self.precision._initial.clear()
+        if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
+            raise ValueError(
+                f"grad_accumulation_dtype 'float32' with gate {type(gate).__name__}: the gate "
+                "averages the bf16 .grad, but the masters would step on this group's own fp32 "
+                "sums; use grad_accumulation_dtype 'param_dtype'"
+            )
         if self.precision.compile and not all(supports_fused_update(o) for o in self):
             logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")
 

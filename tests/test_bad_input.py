@@ -46,6 +46,8 @@ def test_no_arguments_run_the_debug_job(tmp_path):
 
 
 FSDP1 = ["--parallelism.data_parallel_shard_impl", "fsdp1"]
+FP32_SUMS = ["--optimizer.container", "mixed_precision"]
+FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
 
 
 @pytest.mark.parametrize(
@@ -86,6 +88,14 @@ FSDP1 = ["--parallelism.data_parallel_shard_impl", "fsdp1"]
             ],
             "[training] mixed_precision_param = 'bfloat16': container 'mixed_precision' keeps its "
             "parameters in [mixed_precision] param_dtype 'bfloat16' already",
+        ),
+        (
+            [*FP32_SUMS, "--optimizer.early_step_in_backward", "--training.max_norm", "0"],
+            "[mixed_precision] grad_accumulation_dtype = 'float32': the in-backward container",
+        ),
+        (
+            [*FP32_SUMS, "--fault_tolerance.enable"],
+            "[mixed_precision] grad_accumulation_dtype = 'float32': torchft averages the bf16",
         ),
         (
             ["--training.mixed_precision_reduce", "bfloat16"],

@@ -180,6 +180,40 @@ def test_the_cast_keeps_the_rotary_table_in_fp32():
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
 
 
+def _sgd_moves(grad_accumulation_dtype: str, micro_batches: int) -> dict[str, torch.Tensor]:
+    """How far one SGD step at lr 1 moves each master (= the gradient it stepped on)."""
+    parts = _parts()
+    settings = MP(grad_accumulation_dtype=grad_accumulation_dtype)
+    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.SGD, SGD, settings=settings)
+    before = _masters(mp)
+    mp.zero_grad()
+    for k in range(micro_batches):
+        _backward(parts, mp, step=k)
+    mp.step()
+    return {k: before[k] - v for k, v in _masters(mp).items()}
+
+
+def test_fp32_sums_keep_what_bf16_accumulation_rounds_away():
+    """grad_accumulation_dtype "float32": over 4 micro-batches the masters step on the fp32
+    sum of the micro-batches' bf16 gradients; bf16 accumulation rounds that sum at every add.
+    With one micro-batch both step alike, bitwise."""
+    parts = _parts()
+    exact: dict[str, torch.Tensor] = {}
+    for k in range(4):  # each micro-batch's bf16 gradients on their own, summed in fp32
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+        forward(parts, batch(k).bfloat16()).float().square().mean().backward()
+        for n, p in ((n, p) for m in parts for n, p in m.named_parameters()):
+            exact[n] = exact.get(n, 0) + p.grad.float()
+    exact = {f"master_weights.{n}": g for n, g in exact.items()}
+    summed, rounded = _sgd_moves("float32", 4), _sgd_moves("param_dtype", 4)
+    worst = {k: ((summed[k] - g).abs().max() / g.abs().max()).item() for k, g in exact.items()}
+    assert max(worst.values()) < 1e-6, worst  # the masters' own fp32 rounding
+    off = max(((rounded[k] - g).abs().max() / g.abs().max()).item() for k, g in exact.items())
+    assert off > 1e-3  # bf16 sums: several bf16 ulps off
+    assert_same(_sgd_moves("float32", 1), _sgd_moves("param_dtype", 1))
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match=r"'embed.weight' is torch.float32, not param_dtype"):
         MixedPrecisionOptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2})
