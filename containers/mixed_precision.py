@@ -375,6 +375,12 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         mesh: DeviceMesh | None = None,
     ) -> None:
         self.precision: MasterWeights = precision or MasterWeights(settings)
+        if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
+            raise ValueError(
+                f"grad_accumulation_dtype 'float32' with gate {type(gate).__name__}: the gate "
+                "averages the bf16 .grad, but the masters would step on this group's own fp32 "
+                "sums; use grad_accumulation_dtype 'param_dtype'"
+            )
         super().__init__(
             model_parts,
             optimizer_cls,
@@ -388,12 +394,6 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         )
         # The masters exist: what none took (other pipeline stages' parameters) can go.
         self.precision._initial.clear()
-        if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
-            raise ValueError(
-                f"grad_accumulation_dtype 'float32' with gate {type(gate).__name__}: the gate "
-                "averages the bf16 .grad, but the masters would step on this group's own fp32 "
-                "sums; use grad_accumulation_dtype 'param_dtype'"
-            )
         if self.precision.compile and not all(supports_fused_update(o) for o in self):
             logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")
 

@@ -16,7 +16,13 @@ from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
 from config import MixedPrecision as MP
 from config import load_job_config
-from containers import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer, ParamGroupRule
+from containers import (
+    Gate,
+    LossScaler,
+    MasterWeights,
+    MixedPrecisionOptimizersContainer,
+    ParamGroupRule,
+)
 from tests.harness.dist import launch, run_ranks
 from tests.harness.helpers import assert_same, batch, forward, full, three_parts
 
@@ -214,11 +220,19 @@ def test_fp32_sums_keep_what_bf16_accumulation_rounds_away():
     assert_same(_sgd_moves("float32", 1), _sgd_moves("param_dtype", 1))
 
 
+class _Avg(Gate):
+    """A gate that, as torchft's, would change `.grad` before the step."""
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match=r"'embed.weight' is torch.float32, not param_dtype"):
         MixedPrecisionOptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2})
     with pytest.raises(ValueError, match="max_norm = -1"):
         MixedPrecisionOptimizersContainer(_parts(), torch.optim.AdamW, {}, max_norm=-1)
+    parts, sums = _parts(), MP(grad_accumulation_dtype="float32")
+    with pytest.raises(ValueError, match="'float32' with gate _Avg: the gate averages"):
+        MixedPrecisionOptimizersContainer(parts, torch.optim.SGD, SGD, settings=sums, gate=_Avg())
+    assert not any(p._post_accumulate_grad_hooks for m in parts for p in m.parameters())
     cfg = load_job_config(
         ["--optimizer.container", "mixed_precision", "--mixed_precision.param_dtype", "float16"]
     )
