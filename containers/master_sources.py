@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from containers.grad_norm import local, shaped_like
+from containers.master_step import step_whole
 
 __all__ = ["FullPrecisionSums", "from_initial", "step_on_sums"]
 
@@ -75,19 +76,14 @@ def step_on_sums(
     """Step `optimizers` (each with its (model parameter, master) `pairs` that have a
     gradient) on the fp32 `sums` times `factor` (unscale x clip), write the masters back to
     the parameters and drop the gradients and sums."""
+
+    def grad_of(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        total = sums.pop(p, None)  # None: a gradient set by hand, not summed here
+        return shaped_like(total if total is not None else local(p.grad).to(m.dtype), m)
+
     for opt, live in zip(optimizers, pairs):
-        if not live:
-            continue
-        for p, m in live:
-            total = sums.pop(p, None)  # None: a gradient set by hand, not summed here
-            m.grad = shaped_like(total if total is not None else local(p.grad).to(m.dtype), m)
-            p.grad = None
-        if factor != 1.0:
-            torch._foreach_mul_([local(m.grad) for _, m in live], factor)
-        opt.step()
-        for _, m in live:
-            m.grad = None
-        torch._foreach_copy_([local(p) for p, _ in live], [local(m) for _, m in live])
+        if live:
+            step_whole(opt, live, factor, grad_of)
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ SparseAdam, one of the user's) steps once, over fp32 copies of all its gradients
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from containers.fsdp1 import ELEMENTWISE
 from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
 
-__all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters"]
+__all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters", "step_whole"]
 
 CHUNK_NUMEL = SCRATCH_NUMEL
 """Elements cast per chunk, into the fp32 scratch buffer kept between steps (4 MiB). An inner
@@ -75,7 +75,7 @@ def step_masters(
         if type(opt) in PER_PARAMETER and not any(p.grad.is_sparse for p, _ in live):
             chunked.extend((opt, p, m) for p, m in live)
         else:
-            _step_whole(opt, live, factor, master_dtype)
+            step_whole(opt, live, factor)
     for run in _chunks(chunked, chunk_numel):
         numel = sum(local(m).numel() for _, _, m in run)
         if master_dtype == torch.float32:
@@ -99,15 +99,17 @@ def step_masters(
         torch._foreach_copy_([local(p) for _, p, _ in run], [local(m) for _, _, m in run])
 
 
-def _step_whole(
+def step_whole(
     opt: Optimizer,
     live: list[tuple[torch.Tensor, torch.Tensor]],
     factor: float,
-    master_dtype: torch.dtype,
+    grad_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """One step of `opt` over fp32 copies of all its gradients (any optimizer)."""
+    """One step of `opt` over full-precision gradients of all its (model parameter, master)
+    pairs `live` (any optimizer): `grad_of(p, m)` gives the master's gradient (default: the
+    parameter's, cast to the master's dtype); the low-precision gradients are dropped."""
     for p, m in live:
-        m.grad = p.grad.to(master_dtype)
+        m.grad = grad_of(p, m) if grad_of is not None else p.grad.to(m.dtype)
         p.grad = None
     if factor != 1.0 and live:
         torch._foreach_mul_([local(m.grad) for _, m in live], factor)
