@@ -257,7 +257,9 @@ class MixedPrecision:
     """Highest loss scale."""
 
     compile: bool = False
-    """Fuse the AdamW update into one `torch.compile`d pass (compiles once: tens of seconds)."""
+    """Fuse the update into one pass: on a CPU, fused Adam/AdamW groups step with a native
+    kernel built once per machine by the system C compiler (about a second); other AdamW/Adam
+    updates with `torch.compile` (tens of seconds, once per process)."""
 
     grad_accumulation_dtype: Literal["param_dtype", "float32"] = "param_dtype"
     """Dtype the gradients are summed in over a step's micro-batches: "param_dtype" adds each

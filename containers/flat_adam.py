@@ -26,6 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.native_adam import Kernel, Plan
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -97,6 +98,7 @@ class FlatGroup:
         for piece, start, n in zip(pieces, self.starts, self.sizes):
             self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self.live = list(zip(self.model, self.sizes))
+        self._walk: Plan | None = None  # the native kernel's walk, made at its first use
         self.chunk(chunk_numel)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
@@ -218,20 +220,44 @@ class FlatGroup:
         self.uniform = None
         return False
 
+    def _native(self, kernel: Kernel, group: dict, factor: float, grads: list) -> bool:
+        """The step in one pass with the native `kernel`, if it can read every tensor."""
+        buf = self.buffers
+        if buf["master"].dtype != torch.float32 or not buf["master"].is_cpu:
+            return False
+        params = [local(p) for p in self.model]
+        if self._walk is None or not self._walk.fits(params):
+            self._walk = Plan(params, self.starts)
+        beta1, beta2 = group["betas"]
+        hyper = {
+            "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
+            "weight_decay": group["weight_decay"], "eps": group["eps"],
+            "maximize": group.get("maximize", False), "step": buf["step"][0].item(),
+            "adamw": group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW),
+        }  # fmt: skip
+        if not kernel.adam(self._walk, grads, buf, hyper, factor):
+            return False
+        for p in self.model:
+            p.grad = None
+        return True
+
     @torch.no_grad()
-    def step(self, factor: float) -> None:
-        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk;
-        drop each low-precision gradient once it is cast."""
+    def step(self, factor: float, kernel: Kernel | None = None) -> None:
+        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
+        all in one pass with the native `kernel` where it takes the tensors; drop each
+        low-precision gradient once it is cast."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
-        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
         beta1, beta2 = group["betas"]
         buf["step"].add_(1)
-        step = [buf["step"][0]]
         grads = [local(p.grad) if n else None for p, n in self.live]
         for p, n in self.live:
             if not n:
                 p.grad = None  # empty: stepped with the rest (its count stays even)
+        if kernel is not None and self._native(kernel, group, factor, grads):
+            return
+        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        step = [buf["step"][0]]
         device = buf["master"].device
         for c, (start, stop, pieces) in enumerate(self.chunks):
             work = scratch(device, stop - start)

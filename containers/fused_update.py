@@ -55,10 +55,12 @@ def _square_sum(g: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def compiled() -> tuple[Callable, Callable]:
-    """The compiled update and sum-of-squares kernels (compiled on first use)."""
+    """The compiled update and sum-of-squares (of a list of tensors) kernels, compiled on
+    first use."""
+    square_sum = torch.compile(_square_sum, dynamic=True, fullgraph=True)
     return (
         torch.compile(_update, dynamic=True, fullgraph=True),
-        torch.compile(_square_sum, dynamic=True, fullgraph=True),
+        lambda tensors: torch.stack([square_sum(t) for t in tensors]).sum(),
     )
 
 

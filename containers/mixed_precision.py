@@ -7,8 +7,9 @@ defeated by 0 * inf) or, without a clip, the container's finite check; one colle
 host sync for the skip decision; then the gradients are cast to fp32 chunk by chunk, unscaled
 and clipped in one multiply, stepped, and the masters written back to the parameters. Fused
 Adam/AdamW groups keep masters and state in flat buffers and step each chunk in one kernel
-call (`containers.flat_adam`); other optimizers step per tensor (`containers.master_step`),
-or, compiled, in one pass per tensor (`containers.fused_update`).
+call (`containers.flat_adam`), or, compiled on a CPU, the whole group in one native pass
+(`containers.native_adam`, which also takes the norm); other optimizers step per tensor
+(`containers.master_step`), or, compiled, in one pass per tensor (`containers.fused_update`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
+from containers import native_adam
 from containers.base import OptimizersContainer
 from containers.flat_adam import FlatGroup, eligible
 from containers.flat_state import describe_keys
@@ -33,7 +35,7 @@ from containers.fused_update import (
     fused_adamw_step,
     supports_fused_update,
 )
-from containers.grad_norm import GlobalNorm, local
+from containers.grad_norm import GlobalNorm, local, sum_of_squares
 from containers.loss_scaler import LossScaler
 from containers.master_sources import FullPrecisionSums, from_initial, step_on_sums
 from containers.master_step import step_masters
@@ -175,10 +177,11 @@ class MasterWeights(Precision):
         gradient is non-finite."""
         over = over if over is not None else GlobalNorm(params)
         grads = [p.grad for p in params]
-        if self.compile:
-            norm = over(grads, compiled()[1], self.compile_min_numel, params=params)
-            return norm * self._unscale
-        return over(grads, params=params) * self._unscale
+        if not self.compile:
+            return over(grads, params=params) * self._unscale
+        if native_adam.load() is not None and all(local(g).is_cpu for g in grads):
+            return over(grads, _native_square_sum, params=params) * self._unscale
+        return over(grads, compiled()[1], self.compile_min_numel, params=params) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self._backing_off = not applied and self.scaler.can_back_off
@@ -205,10 +208,11 @@ class MasterWeights(Precision):
             step_on_sums(optimizers, live, self.sums.sums, factor)
             return
         eager = []
+        kernel = native_adam.load() if self.compile else None
         for opt in optimizers:
             for flat in self._flat.get(id(opt), ()):
                 if flat.ready():
-                    flat.step(factor)  # drops its gradients: `_pairs` skips it below
+                    flat.step(factor, kernel)  # drops its gradients: `_pairs` skips it below
             live = self._pairs([opt])
             if self.compile and supports_fused_update(opt):
                 big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
@@ -309,6 +313,13 @@ class MasterWeights(Precision):
         device = local(next(iter(self._model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
+
+
+def _native_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = native_adam.load().square_sum(tensors)  # type: ignore[union-attr]
+    if total is None:  # not all readable (e.g. non-contiguous): per tensor
+        return sum_of_squares(tensors, None, 0, tensors[0].device)
+    return torch.tensor(total, dtype=torch.float32)
 
 
 def _mark_stale(flats: list[FlatGroup]):
