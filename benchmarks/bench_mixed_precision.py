@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -129,63 +130,89 @@ def _hwm() -> int:
     return int(line.split()[1]) * 1024
 
 
-def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
-    if kind.startswith("fwd_bwd"):
-        return _fwd_bwd(kind, args)
-    if kind == "compiled":  # cold caches (inductor's, the native kernel's): what a new job pays
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
-        os.environ["OPTIMIZER_CONTAINERS_CACHE"] = tempfile.mkdtemp()
+def _build(kind: str, args: argparse.Namespace) -> tuple[list, list, Callable[[], None], list]:
+    """One contender: its parameters, their gradients, its step and its optimizers."""
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     models = _model(args, dtype)
     params = [p for m in models for p in m.parameters()]
-    n = sum(p.numel() for p in params)
     grads = [torch.randn_like(p) * 1e-2 for p in params]
     kw = {"lr": 1e-4, "fused": True}
-    masters: list[torch.Tensor] = []
     if kind == "fp32":
         opt = torch.optim.AdamW(params, **kw)
-        optimizers, step = [opt], opt.step
-    elif kind in ("container", "compiled"):
+        return params, grads, opt.step, [opt]
+    if kind in ("container", "compiled"):
         settings = MixedPrecision(
             loss_scaling="static", initial_scale=1024.0, compile=kind == "compiled"
         )
         opt = MixedPrecisionOptimizersContainer(
             models, torch.optim.AdamW, kw, max_norm=1.0, settings=settings
         )
-        optimizers, step = opt.optimizers, opt.step
-        masters = [m for o in opt for g in o.param_groups for m in g["params"]]
-    else:
-        masters = [p.detach().float() for p in params]
-        opt = torch.optim.AdamW(masters, **kw)
-        pairs = list(zip(params, masters))
-        optimizers = [opt]
+        return params, grads, opt.step, opt.optimizers
+    masters = [p.detach().float() for p in params]
+    opt = torch.optim.AdamW(masters, **kw)
+    pairs = list(zip(params, masters))
+    return params, grads, lambda: _seed_step(pairs, opt, 1024.0, 1.0), [opt]
 
-        def step() -> None:
-            _seed_step(pairs, opt, 1024.0, 1.0)
 
+def _fresh_grads(params: list, grads: list) -> None:
+    for p in params:
+        p.grad = None  # so no old gradient and its fresh copy coexist
+    for p, g in zip(params, grads):
+        p.grad = g.clone()  # fresh, as backward gives: the step may free it
+
+
+def _timed_step(params: list, grads: list, step: Callable[[], None]) -> float:
+    _fresh_grads(params, grads)
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
+    if kind.startswith("fwd_bwd"):
+        return _fwd_bwd(kind, args)
+    if kind == "timing":
+        return _interleaved(args)
+    if kind == "compiled":  # cold caches (inductor's, the native kernel's): what a new job pays
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
+        os.environ["OPTIMIZER_CONTAINERS_CACHE"] = tempfile.mkdtemp()
+    params, grads, step, optimizers = _build(kind, args)
+    masters = [m for o in optimizers for g in o.param_groups for m in g["params"]]
+    masters = [m for m in masters if m.dtype != params[0].dtype]  # fp32 has none
+    n = sum(p.numel() for p in params)
     times = []
     for i in range(args.steps):
-        for p in params:
-            p.grad = None  # so no old gradient and its fresh copy coexist
-        for p, g in zip(params, grads):
-            p.grad = g.clone()  # fresh, as backward gives: the step may free it
+        _fresh_grads(params, grads)
         if i == 1:  # after the first step (state allocated, kernels compiled)
             steady = sum(t.nbytes for t in [*params, *grads, *masters]) + _state_bytes(optimizers)
-            steady += sum(b.nbytes for b in grad_norm._scratch.values())  # kept between steps
+            fixed = sum(b.nbytes for b in grad_norm._scratch.values())  # kept between steps
             before = _hwm_reset()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    # Steady bytes (parameters, gradients, masters, state, the scratch buffer) plus what a step
-    # adds at its peak.
+    # Steady bytes (parameters, gradients, masters, state) plus what a step adds at its peak;
+    # the scratch buffer, fixed in size, apart.
     peak_extra = max(0, _hwm() - before)
     return {
         "step_s": statistics.median(times[1:]),
         "first_s": times[0],
         "bytes_per_param": (steady + peak_extra) / n,
+        "fixed_bytes": fixed,
         "params": n,
         "tensors": len(params),
     }
+
+
+def _interleaved(args: argparse.Namespace) -> dict[str, float]:
+    """Step times of all contenders in one process, their steps taken in turn, so that a
+    machine whose speed drifts (a shared VM) slows every contender alike: the median of each."""
+    kinds = ["fp32", "container", "compiled", "seed"]
+    built = {k: _build(k, args) for k in kinds}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.steps * 2):
+        for k in kinds:
+            times[k].append(_timed_step(*built[k][:3]))
+    return {k: statistics.median(v[2:]) for k, v in times.items()}
 
 
 def _fwd_bwd(kind: str, args: argparse.Namespace) -> dict[str, float]:
@@ -208,7 +235,8 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, float]:
     argv += ["--params", str(args.params), "--layers", str(args.layers), "--dim", str(args.dim)]
     argv += ["--hidden", str(args.hidden), "--vocab", str(args.vocab)]
     argv += ["--fb-width", str(args.fb_width), "--fb-layers", str(args.fb_layers)]
-    return run_fresh(__file__, [*argv, *(["--flat"] if args.flat else [])])
+    argv += ["--flat"] if args.flat else []
+    return run_fresh(__file__, argv, for_memory=kind != "timing")
 
 
 def main(argv: list[str]) -> None:
@@ -233,9 +261,7 @@ def main(argv: list[str]) -> None:
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
-    kinds = ["fp32", "container", "compiled", "seed", "fwd_bwd", "fwd_bwd_in_backward"]
-    if args.quick:
-        kinds.remove("compiled")  # a smoke run: compiling alone takes tens of seconds
+    kinds = ["timing", "fp32", "container", "compiled", "seed", "fwd_bwd", "fwd_bwd_in_backward"]
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for _ in range(1 if args.quick else 2):  # alternate, fresh processes
         for kind in kinds:
@@ -254,14 +280,21 @@ def _describe(args: argparse.Namespace, fp32: dict[str, float]) -> str:
     return (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{fp32['params'] / 1e6:.1f}M params in {shape}, {args.parts} parts, AdamW fused; "
-        f"best of fresh processes each; load average {os.getloadavg()[0]:.1f}"
+        "step times: medians of one process stepping all contenders in turn, best of 2 such "
+        f"processes; memory: a fresh process each; load average {os.getloadavg()[0]:.1f}"
     )
 
 
 def _rows(runs: dict[str, list[dict[str, float]]]) -> list[tuple[str, str, str, str]]:
-    t = {k: min(r["step_s"] for r in v) for k, v in runs.items()}
+    t = {k: min(r[k] for r in runs["timing"]) for k in runs["timing"][0]}
     ms = {k: f"{v * 1e3:.1f} ms" for k, v in t.items()}
-    mem = {k: min(r.get("bytes_per_param", 0.0) for r in v) for k, v in runs.items()}
+    mem = {k: min(r.get("bytes_per_param", 0.0) for r in v) for k, v in runs.items() if k in t}
+    fixed = {k: max(r.get("fixed_bytes", 0) for r in v) for k, v in runs.items() if k in t}
+
+    def per_param(kind: str) -> str:
+        extra = f" + {fixed[kind] / 2**20:.0f} MiB" if fixed[kind] else ""
+        return f"{mem[kind]:.1f} B/param{extra}"
+
     rows = [
         ("fp32 fused AdamW step", ms["fp32"], "", ""),
         (
@@ -276,11 +309,11 @@ def _rows(runs: dict[str, list[dict[str, float]]]) -> list[tuple[str, str, str, 
             f"{t['seed'] / t['container']:.2f}",
             ">= 2",
         ),
-        ("peak step memory, fp32 AdamW", f"{mem['fp32']:.1f} B/param", "", ""),
-        ("peak step memory, container (eager)", f"{mem['container']:.1f} B/param", "", "<= 16"),
-        ("peak step memory, seed", f"{mem['seed']:.1f} B/param", "", ""),
+        ("peak step memory, fp32 AdamW", per_param("fp32"), "", ""),
+        ("peak step memory, container (eager)", per_param("container"), "", "<= 16"),
+        ("peak step memory, seed", per_param("seed"), "", ""),
     ]
-    if "compiled" in runs:
+    if "compiled" in t:
         first = max(r["first_s"] for r in runs["compiled"])  # the cold-cache first step
         rows[2:2] = [
             (
@@ -292,9 +325,7 @@ def _rows(runs: dict[str, list[dict[str, float]]]) -> list[tuple[str, str, str, 
             ("seed step / compiled container step", "", f"{t['seed'] / t['compiled']:.2f}", ">= 2"),
             ("compiling (first compiled step, cold cache)", f"{first:.1f} s", "", ""),
         ]
-        rows.append(
-            ("peak step memory, compiled container", f"{mem['compiled']:.1f} B/param", "", "<= 16")
-        )
+        rows.append(("peak step memory, compiled container", per_param("compiled"), "", "<= 16"))
     peak = {k: min(r["peak_rss"] for r in runs[k]) for k in ("fwd_bwd", "fwd_bwd_in_backward")}
     grad_bytes = runs["fwd_bwd"][0]["grad_bytes"]
     saved = (peak["fwd_bwd"] - peak["fwd_bwd_in_backward"]) / grad_bytes

@@ -29,13 +29,14 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(HEADER), rule, *(line(r) for r in rows)])
 
 
-def run_fresh(script: str, argv: list[str]) -> dict[str, Any]:
+def run_fresh(script: str, argv: list[str], for_memory: bool = True) -> dict[str, Any]:
     """Run `script argv` in a fresh Python process; return the JSON its last line prints.
 
-    Large blocks go to mmap so freed memory leaves the resident set at once, which keeps
-    peak-resident-memory figures honest.
+    `for_memory`: large blocks go to mmap so freed memory leaves the resident set at once,
+    which keeps peak-resident-memory figures honest (but makes every free of a large block a
+    system call, which a timing should not pay: glibc's default reuses them).
     """
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if for_memory else {})}
     out = subprocess.run(
         [sys.executable, script, *argv], env=env, check=True, capture_output=True, text=True
     ).stdout

@@ -98,6 +98,7 @@ class FlatGroup:
         for piece, start, n in zip(pieces, self.starts, self.sizes):
             self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self.live = list(zip(self.model, self.sizes))
+        self._empty = [p for p, n in self.live if not n]
         self._walk: Plan | None = None  # the native kernel's walk, made at its first use
         self.chunk(chunk_numel)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
@@ -215,7 +216,7 @@ class FlatGroup:
             steps = self.buffers["step"]
             self.uniform = bool(steps.eq(steps[0]).all())
         # (An empty shard, e.g. an FSDP1 slice elsewhere, may get no gradient: nothing to do.)
-        if self.uniform and all(p.grad is not None or not n for p, n in self.live):
+        if self.uniform and all(p.grad is not None for p, n in self.live if n):
             return True
         self.uniform = None
         return False
@@ -225,9 +226,10 @@ class FlatGroup:
         buf = self.buffers
         if buf["master"].dtype != torch.float32 or not buf["master"].is_cpu:
             return False
-        params = [local(p) for p in self.model]
-        if self._walk is None or not self._walk.fits(params):
-            self._walk = Plan(params, self.starts)
+        # Checked every step: a parameter whose storage moved (a reset by FSDP, a `.data =`)
+        # must not be written through its old address.
+        if self._walk is None or [local(p).data_ptr() for p in self.model] != self._walk.at:
+            self._walk = Plan([local(p) for p in self.model], self.starts)
         beta1, beta2 = group["betas"]
         hyper = {
             "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
@@ -251,9 +253,8 @@ class FlatGroup:
         beta1, beta2 = group["betas"]
         buf["step"].add_(1)
         grads = [local(p.grad) if n else None for p, n in self.live]
-        for p, n in self.live:
-            if not n:
-                p.grad = None  # empty: stepped with the rest (its count stays even)
+        for p in self._empty:
+            p.grad = None  # empty: stepped with the rest (its count stays even)
         if kernel is not None and self._native(kernel, group, factor, grads):
             return
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_

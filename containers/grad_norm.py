@@ -167,9 +167,13 @@ class GlobalNorm:
         `params`: the parameters whose gradients `grads` are, in order (needed for `shards`).
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
-        owners = params if params is not None else [None] * len(grads)
-        for g, p in zip(grads, owners, strict=True):
-            by_copies.setdefault(self.copies(g, p), []).append(dense(local(g)))
+        if not self.collective:  # every piece counts once (the common one-process case: fast)
+            if grads:
+                by_copies[1] = [dense(local(g)) for g in grads]
+        else:
+            owners = params if params is not None else [None] * len(grads)
+            for g, p in zip(grads, owners, strict=True):
+                by_copies.setdefault(self.copies(g, p), []).append(dense(local(g)))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for n, tensors in sorted(by_copies.items()):
             sq = sum_of_squares(tensors, square_sum, min_numel, self.device)

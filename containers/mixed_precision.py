@@ -179,7 +179,7 @@ class MasterWeights(Precision):
         grads = [p.grad for p in params]
         if not self.compile:
             return over(grads, params=params) * self._unscale
-        if native_adam.load() is not None and all(local(g).is_cpu for g in grads):
+        if native_adam.load() is not None:  # CPU gradients; others go on to `compiled`
             return over(grads, _native_square_sum, params=params) * self._unscale
         return over(grads, compiled()[1], self.compile_min_numel, params=params) * self._unscale
 
@@ -210,9 +210,15 @@ class MasterWeights(Precision):
         eager = []
         kernel = native_adam.load() if self.compile else None
         for opt in optimizers:
-            for flat in self._flat.get(id(opt), ()):
+            flats = self._flat.get(id(opt), ())
+            stepped = 0
+            for flat in flats:
                 if flat.ready():
                     flat.step(factor, kernel)  # drops its gradients: `_pairs` skips it below
+                    stepped += 1
+            if stepped == len(opt.param_groups):
+                eager.append([])  # all of it stepped flat: nothing left to look for
+                continue
             live = self._pairs([opt])
             if self.compile and supports_fused_update(opt):
                 big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
@@ -317,9 +323,11 @@ class MasterWeights(Precision):
 
 def _native_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     total = native_adam.load().square_sum(tensors)  # type: ignore[union-attr]
-    if total is None:  # not all readable (e.g. non-contiguous): per tensor
+    if total is not None:
+        return torch.tensor(total, dtype=torch.float32)
+    if tensors[0].is_cpu:  # not all readable (e.g. non-contiguous)
         return sum_of_squares(tensors, None, 0, tensors[0].device)
-    return torch.tensor(total, dtype=torch.float32)
+    return sum_of_squares(tensors, compiled()[1], COMPILE_MIN_NUMEL, tensors[0].device)
 
 
 def _mark_stale(flats: list[FlatGroup]):

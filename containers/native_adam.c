@@ -96,7 +96,7 @@ static void adam_blocks(const Job *j, int64_t first, int64_t last, int thread) {
   }
 }
 
-/* Squares summed in two 8-lane fp32 vectors over runs of 256 elements, each run's lanes then
+/* Squares summed in four 8-lane fp32 vectors over runs of 2048 elements, each run's lanes then
    added in fp64. A run whose fp32 sum is not finite is summed again in fp64, so a large finite
    gradient (|g| > 1.8e19) is not taken for an overflow; a non-finite one still makes the sum
    non-finite. GCC's vector extensions: the lanes are explicit whatever the vectorizer does. */
@@ -123,16 +123,19 @@ static inline f32x8 load8_fp16(const void *p) {
 #define SQUARES(NAME, T, LOAD, LOAD8)                                                      \
   static double NAME(const T *restrict g, int64_t lo, int64_t hi) {                        \
     double total = 0.0;                                                                    \
-    for (int64_t r = lo; r < hi; r += 256) {                                               \
-      const int64_t end = r + 256 < hi ? r + 256 : hi;                                     \
-      f32x8 a = {0}, b = {0};                                                              \
+    for (int64_t r = lo; r < hi; r += 2048) {                                              \
+      const int64_t end = r + 2048 < hi ? r + 2048 : hi;                                   \
+      f32x8 a = {0}, b = {0}, c = {0}, d = {0};                                            \
       int64_t i = r;                                                                       \
-      for (; i + 16 <= end; i += 16) {                                                     \
-        const f32x8 x = LOAD8(g + i), y = LOAD8(g + i + 8);                                \
-        a += x * x;                                                                        \
-        b += y * y;                                                                        \
+      for (; i + 32 <= end; i += 32) {                                                     \
+        const f32x8 w = LOAD8(g + i), x = LOAD8(g + i + 8);                                \
+        const f32x8 y = LOAD8(g + i + 16), z = LOAD8(g + i + 24);                          \
+        a += w * w;                                                                        \
+        b += x * x;                                                                        \
+        c += y * y;                                                                        \
+        d += z * z;                                                                        \
       }                                                                                    \
-      a += b;                                                                              \
+      a += b + (c + d);                                                                    \
       float run = 0.0f;                                                                    \
       for (int k = 0; k < 8; k++) run += a[k];                                             \
       for (; i < end; i++) {                                                               \

@@ -133,7 +133,7 @@ class Kernel:
         masters, moments and parameters updated. False (nothing done) if the kernel cannot
         read the gradients."""
         held = addresses(grads, plan.dtype)  # alive until the call returns
-        if held is None:
+        if held is None or plan.params is None:
             return False
         beta1, beta2, step, lr = hyper["beta1"], hyper["beta2"], hyper["step"], hyper["lr"]
         wd, adamw = hyper["weight_decay"], hyper["adamw"]
@@ -161,17 +161,11 @@ class Plan:
 
     def __init__(self, params: Sequence[torch.Tensor], starts: Sequence[int]) -> None:
         self.dtype = params[0].dtype
-        self.params = addresses(params, self.dtype)
+        self.params = addresses(params, self.dtype)  # None: the kernel cannot write them
+        self.at = [p.data_ptr() for p in params] if self.params is not None else None
         self.offsets = (ctypes.c_int64 * len(params))(*starts[: len(params)])
         self.blocks = _blocks([p.numel() for p in params])
         self.num_blocks = len(self.blocks) // 3
-
-    def fits(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether the kernel can step these parameters with this plan (they are where
-        they were when it was made, and it can read them)."""
-        return self.params is not None and all(
-            p.data_ptr() == a for p, a in zip(params, self.params)
-        )
 
 
 def _cache_dir() -> Path:
