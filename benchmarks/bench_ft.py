@@ -24,8 +24,18 @@ from tests.harness.dist import launch
 from tests.harness.ftjob import FTJob, read_metrics
 
 
-def median_step_ms(metrics: dict[int, dict], skip: int = 10) -> float:
-    return 1e3 * statistics.median(m["step_time_s"] for s, m in metrics.items() if s > skip)
+def step_ms(metrics: dict[int, dict], first: int = 11, last: int | None = None) -> list[float]:
+    """The step times (ms) of steps `first`..`last` (the first ones warm up)."""
+    return [
+        1e3 * m["step_time_s"]
+        for s, m in metrics.items()
+        if s >= first and (last is None or s <= last)
+    ]
+
+
+def median_iqr(times: list[float]) -> tuple[float, str]:
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return median, f"{median:.1f} ms (IQR {q1:.1f}-{q3:.1f})"
 
 
 def main(argv: list[str]) -> None:
@@ -38,7 +48,7 @@ def main(argv: list[str]) -> None:
         base = FTJob(root / "base", args.steps)  # only its arguments: no torchft
         base.close()
         launch(0, base.train_args)
-        default_ms = median_step_ms(read_metrics(root / "base"))
+        default_ms, default_text = median_iqr(step_ms(read_metrics(root / "base")))
 
         (root / "one").mkdir()
         one = FTJob(root / "one", args.steps, ["--fault_tolerance.group_size", "1"])
@@ -47,7 +57,7 @@ def main(argv: list[str]) -> None:
             one.wait_exit("replica_0", 300)
         finally:
             one.close()
-        one_ms = median_step_ms(one.metrics(0))
+        one_ms, one_text = median_iqr(step_ms(one.metrics(0)))
 
         (root / "two").mkdir()
         two = FTJob(root / "two", 10 * args.steps)
@@ -57,9 +67,7 @@ def main(argv: list[str]) -> None:
             two.wait_for(
                 "40 steps", lambda: min(max(two.metrics(r), default=0) for r in (0, 1)) >= 40
             )
-            two_ms = statistics.median(
-                m["step_time_s"] * 1e3 for s, m in two.metrics(0).items() if 10 < s <= 40
-            )
+            two_ms, two_text = median_iqr(step_ms(two.metrics(0), last=40))
             two.kill("replica_1")
             at_kill = max(two.metrics(0))
             kill_to_commit = two.wait_for(
@@ -78,17 +86,17 @@ def main(argv: list[str]) -> None:
             two.close()
     print(f"debug model, seq 64 x 4, {args.steps} steps, CPU gloo, one process per replica group")
     rows = [
-        ("step, default container (no torchft)", f"{default_ms:.1f} ms", "", ""),
+        ("step, default container (no torchft)", default_text, "", ""),
         (
             "step, FT container, 1 replica group",
-            f"{one_ms:.1f} ms",
-            f"+{one_ms - default_ms:.1f} ms",
+            one_text,
+            f"{one_ms - default_ms:+.1f} ms",
             "<= +3 ms",
         ),
         (
             "step, FT container, 2 replica groups",
-            f"{two_ms:.1f} ms",
-            f"+{two_ms - default_ms:.1f} ms",
+            two_text,
+            f"{two_ms - default_ms:+.1f} ms",
             "",
         ),
         ("SIGKILL of a group -> survivor's next commit", f"{kill_to_commit:.2f} s", "", ""),

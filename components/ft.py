@@ -50,6 +50,9 @@ def build_ft_manager(
     """
     if not cfg.enable:
         return None
+    # torchft's Rust side logs four INFO lines per step to stderr; warnings only, unless the
+    # user asked otherwise (read when the extension starts).
+    os.environ.setdefault("RUST_LOG", "warn")
     import torchft
 
     # torchft logs several INFO lines per step; keep warnings (our own logger says "healed").

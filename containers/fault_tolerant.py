@@ -65,7 +65,7 @@ class TorchFTGate(Gate):
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
         live = [p for p in params if p.grad is not None]
-        if not live:
+        if not live or self._alone():
             return
         # In the gradients' own dtype: under fp16 loss scaling every group scaled its loss by
         # the same scale (the scaler's state is the same everywhere), so the average is the
@@ -80,6 +80,19 @@ class TorchFTGate(Gate):
             n = local(p.grad).numel()
             p.grad = shaped_like(flat[offset : offset + n], p.grad)
             offset += n
+
+    def _alone(self) -> bool:
+        """Whether this group is the quorum's only replica group, stepping: the average over
+        one group is its own gradients, bit for bit, so the collective (a flat copy, a gloo
+        call, a divide) is skipped. Not when a healing group is in the quorum: it takes part
+        in the collective, so every group must."""
+        pg = getattr(self.manager, "_pg", None)  # torchft's replica process group
+        return (
+            self.manager.num_participants() == 1  # waits for the quorum
+            and self.manager.is_participating()
+            and pg is not None
+            and pg.size() == 1
+        )
 
     def commit(self) -> bool:
         # A collective inside the replica group: every rank gets the same answer.

@@ -10,7 +10,12 @@ import torch
 from components.ft import build_ft_manager, manager_port
 from components.optimizer import build_optimizers
 from config import ConfigError, FaultTolerance, MixedPrecision, load_job_config
-from containers import FTOptimizersContainer, MixedPrecisionOptimizersContainer, TorchFTGate
+from containers import (
+    FTOptimizersContainer,
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+    TorchFTGate,
+)
 from tests.harness.dist import free_port
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
@@ -203,6 +208,23 @@ def test_hooks_fire_once_per_committed_step_and_an_uncommitted_step_changes_noth
 
     train(parts, ft, 1, start=100)  # the next quorum recovers: commits again
     assert ft.last_step_committed and calls == ["pre", "post"] * 4
+
+
+def test_a_lone_replica_group_skips_the_average_and_steps_as_without_torchft(manager):
+    calls = []
+    allreduce = manager.allreduce  # the real one, counted
+    manager.allreduce = lambda *a, **k: calls.append(1) or allreduce(*a, **k)
+    ft_parts, parts = three_parts(), three_parts()
+    kw = {"lr": 1e-2}
+    ft = FTOptimizersContainer(ft_parts, torch.optim.AdamW, kw, ft_manager=manager, max_norm=0.1)
+    plain = OptimizersContainer(parts, torch.optim.AdamW, kw, max_norm=0.1)
+    train(ft_parts, ft, 3)
+    train(parts, plain, 3)
+    assert ft.last_step_committed and manager.current_step() == 3
+    assert calls == []  # the average over one group is its own gradients: no collective
+    assert_same(ft.state_dict(), plain.state_dict())
+    for a, b in zip(ft_parts, parts):
+        assert_same(a.state_dict(), b.state_dict())
 
 
 def test_mixed_precision_under_the_gate_only_committed_steps_reach_the_scaler_and_hooks(manager):
