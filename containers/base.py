@@ -144,9 +144,9 @@ class OptimizersContainer(Optimizer, Stateful):
             unit = Unit(params=[p for _, p in named])
             for fqn, s in stepped:
                 self._fqns[s] = fqn
-            for cls, specs in groups.items():
+            for cls, (constructor, specs) in groups.items():
                 try:
-                    opt = cls([{"params": ps, **kw} for ps, kw in specs], **specs[0][1])
+                    opt = cls([{"params": ps, **kw} for ps, kw in specs], **constructor)
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise ValueError(
                         f"building {cls.__name__} for {named[0][0]!r} and its unit failed: {e}"

@@ -18,8 +18,10 @@ __all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
-GroupSpecs = dict[type[Optimizer], list[tuple[list[torch.Tensor], dict[str, Any]]]]
-"""One unit's inner optimizers: class -> [(params, group kwargs)]."""
+GroupSpecs = dict[type[Optimizer], tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict]]]]
+"""One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]). The
+constructor's are the class's own kwargs without any group's overrides: a group that does not
+set a key gets it from there or from torch's defaults, never from another group."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,11 @@ def assign(
                 continue
             rule = rules[i - 1] if i else None
             cls = (rule and rule.optimizer_cls) or default_cls
-            kwargs = dict((rule and rule.optimizer_kwargs) or default_kwargs)
-            kwargs.update(rule.overrides if rule else {})
-            groups.setdefault(cls, []).append((params, kwargs))
+            base = dict((rule and rule.optimizer_kwargs) or default_kwargs)
+            # (rules sharing a class of their own share the first one's constructor kwargs)
+            constructor = dict(default_kwargs) if cls is default_cls else base
+            kwargs = {**base, **(rule.overrides if rule else {})}
+            groups.setdefault(cls, (constructor, []))[1].append((params, kwargs))
         assigned.append(groups)
     _refuse_non_matrices(not_2d, rules, default_cls)
     unused = [r.pattern for r, u in zip(rules, used) if not u]

@@ -342,6 +342,24 @@ def test_param_groups_are_live_for_schedulers_and_users():
     )
 
 
+def test_a_group_takes_unset_keys_from_the_container_or_torch_never_from_another_group():
+    # Every parameter matches a rule, so no default group comes first in any unit.
+    rules = [
+        ParamGroupRule("bias", {"weight_decay": 0.0}),
+        ParamGroupRule("weight", {"lr": 1e-3}),
+    ]
+    for kwargs, wd in (({"lr": 1e-2}, 0.01), ({"lr": 1e-2, "weight_decay": 0.2}, 0.2)):
+        container = OptimizersContainer(
+            three_parts(), torch.optim.AdamW, kwargs, param_groups=rules
+        )
+        weights = [g for g in container.param_groups if g["lr"] == 1e-3]
+        biases = [g for g in container.param_groups if g["lr"] == 1e-2]
+        assert len(weights) == len(biases) == 3
+        assert all(g["weight_decay"] == wd for g in weights)  # torch's 0.01, or the container's
+        assert all(g["weight_decay"] == 0.0 for g in biases)
+        assert all(o.defaults["weight_decay"] == wd for o in container)
+
+
 def test_step_hooks_fire_once_per_step_and_closure_runs_once():
     parts = three_parts()
     container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
