@@ -112,6 +112,8 @@ class Kernel:
             return None
         sizes = tuple(t.numel() for t in tensors)
         if sizes not in self._blocks:  # the same gradients every step: walked once
+            if len(self._blocks) >= 64:  # (callers whose lists change: kept bounded)
+                self._blocks.clear()
             self._blocks[sizes] = _blocks(sizes)
         blocks = self._blocks[sizes]
         job = _Job(
