@@ -244,15 +244,21 @@ class FlatGroup:
         return True
 
     @torch.no_grad()
-    def step(self, factor: float, kernel: Kernel | None = None) -> None:
+    def step(
+        self,
+        factor: float,
+        kernel: Kernel | None = None,
+        sums: dict[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
         all in one pass with the native `kernel` where it takes the tensors; drop each
-        low-precision gradient once it is cast."""
+        low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient sum
+        (`containers.master_sources`), stepped on instead of its gradient (and taken out)."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         beta1, beta2 = group["betas"]
         buf["step"].add_(1)
-        grads = [local(p.grad) if n else None for p, n in self.live]
+        grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
         if kernel is not None and self._native(kernel, group, factor, grads):
@@ -285,3 +291,9 @@ class FlatGroup:
                 amsgrad=False, maximize=group.get("maximize", False),
             )  # fmt: skip
             torch._foreach_copy_(cast_to, cast_from)
+
+
+def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """What `p`'s master steps on: its fp32 sum if one is kept, else its gradient."""
+    total = sums.pop(p, None) if sums is not None else None
+    return total if total is not None else local(p.grad)

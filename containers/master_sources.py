@@ -12,7 +12,9 @@ container 3% of loss against FSDP2's bf16 policy, which sums fp32 gradients
 (after FSDP2's reduce-scatter, once per micro-batch), adds it into an fp32 sum and drops it,
 so the next micro-batch lands on no gradient and is not rounded into one. Before the step the
 parameters get the bf16 rounding of their sums back as `.grad` (what the finite check, the
-norm and the clip read, as before); the masters step on the fp32 sums themselves.
+norm and the clip read, as before); the masters step on the fp32 sums themselves: flat groups
+(`containers.flat_adam`, the native kernel included) read them in place of the gradients,
+other optimizers through `step_on_sums`.
 
 Costs: the fp32 sums (4 bytes/param instead of the 2 of a bf16 gradient, from the first
 micro-batch to the step, plus the bf16 copy the step makes) and one add per micro-batch. With

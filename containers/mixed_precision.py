@@ -203,10 +203,7 @@ class MasterWeights(Precision):
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self._unscale  # unscale and clip in the same multiply
-        if self.sums is not None:
-            live = [self._pairs([opt]) for opt in optimizers]
-            step_on_sums(optimizers, live, self.sums.sums, factor)
-            return
+        sums = self.sums.sums if self.sums is not None else None
         eager = []
         kernel = native_adam.load() if self.compile else None
         for opt in optimizers:
@@ -214,12 +211,17 @@ class MasterWeights(Precision):
             stepped = 0
             for flat in flats:
                 if flat.ready():
-                    flat.step(factor, kernel)  # drops its gradients: `_pairs` skips it below
+                    # drops its gradients (and takes its sums): `_pairs` skips it below
+                    flat.step(factor, kernel, sums)
                     stepped += 1
             if stepped == len(opt.param_groups):
                 eager.append([])  # all of it stepped flat: nothing left to look for
                 continue
             live = self._pairs([opt])
+            if sums is not None:
+                step_on_sums([opt], [live], sums, factor)
+                eager.append([])
+                continue
             if self.compile and supports_fused_update(opt):
                 big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
                 fused_adamw_step(opt, [(local(p), local(p.grad), m) for p, m in big], factor)

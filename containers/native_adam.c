@@ -20,6 +20,7 @@ typedef struct {
   int64_t num_blocks;
   float *master, *exp_avg, *exp_avg_sq;
   int fp16, adamw, decay, maximize, threads;
+  int grads_fp32; /* the gradients are fp32 (summed over micro-batches), not the params' dtype */
   /* factor (unscale x clip), weight decay (AdamW: 1 - lr * wd), 1 - beta1, beta2, 1 - beta2,
      sqrt of bias correction 2, eps, -lr / bias correction 1 */
   float factor, wd, w1, beta2, w2, bc2_sqrt, eps, neg_step;
@@ -43,9 +44,9 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as c10::BFlo
 /* One tensor's elements lo..hi. DECAY (0 none, 1 AdamW, 2 Adam's L2) and SMALL (|1 - beta1|
    < 0.5, which picks torch's form of lerp) are literals at every use, the scalars are locals
    and the pointers `restrict`: the loop vectorizes only without branches or aliasing. */
-#define ADAM_LOOP(T, LOAD, STORE, DECAY, SMALL)                                            \
+#define ADAM_LOOP(TG, LOAD, T, STORE, DECAY, SMALL)                                        \
   do {                                                                                     \
-    const T *restrict g = (const T *)j->grads[t];                                          \
+    const TG *restrict g = (const TG *)j->grads[t];                                        \
     T *restrict p = (T *)j->params[t];                                                     \
     float *restrict m = j->master + off, *restrict a = j->exp_avg + off;                   \
     float *restrict v = j->exp_avg_sq + off;                                               \
@@ -73,15 +74,17 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as c10::BFlo
 #define F16_LOAD(h) ((float)(h))
 #define F16_STORE(x) ((_Float16)(x))
 
-#define ADAM_DTYPE(T, LOAD, STORE)                                                         \
+#define F32_LOAD(x) (x)
+
+#define ADAM_DTYPE(TG, LOAD, T, STORE)                                                     \
   do {                                                                                     \
     const int small = fabsf(j->w1) < 0.5f, decay = j->decay ? (j->adamw ? 1 : 2) : 0;      \
-    if (small && decay == 0) ADAM_LOOP(T, LOAD, STORE, 0, 1);                              \
-    else if (small && decay == 1) ADAM_LOOP(T, LOAD, STORE, 1, 1);                         \
-    else if (small) ADAM_LOOP(T, LOAD, STORE, 2, 1);                                       \
-    else if (decay == 0) ADAM_LOOP(T, LOAD, STORE, 0, 0);                                  \
-    else if (decay == 1) ADAM_LOOP(T, LOAD, STORE, 1, 0);                                  \
-    else ADAM_LOOP(T, LOAD, STORE, 2, 0);                                                  \
+    if (small && decay == 0) ADAM_LOOP(TG, LOAD, T, STORE, 0, 1);                          \
+    else if (small && decay == 1) ADAM_LOOP(TG, LOAD, T, STORE, 1, 1);                     \
+    else if (small) ADAM_LOOP(TG, LOAD, T, STORE, 2, 1);                                   \
+    else if (decay == 0) ADAM_LOOP(TG, LOAD, T, STORE, 0, 0);                              \
+    else if (decay == 1) ADAM_LOOP(TG, LOAD, T, STORE, 1, 0);                              \
+    else ADAM_LOOP(TG, LOAD, T, STORE, 2, 0);                                              \
   } while (0)
 
 static void adam_blocks(const Job *j, int64_t first, int64_t last, int thread) {
@@ -89,10 +92,14 @@ static void adam_blocks(const Job *j, int64_t first, int64_t last, int thread) {
   for (int64_t b = first; b < last; b++) {
     const int64_t t = j->blocks[3 * b], lo = j->blocks[3 * b + 1], hi = j->blocks[3 * b + 2];
     const int64_t off = j->offsets[t];
-    if (j->fp16)
-      ADAM_DTYPE(_Float16, F16_LOAD, F16_STORE);
+    if (j->grads_fp32 && j->fp16)
+      ADAM_DTYPE(float, F32_LOAD, _Float16, F16_STORE);
+    else if (j->grads_fp32)
+      ADAM_DTYPE(float, F32_LOAD, uint16_t, to_bf16);
+    else if (j->fp16)
+      ADAM_DTYPE(_Float16, F16_LOAD, _Float16, F16_STORE);
     else
-      ADAM_DTYPE(uint16_t, from_bf16, to_bf16);
+      ADAM_DTYPE(uint16_t, from_bf16, uint16_t, to_bf16);
   }
 }
 

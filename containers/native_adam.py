@@ -61,6 +61,7 @@ class _Job(ctypes.Structure):
         ("decay", ctypes.c_int),
         ("maximize", ctypes.c_int),
         ("threads", ctypes.c_int),
+        ("grads_fp32", ctypes.c_int),
         *((name, ctypes.c_float) for name in ("factor", "wd", "w1", "beta2", "w2")),
         *((name, ctypes.c_float) for name in ("bc2_sqrt", "eps", "neg_step")),
         ("sums", ctypes.c_double * 256),
@@ -78,9 +79,9 @@ def _blocks(sizes: Sequence[int]) -> ctypes.Array:
 
 def addresses(tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> ctypes.Array | None:
     """The tensors' addresses (None: an empty tensor's, 0) if the kernel can read every one of
-    them (contiguous, on the CPU, `dtype`: bf16 or fp16); None if not. One pass: this runs on
-    hundreds of tensors every step."""
-    if dtype not in _DTYPES:
+    them (contiguous, on the CPU, `dtype`: bf16, fp16, or fp32 for gradient sums); None if
+    not. One pass: this runs on hundreds of tensors every step."""
+    if dtype not in _DTYPES and dtype != torch.float32:
         return None
     out = []
     for t in tensors:
@@ -107,6 +108,8 @@ class Kernel:
         if the kernel cannot read them (see `addresses`)."""
         if not tensors:
             return 0.0
+        if tensors[0].dtype not in _DTYPES:
+            return None
         grads = addresses(tensors, tensors[0].dtype)
         if grads is None:
             return None
@@ -131,10 +134,12 @@ class Kernel:
         factor: float,
     ) -> bool:
         """One step over every tensor of `plan`'s flat group: the gradients (None: an empty
-        tensor's) times `factor`, Adam or AdamW with `hyper` at step count `hyper["step"]`;
-        masters, moments and parameters updated. False (nothing done) if the kernel cannot
-        read the gradients."""
-        held = addresses(grads, plan.dtype)  # alive until the call returns
+        tensor's; in the parameters' dtype, or fp32 sums) times `factor`, Adam or AdamW with
+        `hyper` at step count `hyper["step"]`; masters, moments and parameters updated. False
+        (nothing done) if the kernel cannot read the gradients."""
+        first = next((g for g in grads if g is not None), None)
+        fp32 = first is not None and first.dtype == torch.float32
+        held = addresses(grads, torch.float32 if fp32 else plan.dtype)  # alive until the call
         if held is None or plan.params is None:
             return False
         beta1, beta2, step, lr = hyper["beta1"], hyper["beta2"], hyper["step"], hyper["lr"]
@@ -143,7 +148,7 @@ class Kernel:
             grads=held, params=plan.params, offsets=plan.offsets,
             blocks=plan.blocks, num_blocks=plan.num_blocks,
             master=buffers["master"].data_ptr(), exp_avg=buffers["exp_avg"].data_ptr(),
-            exp_avg_sq=buffers["exp_avg_sq"].data_ptr(), fp16=_DTYPES[plan.dtype],
+            exp_avg_sq=buffers["exp_avg_sq"].data_ptr(), fp16=_DTYPES[plan.dtype], grads_fp32=fp32,
             adamw=bool(adamw), decay=wd != 0, maximize=bool(hyper["maximize"]),
             threads=torch.get_num_threads(), factor=factor, wd=1 - lr * wd if adamw else wd,
             w1=1 - beta1, beta2=beta2, w2=1 - beta2, bc2_sqrt=math.sqrt(1 - beta2**step),
@@ -163,7 +168,8 @@ class Plan:
 
     def __init__(self, params: Sequence[torch.Tensor], starts: Sequence[int]) -> None:
         self.dtype = params[0].dtype
-        self.params = addresses(params, self.dtype)  # None: the kernel cannot write them
+        # None: the kernel cannot write them
+        self.params = addresses(params, self.dtype) if self.dtype in _DTYPES else None
         self.at = [p.data_ptr() for p in params] if self.params is not None else None
         self.offsets = (ctypes.c_int64 * len(params))(*starts[: len(params)])
         self.blocks = _blocks([p.numel() for p in params])

@@ -147,3 +147,36 @@ def test_only_fused_adam_groups_go_flat():
     amsgrad = _container(model, amsgrad=True)
     sgd = MixedPrecisionOptimizersContainer([model], torch.optim.SGD, {"lr": 0.1})
     assert not foreach.precision._flat and not amsgrad.precision._flat and not sgd.precision._flat
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "native"])
+def test_fp32_gradient_sums_step_flat_as_torch_fused_on_the_sums(compile):
+    """grad_accumulation_dtype "float32": the flat groups step on the fp32 sums of the
+    micro-batches' bf16 gradients (no per-tensor step), bitwise torch's fused AdamW on them."""
+    model = _model(ALIGNED)
+    settings = MP(loss_scaling="none", grad_accumulation_dtype="float32", compile=compile)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    mp = MixedPrecisionOptimizersContainer([model], torch.optim.AdamW, kwargs, settings=settings)
+    masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
+    ref = torch.optim.AdamW(masters, **kwargs)
+    calls = []
+    mp.optimizers[0].register_step_pre_hook(lambda *a: calls.append(1))  # torch's own step
+    for step in range(3):
+        mp.zero_grad()
+        sums = [torch.zeros(p.shape) for p in masters]
+        for k in range(3):  # micro-batches: d loss / d p = c, a bf16 tensor
+            cs = _grads(ALIGNED, 10 * step + k)
+            sum(((p.float() * c.float()).sum() for p, c in zip(model.parameters(), cs))).backward()
+            for total, c in zip(sums, cs):
+                total.add_(c.float())
+        mp.step()
+        for m, total in zip(masters, sums):
+            m.grad = total
+        ref.step()
+    assert not calls
+    for p, m in zip(model.parameters(), masters):
+        assert torch.equal(p, m.detach().bfloat16())
+    state = mp.state_dict()
+    for i, m in enumerate(masters):
+        assert torch.equal(state[f"master_weights.w{i}"], m.detach()), i
+        assert torch.equal(state[f"state.w{i}.exp_avg_sq"], ref.state[m]["exp_avg_sq"]), i
