@@ -265,8 +265,8 @@ class MixedPrecision:
     """Dtype the gradients are summed in over a step's micro-batches: "param_dtype" adds each
     micro-batch's into the last in bf16/fp16 (least memory); "float32" keeps an fp32 sum per
     parameter (+2 bytes/param until the step; with 4 micro-batches on the debug job, 3% lower
-    loss than bf16 sums). Not with early_step_in_backward or [fault_tolerance]; `compile`
-    then steps eagerly."""
+    loss than bf16 sums). Not with early_step_in_backward or [fault_tolerance]; with `compile`
+    only fused Adam/AdamW groups take the one-pass kernel, others step eagerly."""
 
 
 @dataclass(kw_only=True)
