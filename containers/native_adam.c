@@ -6,7 +6,9 @@
    a step equals the eager flat path (cast, multiply, torch._fused_adamw_, cast back) bit for
    bit. */
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -191,17 +193,22 @@ static void run_share(const Job *j, int thread, void (*body)(const Job *, int64_
 }
 
 /* OpenMP, so the work goes to the thread team torch's own kernels use (the process has one
-   libgomp: torch's, loaded first) rather than to new threads that would compete with it. */
+   libgomp: torch's, loaded first) rather than to new threads that would compete with it.
+   Built without OpenMP (torch uses another runtime), one thread takes every share. */
 static int run(Job *j, void (*body)(const Job *, int64_t, int64_t, int)) {
   const int n = j->threads < 1 ? 1 : (j->threads > MAX_THREADS ? MAX_THREADS : j->threads);
   j->threads = n;
   for (int t = 0; t < n; t++) j->sums[t] = 0.0;
+#ifdef _OPENMP
 #pragma omp parallel num_threads(n)
   {
     /* fewer threads than asked: the ones there take the others' shares too */
     const int have = omp_get_num_threads();
     for (int t = omp_get_thread_num(); t < n; t += have) run_share(j, t, body);
   }
+#else
+  for (int t = 0; t < n; t++) run_share(j, t, body);
+#endif
   return 0;
 }
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK", "Kernel", "load"]
+__all__ = ["BLOCK", "Kernel", "Plan", "addresses", "build", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ BLOCK = 1 << 16
 """Elements per unit of work a thread takes (a tensor larger than this is split)."""
 
 _SOURCE = Path(__file__).with_name("native_adam.c")
-_FLAGS = [
-    "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared",
-]  # fmt: skip
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -189,24 +187,40 @@ def _cpu() -> str:
     return next((ln for ln in text.splitlines() if ln.startswith("flags")), text[:4096])
 
 
+def _torch_uses_libgomp() -> bool:
+    """Whether the process's OpenMP runtime is GNU's (torch's Linux wheels): then the kernel
+    links the same libgomp and shares torch's thread team. Another runtime (Intel's, LLVM's)
+    in the process would make a second team compete with torch's: then no OpenMP."""
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
 @functools.cache
 def load() -> Kernel | None:
     """The kernel, built on first use; None (with a warning) where it cannot be built."""
+    return build(openmp=_torch_uses_libgomp())
+
+
+def build(openmp: bool) -> Kernel | None:
+    """Build (or find in the cache) and load the kernel, with OpenMP or single-threaded."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.warning("compile: no C compiler found (set CC); flat groups step eagerly")
         return None
+    flags = [*_FLAGS, *(["-fopenmp"] if openmp else [])]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
         key = hashlib.sha256(
-            "\0".join([_SOURCE.read_text(), cc, version.stdout, " ".join(_FLAGS), _cpu()]).encode()
+            "\0".join([_SOURCE.read_text(), cc, version.stdout, " ".join(flags), _cpu()]).encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"native_adam-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+                cmd = [cc, *flags, str(_SOURCE), "-o", str(built), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
                 os.replace(built, target)  # atomic: ranks building at once all see a whole file
         return Kernel(ctypes.CDLL(str(target)))

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(
 SIZES = [5, 16384, 7, 1, 3 * native_adam.BLOCK + 11, 64]  # one spans blocks and threads
 
 
-@pytest.fixture(scope="module")
-def kernel() -> native_adam.Kernel:
-    k = native_adam.load()
+@pytest.fixture(scope="module", params=[True, False], ids=["openmp", "one_thread"])
+def kernel(request) -> native_adam.Kernel:
+    """Both builds: with OpenMP (torch's libgomp here) and without (another runtime)."""
+    k = native_adam.build(openmp=request.param)
     assert k is not None  # a compiler is here: it must build
     return k
 
