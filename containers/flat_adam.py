@@ -221,7 +221,9 @@ class FlatGroup:
         self.uniform = None
         return False
 
-    def _native(self, kernel: Kernel, group: dict, factor: float, grads: list) -> bool:
+    def _native(
+        self, kernel: Kernel, group: dict, decoupled: bool, factor: float, grads: list
+    ) -> bool:
         """The step in one pass with the native `kernel`, if it can read every tensor."""
         buf = self.buffers
         if buf["master"].dtype != torch.float32 or not buf["master"].is_cpu:
@@ -235,7 +237,7 @@ class FlatGroup:
             "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
             "weight_decay": group["weight_decay"], "eps": group["eps"],
             "maximize": group.get("maximize", False), "step": buf["step"][0].item(),
-            "adamw": group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW),
+            "adamw": decoupled,
         }  # fmt: skip
         if not kernel.adam(self._walk, grads, buf, hyper, factor):
             return False
@@ -261,7 +263,7 @@ class FlatGroup:
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
-        if kernel is not None and self._native(kernel, group, factor, grads):
+        if kernel is not None and self._native(kernel, group, decoupled, factor, grads):
             return
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_
         step = [buf["step"][0]]

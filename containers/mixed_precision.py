@@ -179,9 +179,16 @@ class MasterWeights(Precision):
         grads = [p.grad for p in params]
         if not self.compile:
             return over(grads, params=params) * self._unscale
-        if native_adam.load() is not None:  # CPU gradients; others go on to `compiled`
-            return over(grads, _native_square_sum, params=params) * self._unscale
-        return over(grads, compiled()[1], self.compile_min_numel, params=params) * self._unscale
+        return over(grads, self._compiled_square_sum, params=params) * self._unscale
+
+    def _compiled_square_sum(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The native kernel's sum of squares where it reads the gradients (on a CPU), else
+        inductor's for tensors of `compile_min_numel` elements and more."""
+        kernel = native_adam.load()
+        total = kernel.square_sum(tensors) if kernel is not None else None
+        if total is not None:
+            return torch.tensor(total, dtype=torch.float32)
+        return sum_of_squares(tensors, compiled()[1], self.compile_min_numel, tensors[0].device)
 
     def decided(self, applied: bool) -> None:
         self._backing_off = not applied and self.scaler.can_back_off
@@ -321,15 +328,6 @@ class MasterWeights(Precision):
         device = local(next(iter(self._model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
-
-
-def _native_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    total = native_adam.load().square_sum(tensors)  # type: ignore[union-attr]
-    if total is not None:
-        return torch.tensor(total, dtype=torch.float32)
-    if tensors[0].is_cpu:  # not all readable (e.g. non-contiguous)
-        return sum_of_squares(tensors, None, 0, tensors[0].device)
-    return sum_of_squares(tensors, compiled()[1], COMPILE_MIN_NUMEL, tensors[0].device)
 
 
 def _mark_stale(flats: list[FlatGroup]):
