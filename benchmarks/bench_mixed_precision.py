@@ -12,7 +12,7 @@ sizes); `--flat` gives `--parts` equal flat tensors instead.
 - fp32: torch fused AdamW on fp32 parameters (the 28 bytes/param floor);
 - container: MixedPrecisionOptimizersContainer on bf16 parameters, fp32 masters, static loss
   scale 1024 and max_norm 1 (so unscale and clip really run), fused AdamW; eager and compiled
-  (`compile=True`: on a CPU the native one-pass kernel of `containers.native_adam`);
+  (`compile=True`: on a CPU the native one-pass kernel of `containers.precision.native_adam`);
 - seed: LightRFT FSDPadaptOptimizer's algorithm, re-implemented faithfully: fp32 copies of all
   gradients first, an fp64 norm, a separate unscale pass, a separate clip pass, the optimizer,
   then a per-tensor copy back;
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, run_fresh, train_peak
 from config import MixedPrecision
-from containers import InBackward, MixedPrecisionOptimizersContainer, grad_norm
+from containers import InBackward, MixedPrecisionOptimizersContainer, norm
 
 
 def _rss() -> int:
@@ -185,7 +185,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
         _fresh_grads(params, grads)
         if i == 1:  # after the first step (state allocated, kernels compiled)
             steady = sum(t.nbytes for t in [*params, *grads, *masters]) + _state_bytes(optimizers)
-            fixed = sum(b.nbytes for b in grad_norm._scratch.values())  # kept between steps
+            fixed = sum(b.nbytes for b in norm._scratch.values())  # kept between steps
             before = _hwm_reset()
         start = time.perf_counter()
         step()

@@ -7,7 +7,7 @@ For each world size W (gloo ranks on this machine, one torch thread each), the h
 of a Llama-like stack (per layer wq, wk, wv, wo: dim x dim; w1, w3: hidden x dim; w2:
 dim x hidden) are FSDP2-style Shard(0) DTensors with fixed gradients, and each contender's
 step is timed (median of `--steps`, after 2 warm-up steps):
-- `ShardedMuon` (containers.muon): each matrix gathered to one owner by all-to-all,
+- `ShardedMuon` (containers.optim.muon): each matrix gathered to one owner by all-to-all,
   orthogonalized there, returned as shards: ~1/W of the Newton-Schulz work per rank;
 - every rank gathers every matrix (`full_tensor`) and orthogonalizes all of them, then keeps its
   shard: what DTensor ops make of torch's Muon, with the same Newton-Schulz dtype;
@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table
-from containers.muon import ShardedMuon, newton_schulz
+from containers.optim.muon import ShardedMuon, newton_schulz
 
 
 class EveryRankMuon(ShardedMuon):

@@ -43,7 +43,7 @@ from components.checkpoint_seed import load_seed, open_seed
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
 from containers import OptimizersContainer
-from containers.flat_state import describe_keys
+from containers.state.flat import describe_keys
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 

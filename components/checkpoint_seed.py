@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from components.checkpoint_files import Damaged, agree_across_ranks, checkpoint_steps, verify
 from config import ConfigError
 from containers import OptimizersContainer
-from containers.flat_state import describe_keys
+from containers.state.flat import describe_keys
 
 __all__ = ["Layout", "Seed", "from_torchtitan", "load_seed", "open_seed", "to_torchtitan"]
 

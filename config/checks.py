@@ -49,7 +49,7 @@ def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
 
 
 def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
-    """What FSDP1 model parts cannot run with (`containers.fsdp1` says why in full)."""
+    """What FSDP1 model parts cannot run with (`containers.state.fsdp1` says why in full)."""
     par = cfg.parallelism
     key = "[parallelism] data_parallel_shard_impl = 'fsdp1'"
     fix = "use data_parallel_shard_impl = 'fsdp2'"

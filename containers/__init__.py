@@ -2,16 +2,26 @@
 
 One class runs one step pipeline; precision, gate and timing are parts plugged into it
 (`containers.parts`). The variants are thin, documented compositions of those parts.
+
+    container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
+    parts.py         the part protocols (Precision, Gate, Timing) with their fp32 / always /
+                     after-backward defaults, StepReport, refuse_impossible
+    norm.py          the global gradient norm over the job's mesh; local-shard helpers
+    grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
+    precision/       MasterWeights (mixed precision) and its update paths
+    gate/            TorchFTGate (torchft)
+    timing/          InBackward
+    state/           the flat FQN state format, initial state, param-group rules, FSDP1 slices
+    optim/           optimizers the project adds (ShardedMuon)
 """
 
-from containers.base import OptimizersContainer, Unit
-from containers.fault_tolerant import FTOptimizersContainer, TorchFTGate
-from containers.in_backward import InBackward, OptimizersInBackwardContainer
-from containers.loss_scaler import LossScaler
-from containers.mixed_precision import MasterWeights, MixedPrecisionOptimizersContainer
-from containers.muon import ShardedMuon
-from containers.param_groups import ParamGroupRule
+from containers.container import OptimizersContainer, Unit
+from containers.gate import FTOptimizersContainer, TorchFTGate
+from containers.optim import ShardedMuon
 from containers.parts import Gate, Precision, StepReport, Timing
+from containers.precision import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer
+from containers.state import ParamGroupRule
+from containers.timing import InBackward, OptimizersInBackwardContainer
 
 __all__ = [
     "FTOptimizersContainer",

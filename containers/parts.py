@@ -8,7 +8,7 @@ Every container runs the same step (`OptimizersContainer.step`); three parts plu
 - **gate** (`Gate`): whether a step commits (torchft's quorum), and the gradient average
   across replica groups that comes first.
 - **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
-  inside backward as each unit's gradients become final (`containers.in_backward`).
+  inside backward as each unit's gradients become final (`containers.timing.in_backward`).
 
 A part that cannot work when units apply inside backward says why in `in_backward_conflict`,
 one that cannot work on FSDP1 model parts in `fsdp1_conflict`; the container refuses such a
@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.grad_norm import GlobalNorm, dense, local
 from containers.grouped_step import step_together
+from containers.norm import GlobalNorm, dense, local
 
 if TYPE_CHECKING:
-    from containers.base import OptimizersContainer
+    from containers.container import OptimizersContainer
 
 __all__ = [
     "Gate",

@@ -43,7 +43,7 @@ from components.checkpoint_seed import MASTERS, load_seed, open_seed, to_torchti
 from components.job import Job, build_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config
-from containers.flat_state import describe_keys
+from containers.state.flat import describe_keys
 
 logger = logging.getLogger("convert")
 

@@ -47,4 +47,38 @@ def test_imports_only_go_down(path):
 def test_the_floors_are_checked_at_all():
     assert len(MODULES) > 20
     assert _floor("components.models.llama.model") > _floor("components.job")
-    assert _floor("containers.base") > _floor("config.loader")
+    assert _floor("containers.container") > _floor("config.loader")
+
+
+PART_KINDS = ("precision", "gate", "timing")
+
+
+def _containers_modules() -> dict[str, list[str]]:
+    """containers' modules (dotted) -> the containers modules each imports."""
+    root = Path(REPO) / "containers"
+    out = {}
+    for path in root.rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        out[module] = [m for m in _imports(path) if m.startswith("containers")]
+    return out
+
+
+def test_containers_top_level_is_small_and_each_subpackage_one_part_kind():
+    root = Path(REPO) / "containers"
+    top = sorted(p.name for p in root.glob("*.py"))
+    assert len(top) <= 8, f"containers/ has {len(top)} top-level modules: {top}"
+    subpackages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+    assert subpackages == sorted([*PART_KINDS, "state", "optim"])
+
+
+def test_part_kinds_do_not_import_each_other_and_the_floor_imports_no_part():
+    modules = _containers_modules()
+    assert len(modules) > 15
+    for module, imported in modules.items():
+        kind = module.split(".")[1] if module.count(".") else None
+        for m in imported:
+            other = m.split(".")[1] if m.count(".") else None
+            if kind in PART_KINDS:
+                assert other not in PART_KINDS or other == kind, f"{module} imports {m}"
+            if kind in ("state", "optim") or module in ("containers.parts", "containers.norm"):
+                assert other not in PART_KINDS, f"{module} imports {m}"

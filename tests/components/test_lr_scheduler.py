@@ -82,7 +82,7 @@ def test_resume_keeps_the_step_but_takes_the_lr_from_the_config(caplog):
 
     new = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 2e-3})  # lr changed in config
     new_sched = build_lr_schedulers(new, cfg, total_steps=10)
-    with caplog.at_level(logging.INFO, logger="containers.base"):
+    with caplog.at_level(logging.INFO, logger="containers.container"):
         new.load_state_dict(saved_optim)  # keeps the config's lr in the groups...
     new_sched.load_state_dict(saved_sched)  # ...and the schedule applies its position
     # The base lrs are compared, not the scheduled ones (this load came before the schedule's).

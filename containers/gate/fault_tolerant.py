@@ -15,10 +15,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from containers.base import OptimizersContainer
-from containers.grad_norm import local, shaped_like
-from containers.param_groups import ParamGroupRule
+from containers.container import OptimizersContainer
+from containers.norm import local, shaped_like
 from containers.parts import Gate, Precision
+from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
     from torchft import Manager

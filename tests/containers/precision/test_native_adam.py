@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 from config import MixedPrecision as MP
-from containers import MixedPrecisionOptimizersContainer, native_adam
-from containers.flat_adam import PAD
+from containers import MixedPrecisionOptimizersContainer
+from containers.precision import native_adam
+from containers.precision.flat_adam import PAD
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"

@@ -1,12 +1,13 @@
-"""The eager mixed-precision step of optimizers without flat buffers (`containers.flat_adam`
-takes fused Adam/AdamW groups): low-precision gradients to fp32, chunk by chunk.
+"""The eager mixed-precision step of optimizers without flat buffers
+(`containers.precision.flat_adam` takes fused Adam/AdamW groups): low-precision gradients to
+fp32, chunk by chunk.
 
 `MasterWeights.apply` steps fp32 masters with the inner optimizers, which need fp32 gradients.
 Casting every gradient at once
 would add 4 bytes/param at the step's peak; casting per tensor allocates (and page-faults) a
 fresh fp32 tensor each time, which on a CPU costs more than the cast. So the gradients are cast
 in chunks of about `CHUNK_NUMEL` elements into the fp32 scratch buffer that
-`containers.grad_norm.scratch` keeps between steps (the norm pass uses it too), with one
+`containers.norm.scratch` keeps between steps (the norm pass uses it too), with one
 `torch._foreach_copy_` per chunk, unscaled and clipped there with one `torch._foreach_mul_`
 while the chunk is in cache, stepped, and written back to the model parameters; each
 low-precision gradient is dropped as soon as it is cast. A tensor larger than a chunk gets a
@@ -28,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.fsdp1 import ELEMENTWISE
-from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.state.fsdp1 import ELEMENTWISE
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters", "step_whole"]
 

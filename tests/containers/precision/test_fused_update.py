@@ -16,7 +16,7 @@ import torch
 from torch import optim
 from torch._dynamo.utils import counters
 
-from containers.fused_update import fused_adamw_step, supports_fused_update
+from containers.precision.fused_update import fused_adamw_step, supports_fused_update
 
 
 def _one(cls: type, **kwargs: Any) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """A native CPU kernel for the mixed-precision step of a flat Adam/AdamW group (`compile`).
 
-The eager flat step (`containers.flat_adam`) makes four passes over a group: cast the
+The eager flat step (`containers.precision.flat_adam`) makes four passes over a group: cast the
 low-precision gradients into fp32, multiply, torch's fused Adam, cast the masters back; the
 norm makes a fifth. Every pass is bandwidth and a per-tensor dispatch, so the step costs about
 twice the fp32 fused AdamW step that moves the same bytes. This kernel reads each

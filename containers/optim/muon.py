@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from containers.grad_norm import local
+from containers.norm import local
 
 __all__ = ["ShardedMuon", "newton_schulz"]
 

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from containers.base import OptimizersContainer, Unit
-from containers.param_groups import ParamGroupRule
+from containers.container import OptimizersContainer, Unit
 from containers.parts import Named, Precision, Timing
+from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
     from containers.parts import Gate

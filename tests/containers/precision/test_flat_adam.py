@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from config import MixedPrecision as MP
 from containers import MixedPrecisionOptimizersContainer
-from containers.flat_adam import PAD
+from containers.precision.flat_adam import PAD
 
 FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show
 ALIGNED = [(4, PAD), (3 * PAD,), (PAD, 5), (2, 2, PAD)]  # sizes torch's kernel runs all-vector

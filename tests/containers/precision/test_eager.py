@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from containers.master_step import step_masters
+from containers.precision.eager import step_masters
 
 SHAPES = [(5, 3), (7,), (2, 2, 2), (11,), (1,), (4, 6)]
 FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show

@@ -29,7 +29,7 @@ from containers import (
     OptimizersContainer,
     Precision,
 )
-from containers.grad_norm import GlobalNorm
+from containers.norm import GlobalNorm
 from tests.harness.dist import run_ranks
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from containers.grad_norm import local
+from containers.norm import local
 
 __all__ = ["COMPILE_MIN_NUMEL", "compiled", "fused_adamw_step", "supports_fused_update"]
 

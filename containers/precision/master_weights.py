@@ -7,9 +7,10 @@ defeated by 0 * inf) or, without a clip, the container's finite check; one colle
 host sync for the skip decision; then the gradients are cast to fp32 chunk by chunk, unscaled
 and clipped in one multiply, stepped, and the masters written back to the parameters. Fused
 Adam/AdamW groups keep masters and state in flat buffers and step each chunk in one kernel
-call (`containers.flat_adam`), or, compiled on a CPU, the whole group in one native pass
-(`containers.native_adam`, which also takes the norm); other optimizers step per tensor
-(`containers.master_step`), or, compiled, in one pass per tensor (`containers.fused_update`).
+call (`containers.precision.flat_adam`), or, compiled on a CPU, the whole group in one native pass
+(`containers.precision.native_adam`, which also takes the norm); other optimizers step per tensor
+(`containers.precision.eager`), or, compiled, in one pass per tensor
+(`containers.precision.fused_update`).
 """
 
 from __future__ import annotations
@@ -25,22 +26,22 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
-from containers import native_adam
-from containers.base import OptimizersContainer
-from containers.flat_adam import FlatGroup, eligible
-from containers.flat_state import describe_keys
-from containers.fused_update import (
+from containers.container import OptimizersContainer
+from containers.norm import GlobalNorm, local, sum_of_squares
+from containers.parts import Gate, Precision, Timing
+from containers.precision import native_adam
+from containers.precision.eager import step_masters
+from containers.precision.flat_adam import FlatGroup, eligible
+from containers.precision.fused_update import (
     COMPILE_MIN_NUMEL,
     compiled,
     fused_adamw_step,
     supports_fused_update,
 )
-from containers.grad_norm import GlobalNorm, local, sum_of_squares
-from containers.loss_scaler import LossScaler
-from containers.master_sources import FullPrecisionSums, from_initial, step_on_sums
-from containers.master_step import step_masters
-from containers.param_groups import ParamGroupRule
-from containers.parts import Gate, Precision, Timing
+from containers.precision.loss_scaler import LossScaler
+from containers.precision.sums import FullPrecisionSums, from_initial, step_on_sums
+from containers.state.flat import describe_keys
+from containers.state.param_groups import ParamGroupRule
 
 __all__ = ["MasterWeights", "MixedPrecisionOptimizersContainer"]
 
@@ -70,7 +71,7 @@ class MasterWeights(Precision):
         # Smaller tensors take the eager path even when compiling (`fused_update`).
         self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
-        # Gradients summed in fp32 over micro-batches (`containers.master_sources`).
+        # Gradients summed in fp32 over micro-batches (`containers.precision.sums`).
         self.sums = (
             FullPrecisionSums(self.master_dtype)
             if self.settings.grad_accumulation_dtype == "float32"

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from containers.flat_state import describe_keys, flatten_into, unflatten
-from containers.initial_state import derive, initial_states
+from containers.state.flat import describe_keys, flatten_into, unflatten
+from containers.state.initial import derive, initial_states
 from tests.harness.dist import run_ranks
 
 # -- describe_keys ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from containers import (
     ParamGroupRule,
     ShardedMuon,
 )
-from containers.muon import newton_schulz
+from containers.optim.muon import newton_schulz
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import assert_same, full
 

@@ -13,7 +13,7 @@ container 3% of loss against FSDP2's bf16 policy, which sums fp32 gradients
 so the next micro-batch lands on no gradient and is not rounded into one. Before the step the
 parameters get the bf16 rounding of their sums back as `.grad` (what the finite check, the
 norm and the clip read, as before); the masters step on the fp32 sums themselves: flat groups
-(`containers.flat_adam`, the native kernel included) read them in place of the gradients,
+(`containers.precision.flat_adam`, the native kernel included) read them in place of the gradients,
 other optimizers through `step_on_sums`.
 
 Costs: the fp32 sums (4 bytes/param instead of the 2 of a bf16 gradient, from the first
@@ -30,8 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from containers.grad_norm import local, shaped_like
-from containers.master_step import step_whole
+from containers.norm import local, shaped_like
+from containers.precision.eager import step_whole
 
 __all__ = ["FullPrecisionSums", "from_initial", "step_on_sums"]
 

@@ -10,7 +10,7 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
 
-run in `step()` after backward, or unit by unit inside backward (`containers.in_backward`),
+run in `step()` after backward, or unit by unit inside backward (`containers.timing.in_backward`),
 where each unit checks its own gradients and a non-finite unit is skipped.
 
 A non-finite loss passed to `backward()` turns every gradient it reaches into NaN (a
@@ -34,7 +34,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from containers.flat_state import (
+from containers.norm import GlobalNorm
+from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
+from containers.state.flat import (
     PG,
     STATE,
     changed_settings,
@@ -42,11 +44,9 @@ from containers.flat_state import (
     plan_load,
     refuse_other_layout,
 )
-from containers.fsdp1 import FlatShards, refuse_optimizers
-from containers.grad_norm import GlobalNorm
-from containers.initial_state import derive
-from containers.param_groups import ParamGroupRule, assign, trainable
-from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
+from containers.state.fsdp1 import FlatShards, refuse_optimizers
+from containers.state.initial import derive
+from containers.state.param_groups import ParamGroupRule, assign, trainable
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
@@ -87,7 +87,7 @@ class OptimizersContainer(Optimizer, Stateful):
             or NaN, so that none reaches the weights or the optimizer state; costs one host
             sync per step (per unit inside backward) where nothing else needs the norm.
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
-            norm counts every gradient element once over it (`containers.grad_norm`). None:
+            norm counts every gradient element once over it (`containers.norm`). None:
             one stage over the world.
     """
 
@@ -119,7 +119,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
         self._skipped_units = 0
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
-        # full-shape DTensors on save and back on load (`containers.fsdp1`).
+        # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
         refuse_impossible(
             self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards)

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.grad_norm import SCRATCH_NUMEL, local, scratch, shaped_like
-from containers.native_adam import Kernel, Plan
+from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.precision.native_adam import Kernel, Plan
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -255,7 +255,7 @@ class FlatGroup:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
         all in one pass with the native `kernel` where it takes the tensors; drop each
         low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient sum
-        (`containers.master_sources`), stepped on instead of its gradient (and taken out)."""
+        (`containers.precision.sums`), stepped on instead of its gradient (and taken out)."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         beta1, beta2 = group["betas"]

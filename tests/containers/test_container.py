@@ -208,7 +208,7 @@ def test_a_load_takes_state_from_the_dict_and_every_setting_from_the_container(c
     new_parts = copy.deepcopy(parts)
     reader = OptimizersContainer(new_parts, torch.optim.Adam, new)
     settings = [{k: v for k, v in g.items() if k != "params"} for g in reader.param_groups]
-    with caplog.at_level(logging.INFO, logger="containers.base"):
+    with caplog.at_level(logging.INFO, logger="containers.container"):
         reader.load_state_dict(saved)
     assert [{k: v for k, v in g.items() if k != "params"} for g in reader.param_groups] == settings
     assert [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()] == [
@@ -232,7 +232,7 @@ def test_a_load_takes_state_from_the_dict_and_every_setting_from_the_container(c
 
     # Loading what it holds changes nothing, so nothing is logged.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="containers.base"):
+    with caplog.at_level(logging.INFO, logger="containers.container"):
         reader.load_state_dict(_state_copy(reader))
     assert not [r for r in caplog.records if "resume:" in r.getMessage()]
 

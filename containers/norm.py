@@ -11,7 +11,7 @@ copies, and one all-reduce over the world sums shards, replicas (back to one) an
 Dividing rather than electing one owner per copy keeps every rank's gradients in the sum, so
 a non-finite gradient anywhere makes the norm non-finite on every rank.
 
-FSDP1 parameters (`containers.fsdp1`) are plain tensors holding a 1-D slice each: every
+FSDP1 parameters (`containers.state.fsdp1`) are plain tensors holding a 1-D slice each: every
 element lies on one rank of the shard group, so their copies are `world / pp` over the
 group's size (HSDP replicas), told by `shards`.
 """

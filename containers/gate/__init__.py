@@ -1,0 +1,9 @@
+"""Gates: whether a step commits, and the gradient exchange across replica groups before it.
+
+The gate that always commits is `containers.parts.Gate`. Here: `TorchFTGate`
+(`fault_tolerant`): torchft's quorum, the average across replica groups, `should_commit`.
+"""
+
+from containers.gate.fault_tolerant import FTOptimizersContainer, TorchFTGate
+
+__all__ = ["FTOptimizersContainer", "TorchFTGate"]
