@@ -19,6 +19,15 @@ on it), a `GradScaler`'s `grad_scale`/`found_inf`, a subclass, a group without a
 fused or foreach choice (torch picks by the tensors' devices), a tensor lr, or
 `differentiable`. The grouping is rebuilt on every step from the live group dicts (a few
 microseconds), so LR schedulers, user writes and loads, which replace the dicts, are seen.
+
+Why torch's private `_init_group` rather than a public route: the public alternative, one
+inner optimizer per optimizer class with a param group per part and rule, does not make one
+kernel call either (torch's `Adam.step` calls its functional `adam` once per param group),
+and it would make every part's groups one optimizer's, which changes what `__iter__` and
+`__len__` give torchtitan-style code that walks one optimizer per model part. `_init_group` is
+the one place torch creates Adam's lazy state; calling it keeps that exactly torch's (a test
+holds this bitwise over every Adam/AdamW configuration of torch's `optim_db`), so the risk of
+the private name is a loud AttributeError on a torch that renames it, not a silent change.
 """
 
 from __future__ import annotations

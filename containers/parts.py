@@ -117,7 +117,15 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 
 
 class Precision:
-    """fp32 training: the inner optimizers step the model's own parameters."""
+    """fp32 training: the inner optimizers step the model's own parameters.
+
+    A precision answers four kinds of question, in this order of a run's life:
+    composition (`in_backward_conflict`, `fsdp1_conflict`, `must_skip_nonfinite`); build
+    (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`, `grad_norm`,
+    `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers' (`state_dict`,
+    `take_state`, `load_state`). This class is the plain answer to each; `MasterWeights`
+    (`containers.precision`) is the other.
+    """
 
     must_skip_nonfinite = False
     """Whether steps with non-finite gradients must be skipped even where the container

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from containers import OptimizersContainer, ParamGroupRule
 from containers.parts import Precision
+from tests.harness import optim_db
 from tests.harness.helpers import assert_same, batch, forward, three_parts
 
 
@@ -100,6 +101,38 @@ def test_one_call_per_bucket_is_bitwise_each_optimizer_stepping_alone(cls, kwarg
     assert_same(grouped.state_dict(), alone.state_dict())
     assert grouped.optimizers[1].state[parts[1].mid.weight]["step"].item() == 5
     assert grouped.optimizers[0].state[parts[0].embed.bias]["step"].item() == 5
+
+
+ADAM_DB = [
+    (cls, f"{desc}, {kernel}", {**kwargs, kernel: True})
+    for cls, desc, kwargs in optim_db.cases()
+    if cls in (torch.optim.Adam, torch.optim.AdamW)
+    for kernel in ("fused", "foreach")
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "desc", "kwargs"), ADAM_DB, ids=[f"{c.__name__}-{d}" for c, d, _ in ADAM_DB]
+)
+def test_torch_init_group_keeps_every_adam_configuration_of_optim_db_bitwise(cls, desc, kwargs):
+    # The grouped step builds state through torch's private `_init_group`: a torch that
+    # changes what it does must show up here, for every configuration torch tests.
+    parts, ref_parts = three_parts(), three_parts()
+    grouped = OptimizersContainer(parts, cls, kwargs, param_groups=RULES)
+    alone = OptimizersContainer(
+        ref_parts, cls, kwargs, param_groups=RULES, precision=PerOptimizer()
+    )
+    for step in range(3):
+        with CountOps() as ops:
+            _step(parts, grouped, step)
+        fused = "_fused_adamw_" if cls is torch.optim.AdamW else "_fused_adam_"
+        assert ops.calls[fused if kwargs.get("fused") else "_foreach_addcmul_"] > 0
+        _step(ref_parts, alone, step)
+    assert_same(grouped.state_dict(), alone.state_dict())
+    for a, b in zip(
+        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
+    ):
+        assert torch.equal(a, b)
 
 
 def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise():
