@@ -337,6 +337,24 @@ def run_fixed_cost(settings: Settings, kw: dict[str, Any]) -> list[Row]:
     ]
 
 
+def torchtitan_container(model: list[nn.Module], kw: dict[str, Any]) -> Any:
+    """torchtitan's OptimizersContainer over `model` (fused AdamW), or None where torchtitan
+    is not installed (its step is the per-part loop of section 1 either way)."""
+    try:
+        from torchtitan.components.optimizer import OptimizersContainer as Titan
+    except Exception:  # not installed, or its own dependencies are missing
+        return None
+    try:  # 0.3.0's signature
+        return Titan(model, torch.optim.AdamW, {**kw, "fused": True})
+    except TypeError:  # later: a Config with param groups
+        from torchtitan.components.optimizer import ParamGroupConfig
+
+        config = Titan.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", name="AdamW", optimizer_kwargs=kw)]
+        )
+        return Titan(config, model_parts=model)
+
+
 def run(settings: Settings) -> tuple[list[str], list[Row]]:
     """Run every measurement; return the header lines and the table rows."""
     load_before = load_average()
@@ -379,6 +397,8 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
         for opt in per_part:
             opt.step()
 
+    titan = torchtitan_container(clone_model(model), kw)
+
     t = time_interleaved(
         {
             "container": container.step,
@@ -391,6 +411,7 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
             "foreach": foreach.step,
             "for_loop": for_loop.step,
             **by_parts,
+            **({"torchtitan": titan.step} if titan is not None else {}),
         },
         settings.repeats,
         settings.steps,
@@ -417,6 +438,19 @@ def run(settings: Settings) -> tuple[list[str], list[Row]]:
             f"{os.cpu_count()} CPUs (load from other processes adds noise)"
         )
     rows = [
+        ratio_row(
+            "0 container, check on (default) / one fused AdamW", t["container"], t["fused"], 1.15
+        ),
+        ratio_row("0 container, check off / one fused AdamW", t["unchecked"], t["fused"]),
+        ratio_row(
+            "0 per-part fused loop (torchtitan's step) / one fused AdamW", t["per_part"], t["fused"]
+        ),
+    ]
+    if "torchtitan" in t:
+        rows.append(
+            ratio_row("0 torchtitan's container / one fused AdamW", t["torchtitan"], t["fused"])
+        )
+    rows += [
         Row(
             "1 per-part fused AdamW loop (baseline)",
             median_ms(t["per_part"]),

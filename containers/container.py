@@ -4,8 +4,8 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
 
     prepare   gate.reduce_gradients            average across replica groups (torchft)
     commit    gate.commit                      an uncommitted step changes nothing
-    measure   precision.grad_norm, one sync    the global norm for the clip, or (no clip)
-              or all_finite, one sync          a cheaper pass that only checks
+    measure   precision.grad_norm, one sync    the global norm: for the clip and, one read of
+                                               the gradients, the non-finite check
     decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
@@ -132,6 +132,8 @@ class OptimizersContainer(Optimizer, Stateful):
             mesh,
             shards=self.flat_shards.shard_counts(),
         )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self._local_norm = world > 1 and not self.global_norm.collective
         stepped_units = [
             [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
         ]
@@ -255,14 +257,8 @@ class OptimizersContainer(Optimizer, Stateful):
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal)
         norm, value, finite = None, None, True
-        if self.max_norm is not None:
-            norm = self.precision.grad_norm(params, self.global_norm)
-            value = norm.item()  # the one host sync of a step
-            finite = math.isfinite(value) or not self.skip_nonfinite
-        elif self.skip_nonfinite:
-            # Without a clip, a check costs half a norm; the world agrees, as a norm would.
-            world = dist.is_initialized() and dist.get_world_size() > 1
-            finite = all_finite([p.grad for p in params], groups=[None] if world else [])
+        if self.max_norm is not None or self.skip_nonfinite:
+            norm, value, finite = self._measure(params)
         self.precision.decided(applied=finite)
         if not finite:
             return StepReport(
@@ -275,6 +271,22 @@ class OptimizersContainer(Optimizer, Stateful):
             )
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
         return StepReport(grad_norm=value, **self.precision.report())
+
+    def _measure(self, params: list[torch.Tensor], exact: bool = False) -> tuple[Any, float, bool]:
+        """The global norm, its value and whether the step may apply. The norm is the
+        non-finite check too: one read of the gradients, no write, and the step's one host
+        sync. Where it is not finite, it is measured again in fp64 (`exact`), where only a
+        non-finite gradient makes it so (a finite one beyond ~1.8e19 overflows fp32 squares)."""
+        norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
+        bad = (~norm.isfinite()).to(norm.dtype)
+        if self.skip_nonfinite and self._local_norm:
+            # Plain tensors without a mesh keep a local norm, as torch's clip does; the
+            # skip must still be the world's, or the ranks' trainers would part ways.
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        value, skip = torch.stack([norm, bad]).tolist()
+        if skip and self.skip_nonfinite and not exact:
+            return self._measure(params, exact=True)
+        return norm.float(), value, not (skip and self.skip_nonfinite)
 
     def _with_hooks(self, apply: Callable[[], None]) -> None:
         args: tuple[Any, ...] = ()

@@ -25,7 +25,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GlobalNorm", "dense", "local", "scratch", "shaped_like", "sum_of_squares"]
+__all__ = [
+    "GlobalNorm",
+    "dense",
+    "exact_sum_of_squares",
+    "local",
+    "scratch",
+    "shaped_like",
+    "sum_of_squares",
+]
 
 SCRATCH_NUMEL = 1 << 20
 """Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
@@ -158,13 +166,18 @@ class GlobalNorm:
         square_sum: SquareSum | None = None,
         min_numel: int = 0,
         params: Sequence[torch.Tensor] | None = None,
+        exact: bool = False,
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of `grads`, this rank's gradients; inf or nan if any
-        gradient on any rank is. Every rank must call it (one all-reduce when needed).
+        gradient on any rank is, or if a sum of squares overflowed fp32 (elements beyond
+        ~1.8e19). Every rank must call it (one all-reduce when needed).
 
         `square_sum` replaces the fp32 sum of squares (e.g. a compiled kernel) for tensors of
         at least `min_numel` elements; smaller ones take the foreach path.
         `params`: the parameters whose gradients `grads` are, in order (needed for `shards`).
+        `exact`: sum in fp64 (an fp64 scalar), where squares of finite fp32 values cannot
+        overflow: inf or nan only if a gradient is. A second read, for the rare step whose
+        fp32 norm was not finite.
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
         if not self.collective:  # every piece counts once (the common one-process case: fast)
@@ -174,9 +187,13 @@ class GlobalNorm:
             owners = params if params is not None else [None] * len(grads)
             for g, p in zip(grads, owners, strict=True):
                 by_copies.setdefault(self.copies(g, p), []).append(dense(local(g)))
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        dtype = torch.float64 if exact else torch.float32
+        total = torch.zeros((), dtype=dtype, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            sq = sum_of_squares(tensors, square_sum, min_numel, self.device)
+            if exact:
+                sq = exact_sum_of_squares(tensors, self.device)
+            else:
+                sq = sum_of_squares(tensors, square_sum, min_numel, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -209,6 +226,16 @@ def sum_of_squares(
         else:
             sums.append(torch.stack(_low_precision_square_sums(group)).sum().to(device))
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+
+
+def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of `tensors`' elements in fp64 (on `device`): finite for any finite
+    fp32/bf16/fp16 values (their squares are below 1.2e77), so non-finite only if an element
+    is. One norm per tensor: this runs only when the fp32 sum was not finite."""
+    sums = [torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors if t.numel()]
+    if not sums:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([s.to(device) for s in sums]).sum()
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

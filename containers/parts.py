@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from containers.grouped_step import step_together
-from containers.norm import GlobalNorm, dense, local
+from containers.norm import GlobalNorm, dense, exact_sum_of_squares, local, sum_of_squares
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
@@ -84,29 +84,31 @@ def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
 ) -> bool:
     """Whether every element of `tensors` is finite, agreed across `groups` (default: every
-    dimension of the DTensors' mesh, so each rank holding a shard decides the same): one fused
-    pass, one collective per group, one host sync for the list.
+    dimension of the DTensors' mesh, so each rank holding a shard decides the same).
+
+    One read of each tensor and no write: the fp32 sum of squares is non-finite iff an element
+    is, or a square overflowed (elements beyond ~1.8e19); only then an exact fp64 pass tells
+    the two apart. One collective per group and one host sync, twice in that rare case.
     """
-    pieces = [dense(local(t)) for t in tensors]
+    pieces = [t for t in (dense(local(t)) for t in tensors) if t.numel()]
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
     device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
-    found = torch.zeros((), device=device)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in pieces:
-        if t.numel():
-            by_kind.setdefault((t.device, t.dtype), []).append(t)
-    for (dev, _), group in by_kind.items():
-        # GradScaler's check: reads each element once (half a norm's work) and cannot
-        # overflow; multiplying by 1 leaves the gradients bitwise as they were.
-        flag = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones((), device=dev))
-        found = torch.maximum(found, flag.to(device))
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
-    for group in groups:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-    return not bool(found)
+    for exact in (False, True):
+        if not pieces:
+            total = torch.zeros((), device=device)
+        elif exact:
+            total = exact_sum_of_squares(pieces, device)
+        else:
+            total = sum_of_squares(pieces, None, 0, device)
+        found = (~total.isfinite()).float()
+        for group in groups:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if not found:
+            return True
+    return False
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
@@ -156,12 +158,13 @@ class Precision:
 
     @torch.no_grad()
     def grad_norm(
-        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None
+        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
         """Global L2 norm of the gradients of `params` (model parameters), each element
-        counted once over the job's mesh as `over` says (None: `GlobalNorm(params)`)."""
+        counted once over the job's mesh as `over` says (None: `GlobalNorm(params)`); inf or
+        nan if a gradient is, or (unless `exact`: fp64) if a square overflowed fp32."""
         over = over if over is not None else GlobalNorm(params)
-        return over([p.grad for p in params], params=params)
+        return over([p.grad for p in params], params=params, exact=exact)
 
     @torch.no_grad()
     def clip_(

@@ -172,14 +172,14 @@ class MasterWeights(Precision):
 
     @torch.no_grad()
     def grad_norm(
-        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None
+        self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
-        """The unscaled global norm in fp32 (`Precision.grad_norm`); inf or nan if any
-        gradient is non-finite."""
+        """The unscaled global norm in fp32 (`Precision.grad_norm`; fp64 if `exact`); inf or
+        nan if any gradient is non-finite."""
         over = over if over is not None else GlobalNorm(params)
         grads = [p.grad for p in params]
-        if not self.compile:
-            return over(grads, params=params) * self._unscale
+        if not self.compile or exact:
+            return over(grads, params=params, exact=exact) * self._unscale
         return over(grads, self._compiled_square_sum, params=params) * self._unscale
 
     def _compiled_square_sum(self, tensors: list[torch.Tensor]) -> torch.Tensor:
