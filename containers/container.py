@@ -4,8 +4,9 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
 
     prepare   gate.reduce_gradients            average across replica groups (torchft)
     commit    gate.commit                      an uncommitted step changes nothing
-    measure   precision.grad_norm, one sync    the global norm: for the clip and, one read of
-                                               the gradients, the non-finite check
+    measure   precision.grad_norm, one sync    the global norm for the clip, which is also the
+              or all_finite, one sync          non-finite check; or (no clip) one read that
+                                               only checks
     decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
@@ -257,8 +258,13 @@ class OptimizersContainer(Optimizer, Stateful):
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal)
         norm, value, finite = None, None, True
-        if self.max_norm is not None or self.skip_nonfinite:
+        if self.max_norm is not None:
             norm, value, finite = self._measure(params)
+        elif self.skip_nonfinite:
+            # Without a clip, the cheapest check: one read of the gradients, no write; the
+            # world agrees, as a norm would.
+            world = dist.is_initialized() and dist.get_world_size() > 1
+            finite = all_finite([p.grad for p in params], groups=[None] if world else [])
         self.precision.decided(applied=finite)
         if not finite:
             return StepReport(
@@ -274,9 +280,10 @@ class OptimizersContainer(Optimizer, Stateful):
 
     def _measure(self, params: list[torch.Tensor], exact: bool = False) -> tuple[Any, float, bool]:
         """The global norm, its value and whether the step may apply. The norm is the
-        non-finite check too: one read of the gradients, no write, and the step's one host
+        non-finite check too (a clip needs it anyway), and its value the step's one host
         sync. Where it is not finite, it is measured again in fp64 (`exact`), where only a
-        non-finite gradient makes it so (a finite one beyond ~1.8e19 overflows fp32 squares)."""
+        non-finite gradient makes it so (a finite one beyond ~1.8e19 overflows fp32 squares:
+        it must neither skip the step nor zero the clip)."""
         norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
         bad = (~norm.isfinite()).to(norm.dtype)
         if self.skip_nonfinite and self._local_norm:
