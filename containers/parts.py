@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from containers.grouped_step import step_together
-from containers.norm import GlobalNorm, dense, local
+from containers.norm import GlobalNorm
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
@@ -93,15 +93,25 @@ def all_finite(
     time on a CPU (benchmarks/README.md). One collective per group and one host sync, twice
     in that rare case.
     """
-    pieces = [t for t in (dense(local(t)) for t in tensors) if t.numel()]
-    mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    pieces, mesh = [], None
+    for t in tensors:  # runs every step over every gradient: kept lean
+        if isinstance(t, DTensor):
+            mesh, t = t.device_mesh, t.to_local()
+        pieces.append(t.coalesce().values() if t.is_sparse else t)
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
     device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
+    mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
     for dtype in (torch.float32, torch.float64):
-        sums = [t.sum(dtype=dtype).to(device) for t in pieces]
+        sums = [t.sum(dtype=dtype) for t in pieces]
+        if mixed:
+            sums = [x.to(device) for x in sums]
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
+        if not groups:
+            if total.isfinite():
+                return True
+            continue
         found = (~total.isfinite()).float()
         for group in groups:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
