@@ -17,7 +17,7 @@ from containers import (
     OptimizersContainer,
     TorchFTGate,
 )
-from tests.harness.dist import free_port
+from tests.harness.dist import free_port, launch
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
     assert_same,
@@ -415,3 +415,15 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
     assert common[-1] > down_at + 4 and common[-1] <= job.steps
     for step in common:
         assert survivor[step]["param_checksum"] == other[step]["param_checksum"], step
+
+
+def test_no_lighthouse_is_one_line_within_the_connect_timeout(tmp_path):
+    port = free_port()  # nothing listens there
+    args = ["--job.config_file", "config/debug.toml", "--job.dump_folder", str(tmp_path)]
+    args += ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
+    args += ["--fault_tolerance.connect_timeout_ms", "1000", "--nproc_per_node", "2"]
+    result = launch(0, args, timeout=120)  # train.py's own launcher, 2 ranks
+    assert result.returncode == 2, result.stdout[-3000:]
+    [line] = [x for x in result.stdout.splitlines() if "error:" in x or "Traceback" in x]
+    assert f"lighthouse = 'http://127.0.0.1:{port}': no lighthouse answered within " in line
+    assert "connect_timeout_ms = 1000; start it first" in line, line
