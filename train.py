@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from components.launcher import launch, split_nproc
 from components.metrics import MetricsLogger, param_checksum
 from components.preemption import StopRequest, watch_parent
 from config import ConfigError, load_job_config, usage
+from containers import GateLost
 
 logger = logging.getLogger("train")
 
@@ -83,7 +85,21 @@ def main(argv: list[str]) -> int:
         loss_sum = torch.zeros((), device=job.device)
         for inputs, labels in batches:
             loss_sum += job.forward_backward(inputs.to(job.device), labels.to(job.device))
-        optimizers.step()  # averages across replica groups, clips, decides, applies
+        try:
+            optimizers.step()  # averages across replica groups, clips, decides, applies
+        except GateLost as e:  # nothing changed: the state is the last committed step's
+            job.checkpoint.maybe_save(state.step, force=True)
+            fail(
+                "stopped at step %d of %d: %s; %s",
+                state.step,
+                steps,
+                e,
+                f"saved in {job.checkpoint.folder}, the same command resumes"
+                if cfg.checkpoint.enable
+                else "checkpoint.enable = false: nothing saved",
+            )
+            exit_code = 1
+            break
         report = optimizers.last_report
         if not report.committed and not report.nonfinite:
             retry = batches
@@ -162,17 +178,24 @@ def main(argv: list[str]) -> int:
     return exit_code
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+def run(
+    argv: list[str],
+    script: str = __file__,
+    entry: Callable[[list[str]], int] = main,
+    train_args: Callable[[list[str]], list[str]] = list,
+) -> int:
+    """`entry(argv)` in this process, or `script` on `--nproc_per_node` ranks (with the
+    config of `train_args(argv)` checked first); what fails in a way the user can fix ends
+    in one line: a config error exits 2, a collective that got no answer exits 1."""
     try:
-        nproc, args = split_nproc(sys.argv[1:])
+        nproc, args = split_nproc(argv)
         if nproc is None or {"-h", "--help"} & set(args):
-            sys.exit(main(args))
-        validate_job(load_job_config(args), world_size=nproc)  # before any rank starts
-        sys.exit(launch(__file__, nproc, args))
+            return entry(args)
+        validate_job(load_job_config(train_args(args)), world_size=nproc)  # before any rank
+        return launch(script, nproc, args)
     except ConfigError as e:
         speak_once(f"error: {e}", root_cause=True)  # under torchrun: rank 0's line only
-        sys.exit(2)
+        return 2
     except Exception as e:
         failure = collective_failure(e)
         if failure is None:
@@ -182,3 +205,8 @@ if __name__ == "__main__":
         logging.shutdown()
         # The process group is broken: its teardown at interpreter exit can abort the process.
         os._exit(1)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    sys.exit(run(sys.argv[1:]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from datetime import timedelta
@@ -10,16 +11,45 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from config import ConfigError
+from config import ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["build_ft_manager", "check_ft_config", "manager_port", "serve_state"]
+__all__ = ["build_ft_manager", "check_ft_config", "manager_port", "math_settings", "serve_state"]
 
 logger = logging.getLogger(__name__)
 _MANAGER_PORT_BASE = 29_600
+_QUORUM_RETRY_MS = 500
+"""How often torchft's manager asks a lighthouse that did not answer again, reconnecting."""
+
+# Keys of [training] that change what a step computes (not how fast, or when it stops).
+_TRAINING_MATH = (
+    "steps", "local_batch_size", "seq_len", "gradient_accumulation_steps", "global_batch_size",
+    "max_norm", "mixed_precision_param", "mixed_precision_reduce", "seed", "dataset",
+)  # fmt: skip
+
+
+def math_settings(cfg: JobConfig) -> dict[str, Any]:
+    """The config keys that shape the math of a step, as `"[section] key" -> value`: replica
+    groups average their gradients, so they must all train with the same values (the
+    optimizer and its hyperparameters, the LR schedule, clip, precision, batch, model, seed).
+
+    `[mixed_precision]` counts only where the container uses it; its `compile` (one fused
+    pass, same math) does not count.
+    """
+    sections: dict[str, dict[str, Any]] = {
+        "model": dataclasses.asdict(cfg.model),
+        "optimizer": dataclasses.asdict(cfg.optimizer),
+        "lr_scheduler": dataclasses.asdict(cfg.lr_scheduler),
+        "training": {k: getattr(cfg.training, k) for k in _TRAINING_MATH},
+    }
+    if cfg.optimizer.container == "mixed_precision":
+        mp = dataclasses.asdict(cfg.mixed_precision)
+        mp.pop("compile")
+        sections["mixed_precision"] = mp
+    return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
@@ -68,21 +98,37 @@ def build_ft_manager(
         if cfg.process_group == "nccl"
         else ProcessGroupGloo(timeout=timeout)
     )
-    return torchft.Manager(
-        pg=pg,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=cfg.min_replica_size,
-        timeout=timeout,
-        quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
-        rank=group_rank,
-        world_size=group_world_size,
-        lighthouse_addr=cfg.lighthouse or None,
-        replica_id=f"replica_{cfg.replica_id}",
-        port=manager_port(cfg),
-        # Every replica initializes from the same seed, so step 0 needs no weight sync.
-        init_sync=False,
-    )
+    try:
+        return torchft.Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_replica_size,
+            timeout=timeout,
+            quorum_timeout=timedelta(milliseconds=cfg.quorum_timeout_ms),
+            connect_timeout=timedelta(milliseconds=cfg.connect_timeout_ms),
+            rank=group_rank,
+            world_size=group_world_size,
+            lighthouse_addr=cfg.lighthouse or None,
+            replica_id=f"replica_{cfg.replica_id}",
+            port=manager_port(cfg),
+            # Every replica initializes from the same seed, so step 0 needs no weight sync.
+            init_sync=False,
+            # torchft's manager gives up a quorum at the first failed call to the lighthouse
+            # (and then never answers: the group waits out the quorum timeout, then dies).
+            # Retried, it reconnects every _QUORUM_RETRY_MS and carries on with a lighthouse
+            # that came back within the quorum timeout.
+            quorum_retries=max(1, cfg.quorum_timeout_ms // _QUORUM_RETRY_MS),
+        )
+    except RuntimeError as e:
+        if "failed to connect" not in str(e):
+            raise
+        address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        raise ConfigError(
+            f"[fault_tolerance] lighthouse = {address!r}: no lighthouse answered within "
+            f"connect_timeout_ms = {cfg.connect_timeout_ms}; start it first "
+            "(torchft_lighthouse --bind HOST:PORT --min_replicas 1) or fix the address"
+        ) from None
 
 
 def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:

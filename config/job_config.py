@@ -220,7 +220,12 @@ class FaultTolerance:
     """Timeout of collectives and commits across replica groups."""
 
     quorum_timeout_ms: int = bounded(60_000, ge=1)
-    """Longest wait for a quorum of replica groups."""
+    """Longest wait for a quorum of replica groups, a lighthouse that went away and came
+    back included; past it the group saves its last committed step and exits 1 in one line."""
+
+    connect_timeout_ms: int = bounded(10_000, ge=1)
+    """Longest wait to reach the lighthouse at start-up (past it: one line, exit 2) and to
+    reach a peer's manager when healing."""
 
 
 @dataclass(kw_only=True)

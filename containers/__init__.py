@@ -18,7 +18,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 from containers.container import OptimizersContainer, Unit
 from containers.gate import FTOptimizersContainer, TorchFTGate
 from containers.optim import ShardedMuon
-from containers.parts import Gate, Precision, StepReport, Timing
+from containers.parts import Gate, GateLost, Precision, StepReport, Timing
 from containers.precision import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer
 from containers.state import ParamGroupRule
 from containers.timing import InBackward, OptimizersInBackwardContainer
@@ -26,6 +26,7 @@ from containers.timing import InBackward, OptimizersInBackwardContainer
 __all__ = [
     "FTOptimizersContainer",
     "Gate",
+    "GateLost",
     "InBackward",
     "LossScaler",
     "MasterWeights",

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Gate",
+    "GateLost",
     "Named",
     "Precision",
     "StepReport",
@@ -224,6 +225,12 @@ class Precision:
 
     def load_state(self, taken: Any) -> None:
         """Apply what `take_state` took, once the optimizer state has loaded."""
+
+
+class GateLost(RuntimeError):
+    """The gate can no longer decide whether steps commit (torchft: no quorum within its
+    timeout). Raised by `step()` before anything changed: the state is that of the last
+    committed step, safe to save."""
 
 
 class Gate:

@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
+from containers.gate.agreement import SettingsAgreement
 from containers.norm import local, shaped_like
-from containers.parts import Gate, Precision
+from containers.parts import Gate, GateLost, Precision
 from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
@@ -31,12 +32,20 @@ class TorchFTGate(Gate):
 
     Args:
         manager: the replica group's `torchft.Manager`.
+        agree_on: settings (key -> JSON-serializable value) every replica group must share,
+            compared at each new quorum before the gradient average (`SettingsAgreement`):
+            a group that differs from the first live group is refused with a
+            `ConfigError` naming the keys; None: not compared.
+        name: this group's name in those messages.
     """
 
     refusal = "not committed by torchft"
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(
+        self, manager: Manager, *, agree_on: Mapping[str, Any] | None = None, name: str = ""
+    ) -> None:
         self.manager = manager
+        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
 
     def in_backward_conflict(self) -> str | None:
         return (
@@ -64,6 +73,16 @@ class TorchFTGate(Gate):
         """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
+        self._wait_quorum()
+        if self.manager.errored() is not None:
+            return  # the step commits nowhere (e.g. the quorum's process group did not start)
+        if self.agreement is not None and (left := self.agreement.check(self.manager)):
+            # The refused groups leave this quorum's process group: no collective on it now.
+            # Alone, this group's gradients are the average; with others, retry the step in
+            # the next quorum, without the refused groups.
+            if left > 1:
+                self.manager.report_error(RuntimeError("a replica group was refused"))
+            return
         live = [p for p in params if p.grad is not None]
         if not live or self._alone():
             return
@@ -80,6 +99,20 @@ class TorchFTGate(Gate):
             n = local(p.grad).numel()
             p.grad = shaped_like(flat[offset : offset + n], p.grad)
             offset += n
+
+    def _wait_quorum(self) -> None:
+        """Wait for the step's quorum; `GateLost` when torchft found none in time (the
+        lighthouse gone past the quorum timeout): nothing of the step has changed yet."""
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:
+            timeout = getattr(self.manager, "_quorum_timeout", None)
+            within = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+            # torchft's own text is a gRPC status dump; its type says enough.
+            raise GateLost(
+                f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
+                "the lighthouse is gone or unreachable"
+            ) from None
 
     def _alone(self) -> bool:
         """Whether this group is the quorum's only replica group, stepping: the average over

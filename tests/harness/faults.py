@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 
 import train
 from components.job import Job, build_job
-from components.launcher import launch, split_nproc
 from config import JobConfig
 
 _HOLD_LIMIT_S = 300.0
@@ -116,10 +115,7 @@ def main(args: list[str]) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    nproc, rest = split_nproc(sys.argv[1:])
-    if nproc is None:
-        sys.exit(main(rest))
     # The ranks run this file by its path: the repository must be on their import path.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
-    sys.exit(launch(__file__, nproc, rest))
+    sys.exit(train.run(sys.argv[1:], __file__, main, train_args=lambda a: parse(a)[2]))

@@ -50,9 +50,14 @@ class FTJob:
         ]  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()
+        self.start_lighthouse()
+
+    def start_lighthouse(self) -> None:
+        """Start the lighthouse on the job's port (again, after `kill("lighthouse")`)."""
         lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1"]
         lighthouse += ["--join_timeout_ms", "500", "--quorum_tick_ms", "50"]
         self._start("lighthouse", [*lighthouse, "--heartbeat_timeout_ms", "1000"])
+        self.killed.discard("lighthouse")
 
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(self.folder / f"{name}.log", "a")  # noqa: SIM115  (closed with the process)

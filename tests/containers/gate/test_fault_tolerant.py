@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from containers import (
     OptimizersContainer,
     TorchFTGate,
 )
-from tests.harness.dist import free_port
+from tests.harness.dist import free_port, launch
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
     assert_same,
@@ -331,3 +332,98 @@ def test_a_replica_group_without_a_live_peer_resumes_from_disk(tmp_path):
     assert sorted(job.metrics(0)) == list(range(1, 13))
     state = load_job_state(str(tmp_path / "replica_0"), [*job.args, "--checkpoint.enable"], ft=True)
     assert state["step"] == 12 and state["sched"] == 12
+
+
+def _errors(log: str) -> list[str]:
+    """The lines of a group's log that say why it stopped, and any traceback's."""
+    said = ("error:", "ERROR stopped at", "Traceback")
+    return [line for line in log.splitlines() if any(s in line for s in said)]
+
+
+def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_live_one_trains_on(
+    tmp_path,
+):
+    """Group 0 trains (held at step 4 until group 1 is up); group 1 starts with another lr
+    and max_norm: when it joins it is refused, naming both keys and both values, before it
+    loads or commits anything (exit 2); group 0 commits every step and says so once."""
+    job = FTJob(tmp_path, 10, nproc=2)
+    hold = tmp_path / "hold"
+    hold.touch()
+    try:
+        job.start_replica(0, ("-m", "tests.harness.faults", "hold", "4", str(hold)))
+        job.wait_for("group 0 at step 3", lambda: _last(job, 0) == 3)
+        job.args += ["--optimizer.lr", "1e-3", "--training.max_norm", "0.5"]
+        job.start_replica(1)
+        job.wait_for("group 1", lambda: _up(job, 1))
+        hold.unlink()
+        assert job.wait_exit("replica_1") == 2, job.log("replica_1")[-3000:]
+        assert job.wait_exit("replica_0") == 0, job.log("replica_0")[-3000:]
+    finally:
+        job.close()
+    [line] = _errors(job.log("replica_1"))
+    assert "error: replica group replica_1 refused before it committed anything" in line
+    assert "[optimizer] lr = 0.001 (replica_0: 0.003)" in line, line
+    assert "[training] max_norm = 0.5 (replica_0: 1.0)" in line, line
+    assert "healed" not in job.log("replica_1")
+    assert not job.metrics(1) and not list((tmp_path / "replica_1").glob("checkpoint/step-*"))
+    assert sorted(job.metrics(0)) == list(range(1, 11))
+    assert job.log("replica_0").count("replica group replica_1 refused") == 1
+    assert not _errors(job.log("replica_0"))
+
+
+def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_ends_in_a_save(
+    tmp_path,
+):
+    """The lighthouse is killed at step >= 3 and started again 1 s later: both groups wait
+    and train on in lockstep. Killed again for good: past the 10 s quorum timeout each group
+    saves the step it reached and exits 1 with one line, no traceback."""
+    job = FTJob(
+        tmp_path,
+        400,
+        ["--fault_tolerance.quorum_timeout_ms", "10000", "--checkpoint.enable"],
+        nproc=2,
+    )
+    start = tmp_path / "start"
+    start.touch()
+    try:
+        for r in (0, 1):  # both wait at step 1 until both are up (as in _kill_and_heal)
+            job.start_replica(r, ("-m", "tests.harness.faults", "hold", "1", str(start)))
+        job.wait_for("both groups", lambda: all(_up(job, r) for r in (0, 1)))
+        start.unlink()
+        job.wait_for("step 3 on both", lambda: min(_last(job, 0), _last(job, 1)) >= 3)
+        job.kill("lighthouse")
+        down_at = max(_last(job, 0), _last(job, 1))
+        time.sleep(1)
+        job.start_lighthouse()
+        job.wait_for("5 more steps", lambda: min(_last(job, 0), _last(job, 1)) >= down_at + 5)
+        job.kill("lighthouse")
+        gone = [len(job.log(f"replica_{r}")) for r in (0, 1)]
+        codes = [job.wait_exit(f"replica_{r}", 60) for r in (0, 1)]
+    finally:
+        job.close()
+    assert codes == [1, 1], [job.log(f"replica_{r}")[-3000:] for r in (0, 1)]
+    for r in (0, 1):
+        reached = _last(job, r)
+        # (torchft logs its own tracebacks when the restarted lighthouse's first quorum
+        # reuses a quorum id: that step is not committed and the next one is.)
+        [line] = _errors(job.log(f"replica_{r}")[gone[r] :])
+        assert f"stopped at step {reached} of 400: torchft found no quorum" in line, line
+        assert "within 10 s" in line and "saved in" in line, line
+        assert (tmp_path / f"replica_{r}" / "checkpoint" / f"step-{reached}").is_dir()
+    survivor, other = job.metrics(0), job.metrics(1)
+    common = sorted(set(survivor) & set(other))
+    assert common[-1] > down_at + 4 and common[-1] <= job.steps
+    for step in common:
+        assert survivor[step]["param_checksum"] == other[step]["param_checksum"], step
+
+
+def test_no_lighthouse_is_one_line_within_the_connect_timeout(tmp_path):
+    port = free_port()  # nothing listens there
+    args = ["--job.config_file", "config/debug.toml", "--job.dump_folder", str(tmp_path)]
+    args += ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
+    args += ["--fault_tolerance.connect_timeout_ms", "1000", "--nproc_per_node", "2"]
+    result = launch(0, args, timeout=120)  # train.py's own launcher, 2 ranks
+    assert result.returncode == 2, result.stdout[-3000:]
+    [line] = [x for x in result.stdout.splitlines() if "error:" in x or "Traceback" in x]
+    assert f"lighthouse = 'http://127.0.0.1:{port}': no lighthouse answered within " in line
+    assert "connect_timeout_ms = 1000; start it first" in line, line

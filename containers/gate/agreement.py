@@ -1,0 +1,126 @@
+"""Replica groups agree on the settings that shape their math, once per quorum.
+
+Groups average their gradients, so a group with another lr, clip or schedule would train
+the others' weights with its own math. Healing cannot catch it alone: two groups that start
+together never heal. So every group sends its settings to every other over the replica
+process group (two small all-gathers) whenever the quorum changes, before the gradient
+average: the reference is the first group of the quorum that trains in it (a group that
+heals, one that joins, does not), and a group whose settings differ from it leaves in one
+line, before it loads a peer's state or commits anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["SettingsAgreement"]
+
+logger = logging.getLogger(__name__)
+
+
+class SettingsAgreement:
+    """The settings of one replica group, compared with its peers' at each new quorum.
+
+    Args:
+        name: the group's name in messages (e.g. "replica_1").
+        settings: key -> value (JSON-serializable) that every group must share.
+    """
+
+    def __init__(self, name: str, settings: Mapping[str, Any]) -> None:
+        self.name = name
+        # As a peer receives them, so that equal settings compare equal.
+        self.settings = json.loads(json.dumps(dict(settings)))
+        self._agreed_quorum: object = None
+
+    def check(self, manager: Manager) -> int | None:
+        """Compare with every group of `manager`'s current quorum (once per quorum).
+
+        Returns None when all agree (or this quorum agreed already), else the number of
+        groups left once those that differ are refused: those leave this quorum's process
+        group, so the groups left run no collective on it this step.
+
+        Raises:
+            ConfigError: this group's settings differ from the reference group's.
+        """
+        quorum = getattr(manager, "_quorum_id", None)  # torchft has no public accessor
+        if quorum is not None and quorum == self._agreed_quorum:
+            return None
+        if manager.errored() is not None:  # e.g. the quorum's process group failed to start
+            return None  # the step commits nowhere; compared in the next quorum
+        pg = manager._pg  # torchft's replica process group, reconfigured per quorum
+        if pg.size() == 1:
+            self._agreed_quorum = quorum
+            return None
+        mine = {
+            "name": self.name,
+            "step": manager.current_step(),
+            # False while healing: a group that joins is not the reference, whatever its step.
+            "live": manager.is_participating(),
+            "settings": self.settings,
+        }
+        try:
+            groups = _all_gather_json(pg, mine)
+        except Exception as e:  # a peer died mid-collective: this step commits nowhere
+            manager.report_error(e)
+            return None  # compared again in the next quorum
+        ref = next((g for g in groups if g["live"]), groups[0])
+        refused = [g for g in groups if g["settings"] != ref["settings"]]
+        if not refused:
+            self._agreed_quorum = quorum
+            return None
+        if self.settings != ref["settings"]:
+            raise ConfigError(
+                f"replica group {self.name} refused before it committed anything: its config "
+                f"differs from replica group {ref['name']}'s (at step {ref['step']}) in "
+                f"{_differences(self.settings, ref['settings'], ref['name'])}; replica groups "
+                f"average their gradients, so they must train the same math: start it with "
+                f"{ref['name']}'s values"
+            )
+        if getattr(manager, "_group_rank", 0) == 0:
+            for group in refused:
+                logger.warning(
+                    "replica group %s refused (its config differs in %s); training on without it",
+                    group["name"],
+                    _differences(group["settings"], self.settings, self.name),
+                )
+        return len(groups) - len(refused)
+
+
+def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any], our_name: str) -> str:
+    """`key = theirs (our_name: ours)` for every key whose values differ."""
+    keys = sorted(set(theirs) | set(ours))
+    return ", ".join(
+        f"{k} = {json.dumps(theirs.get(k))} ({our_name}: {json.dumps(ours.get(k))})"
+        for k in keys
+        if theirs.get(k) != ours.get(k)
+    )
+
+
+def _all_gather_json(pg: Any, obj: Any) -> list[Any]:
+    """`obj` of every rank of `pg` (JSON over uint8 tensors: torchft's process groups run
+    tensor collectives only), in rank order."""
+    data = json.dumps(obj).encode()
+    n = pg.size()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    pg.allgather([sizes], [size], AllgatherOptions()).wait()
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    pg.allgather([everyone], [mine], AllgatherOptions()).wait()
+    return [
+        json.loads(bytes(t[: int(s.item())].tolist()).decode())
+        for t, s in zip(everyone, sizes, strict=True)
+    ]
