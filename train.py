@@ -120,10 +120,12 @@ def main(argv: list[str]) -> int:
             if not report.backing_off:  # a loss scale finding its level is not stuck
                 skipped_in_a_row.append(state.step)
             warn(
-                "step %d skipped: %s; weights, optimizer state and lr schedule unchanged, its "
-                "batch spent",
+                "step %d skipped: %s; %s, its batch spent",
                 state.step,
                 report.skipped,
+                "the other units' weights and optimizer state stepped, the lr schedule did not"
+                if report.partial
+                else "weights, optimizer state and lr schedule unchanged",
             )
         # One collective for the loss and for a stop signal that reached any rank.
         shared = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=job.device)])

@@ -322,22 +322,25 @@ class OptimizersContainer(Optimizer, Stateful):
             p.grad = None
 
     def _report_units(self) -> StepReport:
-        """The report of a step applied unit by unit: skipped if any unit on any rank was."""
+        """The report of a step applied unit by unit: skipped if any unit on any rank was,
+        `partial` if any unit on any rank applied all the same."""
         skipped = self._skipped_units
+        applied = len(self.units) - skipped
         self._skipped_units = 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Ranks hold different shards: they must agree, or their trainers would part ways.
             device = self.units[0].params[0].device
-            count = torch.tensor(float(skipped), device=device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            skipped = int(count.item())
+            counts = torch.tensor([float(skipped), float(applied)], device=device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            skipped, applied = (int(c) for c in counts.tolist())
         if not skipped:
             return StepReport(**self.precision.report())
-        others = " (the others applied)" if skipped < len(self.units) else ""
         return StepReport(
             committed=False,
-            skipped=f"non-finite loss or gradients in {skipped} of {len(self.units)} units{others}",
+            skipped=f"non-finite loss or gradients in {skipped} of {len(self.units)} units"
+            + (" (the units with finite gradients applied)" if applied else ""),
             nonfinite=True,
+            partial=applied > 0,
             **self.precision.report(),
         )
 

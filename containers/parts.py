@@ -64,6 +64,10 @@ class StepReport:
     """Skipped for a non-finite loss or gradients: the batch is spent (running it again
     would give the same), unlike a step the gate did not commit, which the trainer retries."""
 
+    partial: bool = False
+    """Skipped in some units only (inside backward): the units whose gradients were finite
+    applied their update, so the weights did change."""
+
     backing_off: bool = False
     """Skipped for an overflow while a dynamic loss scale was still above `min_scale`: the
     scale finding its level, not a failure (the trainer's skip cap counts only the others)."""
