@@ -22,21 +22,46 @@ __all__ = [
     "agree_across_ranks",
     "checkpoint_steps",
     "damaged_checkpoint_error",
+    "stale_saves",
+    "strays",
     "verify",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Only the names a save writes: `step-040` (a copy, a typo) is not step 40, and taking it for
+# one would resume from it and overwrite the newer real steps.
+_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+_OURS = re.compile(r"step-(0|[1-9][0-9]*)(\.tmp|\.old)?")
 
 
 def checkpoint_steps(folder: Path) -> dict[int, Path]:
-    """Every published `step-N` folder under `folder` (not `step-N.tmp`), by step."""
+    """Every published `step-N` folder under `folder` (not `step-N.tmp`, not `step-040`), by
+    step."""
     found = {}
     if folder.is_dir():
         for path in folder.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = _STEP_DIR.fullmatch(path.name)
             if match and path.is_dir():
                 found[int(match.group(1))] = path
     return dict(sorted(found.items()))
+
+
+def strays(folder: Path) -> list[str]:
+    """Names under `folder` that look like checkpoints but are no name a save writes
+    (`step-040`, `step-7.bak`): never loaded, written over or deleted."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.startswith("step-") and not _OURS.fullmatch(p.name)
+    )
+
+
+def stale_saves(folder: Path) -> list[Path]:
+    """`step-N.tmp` and `step-N.old` under `folder`: what a run stopped while saving leaves."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if (m := _OURS.fullmatch(p.name)) and m.group(2))
 
 
 class Damaged(Exception):
