@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,20 +36,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_files import (
     Damaged,
-    agree_across_ranks,
+    check_matches,
     checkpoint_steps,
+    clear_stale,
     damaged_checkpoint_error,
-    stale_saves,
-    strays,
     verify,
 )
-from components.checkpoint_save import SaveFailed, audit, describe, folder_bytes, out_of_space
+from components.checkpoint_save import audit, folder_bytes, kept_steps, save_failed
 from components.checkpoint_seed import load_seed, open_seed
 from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
-from containers import OptimizersContainer
-from containers.state.flat import describe_keys
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 
@@ -202,7 +197,7 @@ class CheckpointManager:
             metadata = verify(path)
         except Damaged as damage:
             raise damaged_checkpoint_error(step, damage, found) from None
-        self._check_matches(path, metadata)
+        check_matches(self.states, path, metadata)
         newer = [s for s in found if s > step]
         if newer and not read_only:
             self._protect_newer(step, newer)
@@ -229,29 +224,8 @@ class CheckpointManager:
                 "[job] dump_folder at a writable place or set [checkpoint] enable = false"
             ) from None
         if _rank0():
-            self._clear_stale()
+            clear_stale(self.folder, owned=holds(self.folder))
         _barrier()
-
-    def _clear_stale(self) -> None:
-        if foreign := strays(self.folder):
-            logger.warning(
-                "ignoring %s in %s: not checkpoint names (a save writes step-<N>, N without "
-                "leading zeros); never loaded, written over or deleted",
-                ", ".join(foreign),
-                self.folder,
-            )
-        stale = stale_saves(self.folder)
-        if stale and not holds(self.folder):
-            logger.warning(
-                "left %s in %s alone: no lock on the folder (see run.lock), so the run that "
-                "wrote it may be live",
-                ", ".join(p.name for p in stale),
-                self.folder,
-            )
-            return
-        for path in stale:  # the lock is ours: whoever wrote these is dead
-            shutil.rmtree(path, ignore_errors=True)
-            logger.warning("removed %s, left by a run stopped while saving", path)
 
     def _protect_newer(self, step: int, newer: list[int]) -> None:
         """Refuse to train on from `step` over `newer` checkpoints, or move them aside."""
@@ -271,42 +245,6 @@ class CheckpointManager:
             _fsync_dir(self.folder)
             logger.warning("moved %s aside to %s; training on from step-%d", names, aside, step)
         _barrier()
-
-    def _check_matches(self, path: Path, metadata: Metadata) -> None:
-        """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
-        saved = metadata.state_dict_metadata
-        for name, state in self.states.items():
-            # A container says in its own words when the optimizer state is of another layout
-            # (AdamW's for SGD): clearer than the key listing below.
-            if isinstance(state, OptimizersContainer):
-                try:
-                    state.check_checkpoint_keys(
-                        [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
-                    )
-                except ValueError as e:
-                    raise ConfigError(
-                        f"[checkpoint] checkpoint {path}: {e} ([optimizer] name and its "
-                        "settings pick the optimizer; another [job] dump_folder starts over)"
-                    ) from None
-        ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
-        missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
-        reshaped = {
-            f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
-            for k, v in ours.items()
-            if k in saved
-            and isinstance(v, torch.Tensor)
-            and isinstance(saved[k], TensorStorageMetadata)
-            and tuple(saved[k].size) != tuple(v.shape)
-        }
-        # Every rank sees the same verdict and stops together.
-        (missing, reshaped), (unexpected,) = agree_across_ranks((missing, reshaped), (unexpected,))
-        if missing or unexpected or reshaped:
-            raise ConfigError(
-                f"[checkpoint] checkpoint {path} does not match this job (another model or "
-                "config? point folder elsewhere): "
-                f"missing keys {describe_keys(missing)}; unexpected keys "
-                f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
-            )
 
     # -- save ----------------------------------------------------------------------------
 
@@ -333,15 +271,7 @@ class CheckpointManager:
         checked = audit(self.states)
         if checked.nonfinite:
             if _rank0():
-                logger.error(
-                    "step-%d not saved: %d tensors hold inf or NaN (%s); the checkpoints in "
-                    "%s stay as they were: %s",
-                    step,
-                    checked.nonfinite,
-                    ", ".join(checked.examples) or "on another rank",
-                    self.folder,
-                    self.kept(),
-                )
+                logger.error("%s", checked.refusal(step, self.folder))
             return
         tmp = self.folder / f"step-{step}.tmp"
         if _rank0():
@@ -361,28 +291,13 @@ class CheckpointManager:
         try:
             dcp.save(self.states, checkpoint_id=tmp)
         except (Exception, CheckpointException) as e:
-            raise self._failed(step, e, needed, free) from None
+            raise save_failed(self.folder, step, e, needed, free) from None
         self._publish(step, rotate=not skipped)
         _barrier()
 
-    def _failed(self, step: int, error: BaseException, needed: int, free: int) -> BaseException:
-        """The error to raise for a failed save: out of disk, one line (the partial save
-        removed); anything else as it came. DCP raises it on every rank once they all stopped
-        writing, so any rank may remove the partial save (the first to see it does)."""
-        if not out_of_space(error):
-            return error
-        tmp = self.folder / f"step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        return SaveFailed(
-            f"[checkpoint] out of disk space saving step-{step} in {self.folder}: it needs "
-            f"{needed} bytes, {free} were free; the partial {tmp.name} was removed and the "
-            f"checkpoints there stay as they were ({self.kept()}); free space or point "
-            "[checkpoint] folder at a larger disk, then run the same command to resume"
-        )
-
     def kept(self) -> str:
         """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
-        return describe(list(complete_checkpoints(self.folder)))
+        return kept_steps(self.folder)
 
     def _publish_when_saved(self, save: _AsyncSave) -> None:
         """In DCP's save thread, as soon as the save is complete: rename it to `step-N` then,
@@ -392,7 +307,7 @@ class CheckpointManager:
             if failure is None:
                 self._publish_once(save)
             else:  # raised by _finish_pending; the partial save goes now, on every rank
-                self._failed(save.step, failure, save.needed, save.free)
+                save_failed(self.folder, save.step, failure, save.needed, save.free)
         except BaseException as e:  # the future would only log it: hand it to the trainer
             save.error = e
 
@@ -410,7 +325,7 @@ class CheckpointManager:
         try:
             save.future.result()
         except (Exception, CheckpointException) as e:
-            raise self._failed(save.step, e, save.needed, save.free) from None
+            raise save_failed(self.folder, save.step, e, save.needed, save.free) from None
         if save.error is not None:
             raise save.error
         self._publish_once(save)

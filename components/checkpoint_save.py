@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Audit", "SaveFailed", "audit", "describe", "folder_bytes", "out_of_space"]
+from components.checkpoint_files import checkpoint_steps
+
+__all__ = ["Audit", "SaveFailed", "audit", "folder_bytes", "kept_steps", "save_failed"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 
@@ -36,6 +39,14 @@ class Audit:
     """Bytes of every rank's tensors: what the save needs at most (replicas counted each)."""
     examples: list[str] = field(default_factory=list)
     """A few of this rank's non-finite tensors, by key."""
+
+    def refusal(self, step: int, folder: Path) -> str:
+        """The line for a save refused for non-finite values."""
+        return (
+            f"step-{step} not saved: {self.nonfinite} tensors hold inf or NaN "
+            f"({', '.join(self.examples) or 'on another rank'}); the checkpoints in {folder} "
+            f"stay as they were: {kept_steps(folder)}"
+        )
 
 
 @torch.no_grad()
@@ -99,6 +110,27 @@ def out_of_space(error: BaseException) -> bool:
     return any(isinstance(e, OSError) and e.errno in _FULL for e in _causes(error))
 
 
-def describe(steps: list[int]) -> str:
-    """`step-20, step-30` or `none`."""
-    return ", ".join(f"step-{s}" for s in steps) or "none"
+def kept_steps(folder: Path) -> str:
+    """The checkpoints in `folder`, for a message: `step-20, step-30` or `none`."""
+    return ", ".join(f"step-{s}" for s in checkpoint_steps(folder)) or "none"
+
+
+def save_failed(
+    folder: Path, step: int, error: BaseException, needed: int, free: int
+) -> BaseException:
+    """The error to raise for a failed save of `step-N.tmp` in `folder`: out of disk, one line
+    (the partial save removed); anything else as it came.
+
+    DCP raises it on every rank once they all stopped writing, so any rank may remove the
+    partial save: the first to see the failure does.
+    """
+    if not out_of_space(error):
+        return error
+    tmp = folder / f"step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    return SaveFailed(
+        f"[checkpoint] out of disk space saving step-{step} in {folder}: it needs {needed} "
+        f"bytes, {free} were free; the partial {tmp.name} was removed and the checkpoints "
+        f"there stay as they were ({kept_steps(folder)}); free space or point [checkpoint] folder "
+        "at a larger disk, then run the same command to resume"
+    )

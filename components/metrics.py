@@ -88,7 +88,7 @@ class MetricsLogger:
         total_steps: the run's last step (`[training] steps`), always logged; sets the ETA.
         enabled: whether this process writes (usually rank 0 only).
         device: whose peak memory is reported.
-        resumed_from: the step the run starts after (0: from scratch).
+        resumed_from: the step the run starts after (0: from scratch); None keeps every row.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class MetricsLogger:
         total_steps: int,
         enabled: bool,
         device: torch.device,
-        resumed_from: int = 0,
+        resumed_from: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.freq = cfg.log_freq
@@ -111,7 +111,8 @@ class MetricsLogger:
         if not enabled:
             return
         Path(folder).mkdir(parents=True, exist_ok=True)
-        _drop_rows_after(Path(folder) / "metrics.jsonl", resumed_from)
+        if resumed_from is not None:
+            _drop_rows_after(Path(folder) / "metrics.jsonl", resumed_from)
         self._file = (Path(folder) / "metrics.jsonl").open("a", encoding="utf-8")
         if cfg.enable_tensorboard:
             try:

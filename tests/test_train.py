@@ -277,14 +277,11 @@ def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(
     assert rows[1]["loss"] is None and rows[-1]["skipped_steps"] == last - 1
     if extra:
         assert [r["loss_scale"] for r in rows] == [4.0, 2.0, 1.0, 1.0, 1.0, 1.0]
-    steps = sorted((dump / "checkpoint").glob("step-*"))
-    assert [p.name for p in steps] == [f"step-{i}" for i in range(1, last + 1)]
-    first = _checkpoint_tensors(steps[0], tmp_path)
-    for step_dir in steps:
-        tensors = _checkpoint_tensors(step_dir, tmp_path)
-        assert all(t.isfinite().all() for t in tensors.values()), step_dir
-        # A skipped step changes no weight and no optimizer state.
-        assert all(torch.equal(t, first[k]) for k, t in tensors.items() if "rng" not in k)
+    # Saved at step 1; none inside the streak (the state did not change), so none rotated.
+    assert [p.name for p in (dump / "checkpoint").glob("step-*")] == ["step-1"]
+    assert "hold only finite values: step-1 (" in errors[0]
+    tensors = _checkpoint_tensors(dump / "checkpoint" / "step-1", tmp_path)
+    assert all(t.isfinite().all() for t in tensors.values())
 
 
 # -- preemption -----------------------------------------------------------------------------
