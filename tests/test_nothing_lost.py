@@ -52,7 +52,7 @@ def _wait(proc: subprocess.Popen, done: Callable[[], bool], what: str) -> None:
 def test_a_second_run_on_a_live_checkpoint_folder_exits_2_and_changes_no_byte(tmp_path):
     shared, link = tmp_path / "shared", tmp_path / "link"
     link.symlink_to(shared)  # the second run names the same folder by another path
-    common = [*BASE, "--training.steps", "40", "--checkpoint.interval", "2"]
+    common = [*BASE, "--training.steps", "12", "--checkpoint.interval", "2"]
     common += ["--checkpoint.keep_latest_k", "3"]
     args = [*common, "--job.dump_folder", str(tmp_path / "a"), "--checkpoint.folder", str(shared)]
     first = start(2, args, torchrun=False)
@@ -78,39 +78,37 @@ def test_a_second_run_on_a_live_checkpoint_folder_exits_2_and_changes_no_byte(tm
     assert (tmp_path / "b" / "run.lock").read_text() == ""  # its dump folder freed again
 
     assert first.returncode == 0 and "Traceback" not in out, out[-3000:]
-    assert _steps(tmp_path / "a") == list(range(1, 41))
-    assert sorted(complete_checkpoints(shared)) == [36, 38, 40]
+    assert _steps(tmp_path / "a") == list(range(1, 13))
+    assert sorted(complete_checkpoints(shared)) == [8, 10, 12]
 
 
 def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoint(tmp_path):
     dump, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
-    keep = ["--checkpoint.keep_latest_k", "2", "--job.dump_folder", str(dump)]
-    good = launch(2, [*BASE, *keep, "--training.steps", "30"], torchrun=False)
+    keep = ["--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"]
+    keep += ["--job.dump_folder", str(dump)]
+    good = launch(2, [*BASE, *keep, "--training.steps", "6"], torchrun=False)
     assert good.returncode == 0, good.stdout[-3000:]
-    assert sorted(complete_checkpoints(folder)) == [20, 30]
-    shutil.copytree(folder / "step-20", folder / "step-040")  # not step 40: a stray copy
+    assert sorted(complete_checkpoints(folder)) == [4, 6]
+    shutil.copytree(folder / "step-4", folder / "step-040")  # not step 40: a stray copy
     before = _hashes(folder)
 
-    # Step 31 at lr 1e30 commits finite but ruined weights; 32-41 are skipped. The saves due
-    # at 35 and 40 would rotate step-20 and step-30 away: none is made.
+    # Step 7 at lr 1e30 commits finite but ruined weights; 8-10 are skipped. The saves due at
+    # 8 and 10 would rotate step-4 and step-6 away: none is made.
     ruin = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
-    ruin += ["--training.steps", "60", "--checkpoint.interval", "5"]
+    ruin += ["--training.steps", "60", "--training.max_consecutive_skips", "3"]
     result = launch(2, [*BASE, *keep, *ruin], torchrun=False)
     out = result.stdout
     assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
-    assert f"resumed from {folder / 'step-30'}" in out
+    assert f"resumed from {folder / 'step-6'}" in out
     strays = [line for line in _lines(out, "WARNING") if "step-040" in line]
     assert len(strays) == 1 and "not checkpoint names" in strays[0], out[-3000:]
-    errors = _lines(out, "ERROR")
-    assert len(errors) == 1 and "steps 32-41 were all skipped" in errors[0], out[-3000:]
-    assert (
-        f"nothing was saved during the skips, and the checkpoints in {folder} hold only "
-        in (errors[0])
-    )
-    assert "finite values: step-20, step-30 (" in errors[0]
-    assert _hashes(folder) == before  # step-20, step-30 and step-040, byte for byte
-    assert {p.name for p in folder.iterdir()} == {"run.lock", "step-20", "step-30", "step-040"}
-    assert _steps(dump) == list(range(1, 42))
+    (error,) = _lines(out, "ERROR")
+    assert "steps 8-10 were all skipped" in error, out[-3000:]
+    said = f"nothing was saved during the skips, and the checkpoints in {folder} hold only "
+    assert said + "finite values: step-4, step-6 (" in error, error
+    assert _hashes(folder) == before  # step-4, step-6 and step-040, byte for byte
+    assert {p.name for p in folder.iterdir()} == {"run.lock", "step-4", "step-6", "step-040"}
+    assert _steps(dump) == list(range(1, 11))
 
 
 @pytest.fixture
@@ -132,7 +130,7 @@ def small_disk(tmp_path: Path):
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_a_save_that_runs_out_of_disk_is_one_line_exit_1_and_the_older_one_intact(small_disk, mode):
     folder = small_disk / "checkpoint"
-    args = [*BASE, "--job.dump_folder", str(small_disk), "--training.steps", "6"]
+    args = [*BASE, "--job.dump_folder", str(small_disk), "--training.steps", "4"]
     args += ["--checkpoint.interval", "2", "--checkpoint.async_mode", mode]
     proc = start(2, args, torchrun=False)
     try:
