@@ -168,9 +168,9 @@ def main(argv: list[str]) -> int:
             kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
             fail(
                 "steps %d-%d were all skipped for non-finite numbers ([training] "
-                "max_consecutive_skips = %d): stopping; nothing was saved during the skips, "
-                "and the checkpoints in %s hold only finite values: %s (lower [optimizer] lr "
-                "and run again to resume the newest, or pick one with [checkpoint] load_step)",
+                "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
+                "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
+                "to resume the newest, or pick one with [checkpoint] load_step)",
                 skipped_in_a_row[0],
                 skipped_in_a_row[-1],
                 cfg.training.max_consecutive_skips,

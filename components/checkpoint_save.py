@@ -43,8 +43,8 @@ class Audit:
     def refusal(self, step: int, folder: Path) -> str:
         """The line for a save refused for non-finite values."""
         return (
-            f"step-{step} not saved: {self.nonfinite} tensors hold inf or NaN "
-            f"({', '.join(self.examples) or 'on another rank'}); the checkpoints in {folder} "
+            f"step-{step} not saved: inf or NaN in {self.nonfinite} tensor shards "
+            f"({', '.join(self.examples) or 'on other ranks'}); the checkpoints in {folder} "
             f"stay as they were: {kept_steps(folder)}"
         )
 

@@ -104,11 +104,31 @@ def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoi
     assert len(strays) == 1 and "not checkpoint names" in strays[0], out[-3000:]
     (error,) = _lines(out, "ERROR")
     assert "steps 8-10 were all skipped" in error, out[-3000:]
-    said = f"nothing was saved during the skips, and the checkpoints in {folder} hold only "
-    assert said + "finite values: step-4, step-6 (" in error, error
+    said = f"nothing was saved during the skips; checkpoints kept in {folder} (all finite): "
+    assert said + "step-4, step-6 (" in error, error
     assert _hashes(folder) == before  # step-4, step-6 and step-040, byte for byte
     assert {p.name for p in folder.iterdir()} == {"run.lock", "step-4", "step-6", "step-040"}
     assert _steps(dump) == list(range(1, 11))
+
+
+def test_fp16_weights_that_overflow_never_reach_a_checkpoint_and_the_stop_line_is_true(tmp_path):
+    """fp16 at lr 1e30: step 1's update overflows the fp16 weights. Whether the step is
+    refused when applied or its save is refused (`step-1 not saved`), no checkpoint holds
+    inf, and the stop line says what is kept."""
+    dump = tmp_path / "run"
+    args = [*BASE, "--job.config_file", "config/mixed_precision.toml", "--job.dump_folder"]
+    args += [str(dump), "--mixed_precision.param_dtype", "float16"]
+    args += ["--mixed_precision.initial_scale", "4", "--optimizer.lr", "1e30"]
+    args += ["--lr_scheduler.warmup_steps", "0", "--training.steps", "40"]
+    args += ["--checkpoint.interval", "1", "--training.max_consecutive_skips", "3"]
+    result = launch(2, args, torchrun=False)
+    out = result.stdout
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    *refused, stop = _lines(out, "ERROR")
+    assert all(re.search(r"step-1 not saved: inf or NaN in \d+ tensor shards", r) for r in refused)
+    assert len(refused) <= 1 and "were all skipped" in stop, out[-3000:]
+    assert f"kept in {dump / 'checkpoint'} (all finite): none (" in stop
+    assert not complete_checkpoints(dump / "checkpoint")
 
 
 @pytest.fixture
