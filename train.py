@@ -9,11 +9,16 @@ gloo on CPU, nccl on CUDA. Any key can be overridden as `--section.key value`. A
 one line and exit code 2; a collective that gets no answer within `[comm]
 train_timeout_seconds` is one line naming it and exit code 1. The built-in launcher
 (`components.launcher`) checks the config once before any rank starts and exits 0 when a
-signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM or SIGINT:
-every rank finishes its step, saves and exits 0; a second signal exits at once.
+signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM, SIGINT or
+SIGHUP: every rank finishes its step, saves and exits 0 (before step 1: exits 0, nothing to
+save); a second signal exits at once. A save that runs out of disk: one line, exit 1.
 """
 
 from __future__ import annotations
+
+import components.startup_signals  # noqa: F401  (first: torch's imports take seconds)
+
+# isort: split
 
 import logging
 import os
@@ -24,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from components.checkpoint_save import SaveFailed
 from components.comm import collective_failure, speak_once
 from components.job import build_job, validate_job
 from components.launcher import launch, split_nproc
@@ -51,7 +57,12 @@ def main(argv: list[str]) -> int:
     job.checkpoint.load()
     optimizers, state, steps = job.optimizers, job.train_state, cfg.training.steps
     metrics = MetricsLogger(
-        cfg.metrics, job.dump_folder, total_steps=steps, enabled=job.rank == 0, device=job.device
+        cfg.metrics,
+        job.dump_folder,
+        total_steps=steps,
+        enabled=job.rank == 0,
+        device=job.device,
+        resumed_from=state.step,
     )
     params = job.parameters()
     logger.info(
@@ -78,7 +89,19 @@ def main(argv: list[str]) -> int:
     retry = None  # the micro-batches of a step the gate did not commit: run again as they are
     skipped_in_a_row: list[int] = []
     exit_code = 0
-    while state.step < steps:
+    # A signal while starting up (any rank): stop before step 1, with nothing new to save.
+    early = torch.tensor(float(stop.requested), device=job.device)
+    if job.world_size > 1:
+        dist.all_reduce(early)
+    stopped_early = early.item() > 0
+    if stopped_early:
+        warn(
+            "stopped by %s before step %d: nothing trained, nothing new to save; the same "
+            "command resumes",
+            stop.signal.name if stop.signal else "a signal to another rank",
+            state.step + 1,
+        )
+    while state.step < steps and not stopped_early:
         start = time.perf_counter()
         batches = retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
         optimizers.zero_grad()
@@ -146,7 +169,8 @@ def main(argv: list[str]) -> int:
             **extra,
         )
         stopping = shared[1].item() > 0
-        job.checkpoint.maybe_save(state.step, force=stopping)
+        # A skipped step changed nothing: no save over the good ones (`maybe_save`).
+        job.checkpoint.maybe_save(state.step, force=stopping, skipped=not report.committed)
         if stopping:
             warn(
                 "stopped by %s at step %d of %d%s; the same command resumes",
@@ -159,14 +183,17 @@ def main(argv: list[str]) -> int:
             )
             break
         if len(skipped_in_a_row) >= cfg.training.max_consecutive_skips:
+            kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
             fail(
                 "steps %d-%d were all skipped for non-finite numbers ([training] "
-                "max_consecutive_skips = %d): stopping; the checkpoints in %s hold only "
-                "finite values (lower [optimizer] lr, or resume an earlier step)",
+                "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
+                "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
+                "to resume the newest, or pick one with [checkpoint] load_step)",
                 skipped_in_a_row[0],
                 skipped_in_a_row[-1],
                 cfg.training.max_consecutive_skips,
                 job.checkpoint.folder,
+                kept,
             )
             exit_code = 1
             break
@@ -198,6 +225,9 @@ def run(
     except ConfigError as e:
         speak_once(f"error: {e}", root_cause=True)  # under torchrun: rank 0's line only
         return 2
+    except SaveFailed as e:
+        speak_once(f"error: {e}", root_cause=True)
+        return 1
     except Exception as e:
         failure = collective_failure(e)
         if failure is None:

@@ -4,7 +4,10 @@ A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has fin
 `.metadata` is written last), so a process killed during a save never leaves a directory that
 resume would take; the previous checkpoint stays the newest complete one. A `step-N` damaged
 afterwards (files removed, truncated or overwritten) is reported when it would be loaded, never
-skipped for an older one (`components.checkpoint_files`).
+skipped for an older one (`components.checkpoint_files`). A save holding a non-finite value is
+refused, and one that runs out of disk ends the run in one line
+(`components.checkpoint_save`). Only the run holding the folder's lock
+(`components.run_lock`) removes what a stopped save left.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,16 +36,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_files import (
     Damaged,
-    agree_across_ranks,
+    check_matches,
     checkpoint_steps,
+    clear_stale,
     damaged_checkpoint_error,
     verify,
 )
+from components.checkpoint_save import audit, folder_bytes, kept_steps, save_failed
 from components.checkpoint_seed import load_seed, open_seed
+from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
-from containers import OptimizersContainer
-from containers.state.flat import describe_keys
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 
@@ -117,6 +120,9 @@ class _AsyncSave:
 
     future: Future
     step: int
+    needed: int
+    free: int
+    rotate: bool = True
     published: bool = False
     error: BaseException | None = None
 
@@ -143,6 +149,7 @@ class CheckpointManager:
         self.states = states
         self.total_steps = total_steps
         self._pending: _AsyncSave | None = None
+        self._deferred = False  # a save fell due inside a skip streak: make it at the next step
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
         self._publish_lock = threading.Lock()
         # Async saves run collectives from a background thread: give them a group of their
@@ -190,7 +197,7 @@ class CheckpointManager:
             metadata = verify(path)
         except Damaged as damage:
             raise damaged_checkpoint_error(step, damage, found) from None
-        self._check_matches(path, metadata)
+        check_matches(self.states, path, metadata)
         newer = [s for s in found if s > step]
         if newer and not read_only:
             self._protect_newer(step, newer)
@@ -204,7 +211,8 @@ class CheckpointManager:
 
     def _prepare_folder(self) -> None:
         """Before step 1: the folder must be writable (not found out at the first save), and
-        `step-N.tmp` left by a run killed mid-save is removed."""
+        `step-N.tmp` left by a run killed mid-save is removed, but only under this run's lock
+        on the folder: without it, another live run may be writing it."""
         probe = self.folder / f".write-probe-{os.getpid()}"
         try:  # on every rank, so all of them stop together
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -216,9 +224,7 @@ class CheckpointManager:
                 "[job] dump_folder at a writable place or set [checkpoint] enable = false"
             ) from None
         if _rank0():
-            for stale in sorted(self.folder.glob("step-*.tmp")):
-                shutil.rmtree(stale, ignore_errors=True)
-                logger.warning("removed %s, left by a run stopped while saving", stale)
+            clear_stale(self.folder, owned=holds(self.folder))
         _barrier()
 
     def _protect_newer(self, step: int, newer: list[int]) -> None:
@@ -240,74 +246,68 @@ class CheckpointManager:
             logger.warning("moved %s aside to %s; training on from step-%d", names, aside, step)
         _barrier()
 
-    def _check_matches(self, path: Path, metadata: Metadata) -> None:
-        """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
-        saved = metadata.state_dict_metadata
-        for name, state in self.states.items():
-            # A container says in its own words when the optimizer state is of another layout
-            # (AdamW's for SGD): clearer than the key listing below.
-            if isinstance(state, OptimizersContainer):
-                try:
-                    state.check_checkpoint_keys(
-                        [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
-                    )
-                except ValueError as e:
-                    raise ConfigError(
-                        f"[checkpoint] checkpoint {path}: {e} ([optimizer] name and its "
-                        "settings pick the optimizer; another [job] dump_folder starts over)"
-                    ) from None
-        ours, _ = flatten_state_dict({k: v.state_dict() for k, v in self.states.items()})
-        missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
-        reshaped = {
-            f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
-            for k, v in ours.items()
-            if k in saved
-            and isinstance(v, torch.Tensor)
-            and isinstance(saved[k], TensorStorageMetadata)
-            and tuple(saved[k].size) != tuple(v.shape)
-        }
-        # Every rank sees the same verdict and stops together.
-        (missing, reshaped), (unexpected,) = agree_across_ranks((missing, reshaped), (unexpected,))
-        if missing or unexpected or reshaped:
-            raise ConfigError(
-                f"[checkpoint] checkpoint {path} does not match this job (another model or "
-                "config? point folder elsewhere): "
-                f"missing keys {describe_keys(missing)}; unexpected keys "
-                f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
-            )
-
     # -- save ----------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, force: bool = False) -> None:
+    def maybe_save(self, step: int, force: bool = False, skipped: bool = False) -> None:
         """Save at multiples of `interval`, at the last step and when `force`d; finish earlier
-        async saves."""
+        async saves.
+
+        `skipped`: the step changed no weight (a skip streak): a save due now waits for the
+        next applied step, so the streak rotates no good checkpoint away; a forced or last
+        save is made but rotates nothing.
+        """
         if not self.cfg.enable:
             return
         if self._pending is not None and self._pending.future.done():
             self._finish_pending()  # published already; raise what failed
-        if step % self.cfg.interval and step != self.total_steps and not force:
+        due = step % self.cfg.interval == 0 or self._deferred
+        if skipped and not force and step != self.total_steps:
+            self._deferred = due
             return
+        if not (due or force or step == self.total_steps):
+            return
+        self._deferred = False
         self._finish_pending()
+        checked = audit(self.states)
+        if checked.nonfinite:
+            if _rank0():
+                logger.error("%s", checked.refusal(step, self.folder))
+            return
         tmp = self.folder / f"step-{step}.tmp"
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-save
             self.folder.mkdir(parents=True, exist_ok=True)
         _barrier()
+        # A step saved before has the same layout: its size is what this one needs.
+        found = complete_checkpoints(self.folder)
+        needed = folder_bytes(found[max(found)]) if found else checked.nbytes
+        free = shutil.disk_usage(self.folder).free
         if self._pg is not None:
             future = dcp.async_save(self.states, checkpoint_id=tmp, process_group=self._pg)
-            save = self._pending = _AsyncSave(future, step)
+            save = _AsyncSave(future, step, needed, free, rotate=not skipped)
+            self._pending = save
             future.add_done_callback(lambda _: self._publish_when_saved(save))
-        else:
+            return
+        try:
             dcp.save(self.states, checkpoint_id=tmp)
-            self._publish(step)
-            _barrier()
+        except (Exception, CheckpointException) as e:
+            raise save_failed(self.folder, step, e, needed, free) from None
+        self._publish(step, rotate=not skipped)
+        _barrier()
+
+    def kept(self) -> str:
+        """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
+        return kept_steps(self.folder)
 
     def _publish_when_saved(self, save: _AsyncSave) -> None:
         """In DCP's save thread, as soon as the save is complete: rename it to `step-N` then,
         not at a later step, so a kill in between keeps the checkpoint."""
         try:
-            if save.future.exception() is None:  # a failed save is raised by _finish_pending
+            failure = save.future.exception()
+            if failure is None:
                 self._publish_once(save)
+            else:  # raised by _finish_pending; the partial save goes now, on every rank
+                save_failed(self.folder, save.step, failure, save.needed, save.free)
         except BaseException as e:  # the future would only log it: hand it to the trainer
             save.error = e
 
@@ -315,20 +315,24 @@ class CheckpointManager:
         with self._publish_lock:
             if not save.published:
                 save.published = True
-                self._publish(save.step)
+                self._publish(save.step, save.rotate)
 
     def _finish_pending(self) -> None:
         """Wait for the async save in flight; raise if it or its publishing failed."""
         if self._pending is None:
             return
         save, self._pending = self._pending, None
-        save.future.result()
+        try:
+            save.future.result()
+        except (Exception, CheckpointException) as e:
+            raise save_failed(self.folder, save.step, e, save.needed, save.free) from None
         if save.error is not None:
             raise save.error
         self._publish_once(save)
 
-    def _publish(self, step: int) -> None:
-        """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints."""
+    def _publish(self, step: int, rotate: bool = True) -> None:
+        """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
+        `rotate`)."""
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
@@ -343,7 +347,7 @@ class CheckpointManager:
             os.replace(tmp, final)
         _fsync_dir(self.folder)
         logger.info("saved checkpoint %s", final)
-        if self.cfg.keep_latest_k > 0:
+        if rotate and self.cfg.keep_latest_k > 0:
             for stale in list(complete_checkpoints(self.folder))[: -self.cfg.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{stale}", ignore_errors=True)
 

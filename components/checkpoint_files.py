@@ -1,4 +1,5 @@
-"""The files of DCP checkpoints on disk: which `step-N` folders exist and whether one is intact.
+"""The files of DCP checkpoints on disk: which `step-N` folders exist, whether one is intact and
+fits the job, and what a stopped save left.
 
 A `step-N` folder only appears once its save finished, so one that is damaged now (a file
 removed, truncated, overwritten; a folder copied in part) is reported by name with the fix,
@@ -7,36 +8,78 @@ never skipped for an older step: a silent fallback would train on from the wrong
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from config import ConfigError
+from containers import OptimizersContainer
+from containers.state.flat import describe_keys
 
 __all__ = [
     "Damaged",
     "agree_across_ranks",
+    "check_matches",
     "checkpoint_steps",
+    "clear_stale",
     "damaged_checkpoint_error",
     "verify",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+logger = logging.getLogger(__name__)
+
+# Only the names a save writes: `step-040` (a copy, a typo) is not step 40, and taking it for
+# one would resume from it and overwrite the newer real steps.
+_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+_OURS = re.compile(r"step-(0|[1-9][0-9]*)(\.tmp|\.old)?")
 
 
 def checkpoint_steps(folder: Path) -> dict[int, Path]:
-    """Every published `step-N` folder under `folder` (not `step-N.tmp`), by step."""
+    """Every published `step-N` folder under `folder` (not `step-N.tmp`, not `step-040`), by
+    step."""
     found = {}
     if folder.is_dir():
         for path in folder.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = _STEP_DIR.fullmatch(path.name)
             if match and path.is_dir():
                 found[int(match.group(1))] = path
     return dict(sorted(found.items()))
+
+
+def clear_stale(folder: Path, owned: bool) -> None:
+    """Remove the `step-N.tmp` (and `step-N.old`) a run stopped while saving left, if `owned`:
+    this run holds the folder's lock, so whoever wrote them is dead; otherwise leave them (the
+    writer may be live). Warn once about names a save never writes (`step-040`, `step-7.bak`):
+    they are never loaded, written over or deleted."""
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if foreign := [n for n in names if n.startswith("step-") and not _OURS.fullmatch(n)]:
+        logger.warning(
+            "ignoring %s in %s: not checkpoint names (a save writes step-<N>, N without "
+            "leading zeros); never loaded, written over or deleted",
+            ", ".join(foreign),
+            folder,
+        )
+    stale = [n for n in names if (m := _OURS.fullmatch(n)) and m.group(2)]
+    if stale and not owned:
+        logger.warning(
+            "left %s in %s alone: this run holds no lock on the folder, so the run that wrote "
+            "it may be live",
+            ", ".join(stale),
+            folder,
+        )
+        return
+    for name in stale:
+        shutil.rmtree(folder / name, ignore_errors=True)
+        logger.warning("removed %s, left by a run stopped while saving", folder / name)
 
 
 class Damaged(Exception):
@@ -119,3 +162,40 @@ def agree_across_ranks(
     union = tuple(set().union(*(v[0][i] for v in views)) for i in range(len(any_rank)))
     inter = tuple(set.intersection(*(v[1][i] for v in views)) for i in range(len(every_rank)))
     return union, inter
+
+
+def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -> None:
+    """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
+    saved = metadata.state_dict_metadata
+    for name, state in states.items():
+        # A container says in its own words when the optimizer state is of another layout
+        # (AdamW's for SGD): clearer than the key listing below.
+        if isinstance(state, OptimizersContainer):
+            try:
+                state.check_checkpoint_keys(
+                    [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
+                )
+            except ValueError as e:
+                raise ConfigError(
+                    f"[checkpoint] checkpoint {path}: {e} ([optimizer] name and its "
+                    "settings pick the optimizer; another [job] dump_folder starts over)"
+                ) from None
+    ours, _ = flatten_state_dict({k: v.state_dict() for k, v in states.items()})
+    missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
+    reshaped = {
+        f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
+        for k, v in ours.items()
+        if k in saved
+        and isinstance(v, torch.Tensor)
+        and isinstance(saved[k], TensorStorageMetadata)
+        and tuple(saved[k].size) != tuple(v.shape)
+    }
+    # Every rank sees the same verdict and stops together.
+    (missing, reshaped), (unexpected,) = agree_across_ranks((missing, reshaped), (unexpected,))
+    if missing or unexpected or reshaped:
+        raise ConfigError(
+            f"[checkpoint] checkpoint {path} does not match this job (another model or "
+            "config? point folder elsewhere): "
+            f"missing keys {describe_keys(missing)}; unexpected keys "
+            f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
+        )

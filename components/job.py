@@ -26,7 +26,7 @@ from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
 from components.parallelize import mixed_precision_policy
 from components.pipeline import ForwardBackward, backward_passes, build_forward_backward
-from components.run_lock import RunLock, lock_dump_folder
+from components.run_lock import RunLocks, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import Comm as CommConfig
 from config import JobConfig, accumulation_steps
@@ -64,8 +64,8 @@ class Job:
     ft_manager: Manager | None = None
     store: dist.TCPStore | None = None
     """The replica group's store when this process started it (torchft serves peers from it)."""
-    run_lock: RunLock | None = None
-    """This run's hold on its dump folder (rank 0; None on the other ranks)."""
+    run_lock: RunLocks | None = None
+    """This run's hold on its dump and checkpoint folders (rank 0; None on the other ranks)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -159,12 +159,16 @@ def build_job(cfg: JobConfig) -> Job:
 
     Nothing is loaded yet: `job.checkpoint.load()` resumes. `cfg` is validated first
     (`validate_job`), so a config this job cannot run costs no start-up; then the dump folder
-    is locked (one live run per folder), before torchft connects or anything is written.
+    and checkpoint folders are locked (one live run per folder), before torchft connects or
+    anything is written.
     """
     dims = validate_job(cfg)
     device, mesh, rank = init_distributed(cfg.comm, dims)
     dump_folder = run_folder(cfg)
-    run_lock = lock_dump_folder(dump_folder)
+    ckpt = cfg.checkpoint
+    run_lock = lock_dump_folder(
+        dump_folder, Path(dump_folder) / ckpt.folder if ckpt.enable else None
+    )
     try:
         return _build_locked(cfg, device, dims, mesh, rank, dump_folder, run_lock)
     except BaseException:
@@ -181,7 +185,7 @@ def _build_locked(
     mesh: DeviceMesh | None,
     rank: int,
     dump_folder: str,
-    run_lock: RunLock | None,
+    run_lock: RunLocks | None,
 ) -> Job:
     """`build_job` once the dump folder is this run's."""
     ft = cfg.fault_tolerance

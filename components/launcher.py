@@ -2,9 +2,11 @@
 
 torchrun works as well; this launcher adds what a preempted or mistaken run needs:
 - a bad config is one line and exit 2, found before any rank starts;
-- SIGTERM or SIGINT goes to every rank, which finish their step, save and exit 0, and so does
-  the launcher (torchrun exits 1 with a traceback whenever it is signalled); a second signal
-  kills the ranks at once;
+- SIGTERM, SIGINT or SIGHUP goes to every rank, which finish their step, save and exit 0, and
+  so does the launcher (torchrun exits 1 with a traceback whenever it is signalled); a second
+  signal kills the ranks at once; one before the ranks are started ends the launcher with one
+  line and exit 0. Ranks run in sessions of their own (as torchrun's), so a terminal's Ctrl-C
+  or hang-up reaches them once, through the launcher, not twice;
 - a rank that fails ends the others at once, and the launcher exits with its code;
 - ranks exit when the launcher dies (`components.preemption.watch_parent`), even of SIGKILL;
 - the ranks' TCPStore is the launcher's, listening before any rank starts (as torchrun's agent
@@ -14,6 +16,7 @@ torchrun works as well; this launcher adds what a preempted or mistaken run need
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -21,10 +24,12 @@ import sys
 import time
 from types import FrameType
 
-from components.preemption import LAUNCHER_ENV
+from components.preemption import LAUNCHER_ENV, STOP_SIGNALS, early_signal
 from config import ConfigError
 
 __all__ = ["launch", "split_nproc"]
+
+logger = logging.getLogger(__name__)
 
 
 def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -59,13 +64,7 @@ def launch(script: str, nproc: int, argv: list[str]) -> int:
         "LOCAL_WORLD_SIZE": str(nproc),
     }
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not oversubscribe
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, script, *argv],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(nproc)
-    ]
+    ranks: list[subprocess.Popen] = []
     signals: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -74,8 +73,21 @@ def launch(script: str, nproc: int, argv: list[str]) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL if len(signals) > 1 else signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    if early := early_signal():  # came while the launcher itself started (imports, config)
+        signals.append(early)
     try:
+        for r in range(nproc):
+            if signals:
+                break
+            env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            cmd = [sys.executable, script, *argv]
+            ranks.append(subprocess.Popen(cmd, env=env_r, start_new_session=True))
+        if len(ranks) < nproc:  # the started ones would wait for the others: end them
+            for p in ranks:
+                p.kill()
+                p.wait()
+            return _stopped_before_ranks(signal.Signals(signals[0]).name)
         while True:
             codes = [p.poll() for p in ranks]
             failed = [c for c in codes if c not in (None, 0)]
@@ -96,3 +108,12 @@ def launch(script: str, nproc: int, argv: list[str]) -> int:
     if len(signals) > 1:
         return 128 + signals[-1]
     return exit_code if exit_code >= 0 else 128 - exit_code  # killed by a signal: 128 + it
+
+
+def _stopped_before_ranks(name: str) -> int:
+    logger.warning(
+        "stopped by %s before the ranks started: nothing trained, nothing saved; the same "
+        "command starts the run",
+        name,
+    )
+    return 0

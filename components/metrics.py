@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -47,11 +48,39 @@ def _strict_json(record: dict[str, Any]) -> str:
     return json.dumps(finite, allow_nan=False)
 
 
+def _row_step(line: str) -> int | None:
+    """The step of a `metrics.jsonl` row; None for a line cut short by a kill."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite `path` without the rows after `step` (atomically: a kill keeps the old file)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if (s := _row_step(line)) is not None and s <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    logger.info(
+        "dropped %d rows after step %d from %s: this run trains those steps again",
+        len(lines) - len(kept),
+        step,
+        path,
+    )
+
+
 class MetricsLogger:
     """Logs the first step, every `[metrics] log_freq`-th and the last; only if `enabled`.
 
-    `metrics.jsonl` is appended to, so a resumed run continues the same file; each line is one
-    strict JSON object (non-finite numbers as null) with at least `step` and `loss`.
+    `metrics.jsonl` is appended to, so a resumed run continues the same file, once the rows of
+    the steps it trains again (after `resumed_from`) are dropped: no step is there twice. Each
+    line is one strict JSON object (non-finite numbers as null) with at least `step` and `loss`.
 
     Args:
         cfg: the `[metrics]` section.
@@ -59,6 +88,7 @@ class MetricsLogger:
         total_steps: the run's last step (`[training] steps`), always logged; sets the ETA.
         enabled: whether this process writes (usually rank 0 only).
         device: whose peak memory is reported.
+        resumed_from: the step the run starts after (0: from scratch); None keeps every row.
     """
 
     def __init__(
@@ -69,6 +99,7 @@ class MetricsLogger:
         total_steps: int,
         enabled: bool,
         device: torch.device,
+        resumed_from: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.freq = cfg.log_freq
@@ -80,6 +111,8 @@ class MetricsLogger:
         if not enabled:
             return
         Path(folder).mkdir(parents=True, exist_ok=True)
+        if resumed_from is not None:
+            _drop_rows_after(Path(folder) / "metrics.jsonl", resumed_from)
         self._file = (Path(folder) / "metrics.jsonl").open("a", encoding="utf-8")
         if cfg.enable_tensorboard:
             try:

@@ -1,10 +1,14 @@
 """Stopping well: a signal ends the run at a step boundary; a dead launcher ends its workers.
 
-A cluster sends SIGTERM (or a user SIGINT) some time before it kills a job. `StopRequest`
-turns the first one into a flag that the trainer reads once per step; the ranks agree on it
-inside a collective the step makes anyway, finish that step, save and exit 0. A second signal
-exits at once. `watch_parent` ends a worker whose launcher died (torchrun starts workers in
-sessions of their own, so killing the launcher's process group does not reach them).
+A cluster sends SIGTERM (or a user SIGINT, or a closed terminal SIGHUP) some time before it
+kills a job. `StopRequest` turns the first one into a flag that the trainer reads once per
+step; the ranks agree on it inside a collective the step makes anyway, finish that step, save
+and exit 0. A second signal exits at once. One that comes while the process starts (torch
+imports for seconds) is recorded by `catch_early` and handed to `StopRequest`, so it too ends
+the run in one line. `watch_parent` ends a worker whose launcher died (torchrun starts workers
+in sessions of their own, so killing the launcher's process group does not reach them).
+
+Standard library only: `components.startup_signals` imports this before torch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import threading
 import time
 from types import FrameType
 
-__all__ = ["LAUNCHER_ENV", "StopRequest", "watch_parent"]
+__all__ = [
+    "LAUNCHER_ENV",
+    "STOP_SIGNALS",
+    "StopRequest",
+    "catch_early",
+    "early_signal",
+    "watch_parent",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +37,36 @@ LAUNCHER_ENV = "OPTIMIZER_CONTAINERS_LAUNCHER"
 _LAUNCHED_BY = (LAUNCHER_ENV, "TORCHELASTIC_RUN_ID")
 """Environment variables a launcher sets in its ranks: only those watch their parent."""
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that stop a run after a save: a scheduler's, Ctrl-C, a closed terminal."""
+
+_early: list[signal.Signals] = []
+
+
+def _record_early(signum: int, frame: FrameType | None) -> None:
+    if _early:
+        os._exit(128 + signum)  # asked twice: out now
+    _early.append(signal.Signals(signum))
+
+
+def catch_early() -> None:
+    """Record a stop signal until `StopRequest` takes over, instead of dying of it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record_early)
+
+
+def early_signal() -> signal.Signals | None:
+    """The stop signal `catch_early` recorded, if any."""
+    return _early[0] if _early else None
+
 
 class StopRequest:
-    """Catches SIGTERM and SIGINT for the life of the run; `requested` once one arrived."""
+    """Catches `STOP_SIGNALS` for the life of the run; `requested` once one arrived (also one
+    that `catch_early` recorded before)."""
 
     def __init__(self) -> None:
-        self.signal: signal.Signals | None = None
-        self._previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        self.signal: signal.Signals | None = early_signal()
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
 
     @property
     def requested(self) -> bool:

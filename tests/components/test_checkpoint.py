@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState, complete_checkpoints
+from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer
 from tests.harness.dist import run_ranks
@@ -82,8 +83,17 @@ def test_an_unpublished_save_is_removed_at_start_and_never_resumed(tmp_path):
     )
     assert list(complete_checkpoints(folder)) == [2]
 
+    # Without the folder's lock the writer may be live: left alone.
+    assert _job(tmp_path, seed=9, interval=2)[3].load() == 2
+    assert (folder / "step-4.tmp" / ".metadata").is_file()
+
     parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
-    assert manager2.load() == 2
+    lock = RunLock(folder)  # as build_job takes it: whoever wrote step-4.tmp is dead
+    lock.acquire()
+    try:
+        assert manager2.load() == 2
+    finally:
+        lock.release()
     assert not (folder / "step-4.tmp").exists()  # a stale .tmp is removed at start
     assert_same(_snapshot(parts2, optimizers2), expected)
     _train_and_save(manager2, parts2, optimizers2, state2, range(3, 5))

@@ -99,6 +99,18 @@ def test_a_resumed_run_appends_to_the_same_file(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in rows] == pytest.approx([2.9, 2.8, 2.7, 2.6, 2.5])
 
+    # Resumed from step 2 (rolled back): the rows of 3-5 go, 3-4 are logged once again.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a row cut short by a kill
+    again = MetricsLogger(
+        Metrics(), str(tmp_path), total_steps=5, enabled=True, device=CPU, resumed_from=2
+    )
+    for step in (3, 4):
+        again.log(step, 1.0, 0.1, 10)
+    again.close()
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in _rows(tmp_path)][2:] == [1.0, 1.0]
+
 
 def _sharded_checksum(folder: str) -> dict:
     parts = three_parts(seed=3)

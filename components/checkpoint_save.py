@@ -1,0 +1,136 @@
+"""What a save checks before it writes and how a failed one ends: no non-finite value is ever
+written, and a disk that fills during a save is said in one line (`SaveFailed`, exit 1) with
+the partial `step-N.tmp` removed and the older checkpoints left as they were.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from components.checkpoint_files import checkpoint_steps
+
+__all__ = ["Audit", "SaveFailed", "audit", "folder_bytes", "kept_steps", "save_failed"]
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+class SaveFailed(Exception):
+    """A save that could not be written, said in one line; the run exits 1."""
+
+
+@dataclass
+class Audit:
+    """What a save would write, agreed by every rank."""
+
+    nonfinite: int
+    """Floating-point tensors (local shards, summed over ranks) holding inf or NaN."""
+    nbytes: int
+    """Bytes of every rank's tensors: what the save needs at most (replicas counted each)."""
+    examples: list[str] = field(default_factory=list)
+    """A few of this rank's non-finite tensors, by key."""
+
+    def refusal(self, step: int, folder: Path) -> str:
+        """The line for a save refused for non-finite values."""
+        return (
+            f"step-{step} not saved: inf or NaN in {self.nonfinite} tensor shards "
+            f"({', '.join(self.examples) or 'on other ranks'}); the checkpoints in {folder} "
+            f"stay as they were: {kept_steps(folder)}"
+        )
+
+
+@torch.no_grad()
+def audit(states: dict[str, Stateful]) -> Audit:
+    """Count the non-finite tensors and the bytes of `states`, in one all-reduce over the world.
+
+    A collective: every rank calls it at the same save.
+    """
+    flat, _ = flatten_state_dict({name: state.state_dict() for name, state in states.items()})
+    nonfinite, nbytes, examples = 0, 0, []
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if not isinstance(value, torch.Tensor):
+            continue
+        nbytes += value.numel() * value.element_size()
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            nonfinite += 1
+            if len(examples) < 3:
+                examples.append(key)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=device)
+        dist.all_reduce(counts)
+        nonfinite, nbytes = (int(c) for c in counts.tolist())
+    return Audit(nonfinite, nbytes, examples)
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 if it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except OSError:
+                pass  # removed meanwhile
+    return total
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error`, what it was raised from or during, and the per-rank failures DCP gathered."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [failure for failure, _ in e.failures.values()]
+    return seen
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether `error` (a failed DCP save) came from a full disk or quota.
+
+    torch's writer reports it as `unexpected pos A vs B`; the `OSError` with `ENOSPC` is what
+    that was raised during.
+    """
+    return any(isinstance(e, OSError) and e.errno in _FULL for e in _causes(error))
+
+
+def kept_steps(folder: Path) -> str:
+    """The checkpoints in `folder`, for a message: `step-20, step-30` or `none`."""
+    return ", ".join(f"step-{s}" for s in checkpoint_steps(folder)) or "none"
+
+
+def save_failed(
+    folder: Path, step: int, error: BaseException, needed: int, free: int
+) -> BaseException:
+    """The error to raise for a failed save of `step-N.tmp` in `folder`: out of disk, one line
+    (the partial save removed); anything else as it came.
+
+    DCP raises it on every rank once they all stopped writing, so any rank may remove the
+    partial save: the first to see the failure does.
+    """
+    if not out_of_space(error):
+        return error
+    tmp = folder / f"step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    return SaveFailed(
+        f"[checkpoint] out of disk space saving step-{step} in {folder}: it needs {needed} "
+        f"bytes, {free} were free; the partial {tmp.name} was removed and the checkpoints "
+        f"there stay as they were ({kept_steps(folder)}); free space or point [checkpoint] folder "
+        "at a larger disk, then run the same command to resume"
+    )

@@ -1,0 +1,226 @@
+"""Nothing lost, round 2 (issue 27), through train.py on 2 ranks: one live run per checkpoint
+folder, a skip streak saves nothing over the good checkpoints, only `step-<N>` names are
+checkpoints, a full disk is one line, SIGHUP stops like SIGTERM and a signal during start-up
+exits 0. Each asserts the exit code, the one line and the checkpoint files' bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from components.checkpoint import complete_checkpoints
+from tests.harness.dist import finish, kill_tree, launch, start, worker_pids
+from tests.test_train import BASE, LONG
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` but the run lock (each run writes its record)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "run.lock"
+    }
+
+
+def _lines(out: str, level: str) -> list[str]:
+    return [line for line in out.splitlines() if f" {level} " in line]
+
+
+def _steps(dump: Path) -> list[int]:
+    return [json.loads(r)["step"] for r in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait(proc: subprocess.Popen, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not done():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} in 120 s"
+        time.sleep(0.01)
+
+
+def test_a_second_run_on_a_live_checkpoint_folder_exits_2_and_changes_no_byte(tmp_path):
+    shared, link = tmp_path / "shared", tmp_path / "link"
+    link.symlink_to(shared)  # the second run names the same folder by another path
+    common = [*BASE, "--training.steps", "12", "--checkpoint.interval", "2"]
+    common += ["--checkpoint.keep_latest_k", "3"]
+    args = [*common, "--job.dump_folder", str(tmp_path / "a"), "--checkpoint.folder", str(shared)]
+    first = start(2, args, torchrun=False)
+    try:
+        _wait(first, lambda: (shared / "step-2").is_dir(), "step-2")
+        kill_tree(first.pid, signal.SIGSTOP)  # surely live while the second run tries
+        holder = json.loads((shared / "run.lock").read_text())
+        before = _hashes(shared)
+        args = [*common, "--job.dump_folder", str(tmp_path / "b"), "--checkpoint.folder", str(link)]
+        second = launch(0, args, timeout=120)
+        after = _hashes(shared)
+    finally:
+        kill_tree(first.pid, signal.SIGCONT)
+    out = finish(first).stdout
+    assert second.returncode == 2 and "Traceback" not in second.stdout, second.stdout[-3000:]
+    errors = _lines(second.stdout, "ERROR")
+    assert len(errors) == 1, second.stdout[-3000:]
+    assert (
+        f"[checkpoint] folder: {shared} is in use by a live run (pid {holder['pid']} on host "
+        f"{holder['host']}, started {holder['started']}, dump folder {tmp_path / 'a'}; lock "
+    ) in errors[0]
+    assert after == before and any(k.startswith("step-2/") for k in before)
+    assert (tmp_path / "b" / "run.lock").read_text() == ""  # its dump folder freed again
+
+    assert first.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert _steps(tmp_path / "a") == list(range(1, 13))
+    assert sorted(complete_checkpoints(shared)) == [8, 10, 12]
+
+
+def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoint(tmp_path):
+    dump, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    keep = ["--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"]
+    keep += ["--job.dump_folder", str(dump)]
+    good = launch(2, [*BASE, *keep, "--training.steps", "6"], torchrun=False)
+    assert good.returncode == 0, good.stdout[-3000:]
+    assert sorted(complete_checkpoints(folder)) == [4, 6]
+    shutil.copytree(folder / "step-4", folder / "step-040")  # not step 40: a stray copy
+    before = _hashes(folder)
+
+    # Step 7 at lr 1e30 commits finite but ruined weights; 8-10 are skipped. The saves due at
+    # 8 and 10 would rotate step-4 and step-6 away: none is made.
+    ruin = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+    ruin += ["--training.steps", "60", "--training.max_consecutive_skips", "3"]
+    result = launch(2, [*BASE, *keep, *ruin], torchrun=False)
+    out = result.stdout
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert f"resumed from {folder / 'step-6'}" in out
+    strays = [line for line in _lines(out, "WARNING") if "step-040" in line]
+    assert len(strays) == 1 and "not checkpoint names" in strays[0], out[-3000:]
+    (error,) = _lines(out, "ERROR")
+    assert "steps 8-10 were all skipped" in error, out[-3000:]
+    said = f"nothing was saved during the skips; checkpoints kept in {folder} (all finite): "
+    assert said + "step-4, step-6 (" in error, error
+    assert _hashes(folder) == before  # step-4, step-6 and step-040, byte for byte
+    assert {p.name for p in folder.iterdir()} == {"run.lock", "step-4", "step-6", "step-040"}
+    assert _steps(dump) == list(range(1, 11))
+
+
+def test_fp16_weights_that_overflow_never_reach_a_checkpoint_and_the_stop_line_is_true(tmp_path):
+    """fp16 at lr 1e30: step 1's update overflows the fp16 weights. Whether the step is
+    refused when applied or its save is refused (`step-1 not saved`), no checkpoint holds
+    inf, and the stop line says what is kept."""
+    dump = tmp_path / "run"
+    args = [*BASE, "--job.config_file", "config/mixed_precision.toml", "--job.dump_folder"]
+    args += [str(dump), "--mixed_precision.param_dtype", "float16"]
+    args += ["--mixed_precision.initial_scale", "4", "--optimizer.lr", "1e30"]
+    args += ["--lr_scheduler.warmup_steps", "0", "--training.steps", "40"]
+    args += ["--checkpoint.interval", "1", "--training.max_consecutive_skips", "3"]
+    result = launch(2, args, torchrun=False)
+    out = result.stdout
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    *refused, stop = _lines(out, "ERROR")
+    assert all(re.search(r"step-1 not saved: inf or NaN in \d+ tensor shards", r) for r in refused)
+    assert len(refused) <= 1 and "were all skipped" in stop, out[-3000:]
+    assert f"kept in {dump / 'checkpoint'} (all finite): none (" in stop
+    assert not complete_checkpoints(dump / "checkpoint")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 3.5 MiB tmpfs: one checkpoint of BASE's model (2.2 MB) fits, a second does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=3584k", "tmpfs", str(disk)]
+    try:
+        done = subprocess.run(mount, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a small tmpfs here ({e}): the full-disk case needs one")
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}): needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_save_that_runs_out_of_disk_is_one_line_exit_1_and_the_older_one_intact(small_disk, mode):
+    folder = small_disk / "checkpoint"
+    args = [*BASE, "--job.dump_folder", str(small_disk), "--training.steps", "4"]
+    args += ["--checkpoint.interval", "2", "--checkpoint.async_mode", mode]
+    proc = start(2, args, torchrun=False)
+    try:
+        _wait(proc, lambda: (folder / "step-2").is_dir(), "step-2")
+        before = _hashes(folder / "step-2")  # published: nothing writes it again
+        result = finish(proc)
+    finally:
+        kill_tree(proc.pid)
+    out = result.stdout
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    errors = _lines(out, "ERROR")
+    assert len(errors) == 1, out[-3000:]
+    said = re.search(
+        rf"out of disk space saving step-4 in {folder}: it needs (\d+) bytes, (\d+) were free; "
+        r"the partial step-4.tmp was removed and the checkpoints there stay as they were "
+        r"\(step-2\)",
+        errors[0],
+    )
+    assert said and int(said[1]) > int(said[2]), errors[0]
+    assert int(said[1]) == sum(p.stat().st_size for p in (folder / "step-2").iterdir())
+    assert {p.name for p in folder.iterdir()} == {"run.lock", "step-2"}
+    assert _hashes(folder / "step-2") == before
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (its start-up reached train.py's)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"SigCgt:\s*([0-9a-f]+)", status)[1], 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _started(proc: subprocess.Popen, phase: str) -> bool:
+    """Whether the launcher (`phase` "launcher") or both ranks ("ranks") of `proc` have
+    train.py's first handler in: they are importing torch or building, not training yet."""
+    if phase == "launcher":
+        return _catches(proc.pid, signal.SIGTERM)
+    ranks = worker_pids(proc.pid).values()
+    return len(ranks) == 2 and all(_catches(p, signal.SIGTERM) for p in ranks)
+
+
+def test_sighup_stops_like_sigterm_and_a_signal_during_start_up_exits_0_in_one_line(tmp_path):
+    # While the launcher, then while the ranks, import torch and build: exit 0, one line.
+    for phase, said in [("launcher", "before the ranks started"), ("ranks", "before step 1")]:
+        dump = tmp_path / phase
+        proc = start(2, [*BASE, "--job.dump_folder", str(dump), *LONG], torchrun=False)
+        try:
+            _wait(proc, partial(_started, proc, phase), f"{phase} started")
+            os.kill(proc.pid, signal.SIGTERM)
+            result = finish(proc)
+        finally:
+            kill_tree(proc.pid)
+        stops = [line for line in result.stdout.splitlines() if "stopped by" in line]
+        assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout
+        assert len(stops) == 1 and f"stopped by SIGTERM {said}" in stops[0], result.stdout
+        assert not complete_checkpoints(dump / "checkpoint")
+
+    # While training: the terminal closed. Saved at the step reached, exit 0, one line.
+    dump = tmp_path / "hup"
+    proc = start(2, [*BASE, "--job.dump_folder", str(dump), *LONG], torchrun=False)
+    try:
+        _wait(proc, lambda: (dump / "metrics.jsonl").exists() and len(_steps(dump)) >= 3, "step")
+        os.kill(proc.pid, signal.SIGHUP)
+        result = finish(proc)
+    finally:
+        kill_tree(proc.pid)
+    reached = _steps(dump)[-1]
+    stops = [line for line in result.stdout.splitlines() if "stopped by" in line]
+    assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert len(stops) == 1 and f"stopped by SIGHUP at step {reached} of 60" in stops[0]
+    assert list(complete_checkpoints(dump / "checkpoint")) == [reached]
