@@ -56,7 +56,9 @@ class _TorchftNoise(logging.Filter):
         if "got exception waiting for work" in message and record.exc_info:
             # gloo's source-file prefix and its advice add nothing to "Connection reset".
             short = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", message).split(". This is", 1)[0]
-            record.msg, record.args = f"{short}; the step is not committed", ()
+            where, _, error = short.partition(" got exception waiting for work ")
+            record.msg = f"torchft {where}: a peer replica group failed mid-step ({error})"
+            record.args = ()
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info, record.exc_text = None, None
         return True
@@ -91,6 +93,7 @@ class RunLog:
         self.file: logging.FileHandler | None = None
         self._pending: _Pending | None = _Pending()
         root = logging.getLogger()
+        self._root_level = root.level
         root.setLevel(self.level)
         root.addHandler(self._pending)
         logging.captureWarnings(True)
@@ -127,8 +130,11 @@ class RunLog:
         self._excepthook(kind, error, tb)
 
     def close(self) -> None:
-        """Stop writing to the folder (the process goes on logging to stderr)."""
+        """Stop writing to the folder and undo the rest of `setup_logging` (but the filters
+        of known noise), for a process that goes on after the run."""
         root = logging.getLogger()
+        root.setLevel(self._root_level)
+        logging.captureWarnings(False)
         if self._pending is not None:
             root.removeHandler(self._pending)
             self._pending = None
