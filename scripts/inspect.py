@@ -105,7 +105,7 @@ def _read_values(path: str, keys: list[str]) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    text = f"{value:.6g}" if isinstance(value, float) else repr(value)
     return text if len(text) <= 60 else f"<{type(value).__name__}, {len(text)} chars>"
 
 
