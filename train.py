@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,10 @@ from components.checkpoint_save import SaveFailed
 from components.comm import collective_failure, speak_once
 from components.job import build_job, validate_job
 from components.launcher import launch, split_nproc
-from components.metrics import MetricsLogger, param_checksum
+from components.logs import FORMAT, setup_logging, start_line
+from components.metrics import MetricsLogger, group_lrs, lr_group_names, param_checksum
 from components.preemption import StopRequest, watch_parent
-from config import ConfigError, load_job_config, usage
+from config import ConfigError, load_job_config, to_toml, usage
 from containers import GateLost
 
 logger = logging.getLogger("train")
@@ -47,11 +49,17 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(usage(), end="")
         return 0
+    run_log = setup_logging(int(os.environ.get("RANK", "0")))  # other ranks: errors only
     watch_parent()
     stop = StopRequest()
     cfg = load_job_config(argv)
+    resolved = to_toml(cfg)
+    if cfg.job.print_config:
+        logger.info("config (saved as config.toml in the dump folder):\n%s", resolved)
     job = build_job(cfg)
-    logging.getLogger().setLevel(logging.INFO if job.rank == 0 else logging.WARNING)
+    run_log.keep_in(job.dump_folder)  # the folder is this run's now (and what was logged)
+    if job.rank == 0:
+        Path(job.dump_folder, "config.toml").write_text(resolved, encoding="utf-8")
     # What every rank agrees on is said once, by rank 0.
     warn, fail = (logger.warning, logger.error) if job.rank == 0 else (logger.debug, logger.debug)
     job.checkpoint.load()
@@ -62,21 +70,10 @@ def main(argv: list[str]) -> int:
         total_steps=steps,
         enabled=job.rank == 0,
         device=job.device,
-        resumed_from=state.step,
     )
     params = job.parameters()
-    logger.info(
-        "%s %s: %.2fM params in %d parts on %d %s ranks, %r, %d micro-batches/step, from step %d",
-        cfg.model.name,
-        cfg.model.flavor,
-        job.n_params / 1e6,
-        len(job.model_parts),
-        job.world_size,
-        job.device.type,
-        optimizers,
-        job.accumulation_steps,
-        state.step,
-    )
+    lr_names = lr_group_names(optimizers, cfg.optimizer)
+    logger.info("%s", start_line(job, state.step))
     if state.step >= steps:
         logger.info(
             "already at step %d of %d: nothing to train (raise --training.steps or remove %s)",
@@ -134,7 +131,7 @@ def main(argv: list[str]) -> int:
             continue
         retry = None
         state.step += 1
-        lr = job.lr_schedulers.get_last_lr()  # read after step(): healing may have replaced it
+        lrs = group_lrs(optimizers, lr_names)  # read after step(): healing may have set them
         if report.committed:
             job.lr_schedulers.step()
             skipped_in_a_row.clear()
@@ -164,7 +161,7 @@ def main(argv: list[str]) -> int:
             shared[0].item(),
             elapsed,
             job.tokens_per_step,
-            lr=lr,
+            lrs=lrs,
             skipped_steps=state.skipped_steps,
             **extra,
         )
@@ -204,6 +201,7 @@ def main(argv: list[str]) -> int:
     metrics.close()
     job.close()
     stop.close()
+    run_log.close()
     return exit_code
 
 
@@ -240,5 +238,5 @@ def run(
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
     sys.exit(run(sys.argv[1:]))

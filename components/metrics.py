@@ -6,8 +6,11 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +19,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from config import Metrics as MetricsConfig
+from config import Optimizer as OptimizerConfig
+from containers import OptimizersContainer
 
-__all__ = ["MetricsLogger", "param_checksum", "peak_memory_gib"]
+__all__ = ["MetricsLogger", "group_lrs", "lr_group_names", "param_checksum", "peak_memory_gib"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,32 @@ def param_checksum(params: list[torch.Tensor]) -> float:
     if any(isinstance(p, DTensor) for p in params):
         dist.all_reduce(total)
     return total.item()
+
+
+def lr_group_names(optimizers: OptimizersContainer, cfg: OptimizerConfig) -> list[str]:
+    """A name for each of `optimizers.param_groups`, from the config rule that formed it:
+    `<optimizer>-default` for parameters that match no `[[optimizer.param_groups]]` table,
+    `<optimizer>-group<i>` for the i-th table (from 0), e.g. "AdamW-default", "Muon-group0".
+    Each part's inner optimizers have groups of the same names (and lrs)."""
+    patterns = [re.compile(g.pattern) for g in cfg.param_groups]
+    names = []
+    for group in optimizers.param_groups:
+        fqn = optimizers.fqn_of(group["params"][0])
+        hit = next((i for i, rx in enumerate(patterns) if rx.search(fqn)), None)
+        if hit is None:
+            names.append(f"{cfg.name}-default")
+        else:
+            names.append(f"{cfg.param_groups[hit].name or cfg.name}-group{hit}")
+    return names
+
+
+def group_lrs(optimizers: OptimizersContainer, names: list[str]) -> dict[str, float]:
+    """Each named group's current lr, the default group's first (the log line shows it)."""
+    lrs = {}
+    for name, group in zip(names, optimizers.param_groups, strict=True):
+        lrs.setdefault(name, float(group["lr"]))
+    default = next((n for n in lrs if n.endswith("-default")), None)
+    return {default: lrs.pop(default), **lrs} if default is not None else lrs
 
 
 def _strict_json(record: dict[str, Any]) -> str:
@@ -79,8 +110,10 @@ class MetricsLogger:
     """Logs the first step, every `[metrics] log_freq`-th and the last; only if `enabled`.
 
     `metrics.jsonl` is appended to, so a resumed run continues the same file, once the rows of
-    the steps it trains again (after `resumed_from`) are dropped: no step is there twice. Each
-    line is one strict JSON object (non-finite numbers as null) with at least `step` and `loss`.
+    the steps it trains again (its first step and later) are dropped: no step is there twice. Each
+    line is one strict JSON object (non-finite numbers as null) with at least `step`, `time`
+    (wall clock, unix seconds) and `loss`. Throughput and step time are over the log window:
+    the steps since the last logged row.
 
     Args:
         cfg: the `[metrics]` section.
@@ -88,7 +121,6 @@ class MetricsLogger:
         total_steps: the run's last step (`[training] steps`), always logged; sets the ETA.
         enabled: whether this process writes (usually rank 0 only).
         device: whose peak memory is reported.
-        resumed_from: the step the run starts after (0: from scratch); None keeps every row.
     """
 
     def __init__(
@@ -99,57 +131,88 @@ class MetricsLogger:
         total_steps: int,
         enabled: bool,
         device: torch.device,
-        resumed_from: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.freq = cfg.log_freq
         self.total_steps = total_steps
         self.device = device
         self._step_times: list[float] = []
+        self._window = [0.0, 0, 0]  # seconds, tokens, steps since the last logged row
         self._file = None
         self._tb = None
         if not enabled:
             return
         Path(folder).mkdir(parents=True, exist_ok=True)
-        if resumed_from is not None:
-            _drop_rows_after(Path(folder) / "metrics.jsonl", resumed_from)
-        self._file = (Path(folder) / "metrics.jsonl").open("a", encoding="utf-8")
+        self._path = Path(folder) / "metrics.jsonl"
         if cfg.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                logger.warning("[metrics] enable_tensorboard: tensorboard is not installed")
+                logger.warning(
+                    "[metrics] enable_tensorboard: tensorboard is not installed (pip install "
+                    "tensorboard, or the README's install command); writing metrics.jsonl only"
+                )
             else:
-                self._tb = SummaryWriter(str(Path(folder) / "tb"))
+                self._tb = SummaryWriter(str(Path(folder) / "tb"), flush_secs=10)
 
-    def log(self, step: int, loss: float, step_time: float, tokens: int, **extra: Any) -> None:
-        """Record one optimizer step (`tokens` counted over all ranks)."""
+    def log(
+        self,
+        step: int,
+        loss: float,
+        step_time: float,
+        tokens: int,
+        *,
+        lrs: Mapping[str, float] | None = None,
+        **extra: Any,
+    ) -> None:
+        """Record one optimizer step (`tokens` counted over all ranks); `lrs` by group name,
+        the first shown in the log line."""
         self._step_times.append(step_time)
+        if self.enabled and self._file is None:
+            # The first step this run trains: rows of it and later ones are from a run that
+            # was rolled back (a resume, or a restart from scratch) and go. Known only now: a
+            # torchft group that heals from a peer starts at the peer's step.
+            _drop_rows_after(self._path, step - 1)
+            self._file = self._path.open("a", encoding="utf-8")
+        window = self._window
+        window[0] += step_time
+        window[1] += tokens
+        window[2] += 1
         if not self.enabled or (step % self.freq and step not in (1, self.total_steps)):
             return
         recent = self._step_times[-20:]
-        avg = sum(recent) / len(recent)
+        seconds, tokens_in_window, steps = window
+        self._window = [0.0, 0, 0]
+        named = {f"lr/{name}": lr for name, lr in (lrs or {}).items()}
         record = {
             "step": step,
+            "time": round(time.time(), 3),
             "loss": loss,
+            **({"lr": next(iter(lrs.values()))} if lrs else {}),
             **extra,
-            "tokens_per_s": tokens / step_time,
-            "step_time_s": step_time,
+            "tokens_per_s": tokens_in_window / seconds,
+            "step_time_s": seconds / steps,
             "peak_memory_gib": peak_memory_gib(self.device),
-            "eta_s": avg * (self.total_steps - step),
+            "eta_s": sum(recent) / len(recent) * (self.total_steps - step),
+            **named,
         }
-        fields = "  ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in record.items()
-            if k not in ("step",)
-        )
-        logger.info("step %5d  %s", step, fields)
+        self._write_line(step, record, lr_label=next(iter(lrs), None) if lrs else None)
         self._file.write(_strict_json(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step, walltime=record["time"])
+
+    @staticmethod
+    def _write_line(step: int, record: dict[str, Any], lr_label: str | None) -> None:
+        fields = "  ".join(
+            f"{f'lr[{lr_label}]' if k == 'lr' and lr_label else k} "
+            + (f"{v:.4g}" if isinstance(v, float) else f"{v}")
+            for k, v in record.items()
+            if k not in ("step", "time") and not k.startswith("lr/")
+        )
+        logger.info("step %5d  %s", step, fields)
 
     def close(self) -> None:
         if self._file is not None:

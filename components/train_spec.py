@@ -1,14 +1,17 @@
 """`TrainSpec`: the builders a model family plugs into `train.py`, and their registry.
 
 Each builder takes its own config section, never the whole `JobConfig`, so a family's code
-says what it reads. Model families register through the `optimizer_containers.train_specs`
-entry points the first time a spec is looked up, so no generic module imports a family.
+says what it reads. The built-in families (`BUILTINS`) are imported the first time a spec is
+looked up, from the source tree itself, so a checkout on `PYTHONPATH` works without being
+installed; third-party families register through the `optimizer_containers.train_specs`
+entry points. No generic module imports a family.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
@@ -128,7 +131,10 @@ class TrainSpec:
 
 
 ENTRY_POINTS = "optimizer_containers.train_specs"
-"""Entry-point group of model families (pyproject.toml); no generic module imports one."""
+"""Entry-point group of third-party model families (in their own pyproject.toml)."""
+
+BUILTINS = {"llama": "components.models.llama"}
+"""The families of this repository: name -> the module that registers it when imported."""
 
 _SPECS: dict[str, TrainSpec] = {}
 
@@ -143,13 +149,18 @@ def register_train_spec(spec: TrainSpec) -> None:
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    """The spec registered as `name`; a family installed under the entry-point group
-    `optimizer_containers.train_specs` is imported (and so registered) on first use."""
+    """The spec registered as `name`; a built-in family, or one installed under the
+    entry-point group `optimizer_containers.train_specs`, is imported (and so registered) on
+    first use. An unknown name imports the built-ins, so the error lists them."""
+    if name in BUILTINS:
+        import_module(BUILTINS[name])
     if name not in _SPECS:
         for entry in entry_points(group=ENTRY_POINTS):
             if entry.name == name:
                 entry.load()
     if name not in _SPECS:
+        for module in BUILTINS.values():
+            import_module(module)
         known = ", ".join(sorted(_SPECS)) or "none"
         raise config.ConfigError(
             f"[model] name = {name!r}: unknown train spec; registered: {known}"

@@ -1,6 +1,7 @@
 """Typed job config: dataclass sections, TOML + CLI loading, and `ConfigError`."""
 
 from config.checks import accumulation_steps, fsdp_mixed_precision, steps_in_backward
+from config.dump import to_toml
 from config.errors import ConfigError
 from config.job_config import (
     Checkpoint,
@@ -41,5 +42,6 @@ __all__ = [
     "fsdp_mixed_precision",
     "load_job_config",
     "steps_in_backward",
+    "to_toml",
     "usage",
 ]

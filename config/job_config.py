@@ -23,8 +23,13 @@ class Job:
     """TOML file the rest of the config was read from (set by `--job.config_file`)."""
 
     dump_folder: str = "./outputs"
-    """Folder for checkpoints, metrics and logs of this run; one live run at a time (a second
-    one exits 2 naming the holder of `run.lock` there)."""
+    """Folder for checkpoints, metrics and logs of this run (`train.log`, `metrics.jsonl`,
+    `config.toml`, `tb/`); one live run at a time (a second one exits 2 naming the holder of
+    `run.lock` there)."""
+
+    print_config: bool = False
+    """Log the resolved config at start, as the TOML that train.py also saves to
+    `config.toml` in the dump folder (which `--job.config_file` reads back)."""
 
 
 @dataclass(kw_only=True)

@@ -200,6 +200,11 @@ class OptimizersContainer(Optimizer, Stateful):
         """The inner optimizers' own group dicts: writes to them reach the real step."""
         return [g for opt in self.optimizers for g in opt.param_groups]
 
+    def fqn_of(self, tensor: torch.Tensor) -> str:
+        """The FQN of a tensor in `param_groups` (a model parameter, or its master weight):
+        the name its state and group settings are saved under."""
+        return self._fqns[tensor]
+
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
         """A read-only live view of every inner optimizer's per-parameter state."""

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from components.checkpoint import ModelWrapper
 from components.job import Job, build_job
 from components.models.llama.data import ByteTextLoader
-from config import JobConfig, load_job_config
+from config import JobConfig, load_job_config, usage
 
 logger = logging.getLogger("quickstart")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "quickstart.toml"
@@ -93,6 +93,11 @@ def reload_single(cfg: JobConfig, ckpt: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(f"{__doc__.strip()}\n\nIts config keys are train.py's (default file here: ", end="")
+        print("config/quickstart.toml):\n")
+        print(usage(), end="")
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not any(a.startswith("--job.config_file") for a in argv):
         argv = ["--job.config_file", str(DEFAULT_CONFIG), *argv]

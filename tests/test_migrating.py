@@ -99,6 +99,8 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Seeded:
 
 
 def test_a_torchtitan_folder_seeds_model_optimizer_and_step(seeded):
+    # What both ranks would say (the keys nothing here takes) is said once, in train.log.
+    assert (seeded.dump / "train.log").read_text().count("not used, nothing here takes") == 1
     for got in seeded.ranks:  # resharded: saved by 1 process, FSDP2 over 2 ranks here
         assert got["step"] == SOURCE_STEP and got["sched"] == SOURCE_STEP
         assert got["model"].keys() == seeded.weights.keys()

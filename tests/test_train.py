@@ -148,6 +148,8 @@ def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [2, 4]
     assert lock.read_text() == ""  # released at exit
+    # The refused run logged before it knew the folder was not its own: none of it there.
+    assert "step     4" in (log := (tmp_path / "train.log").read_text()) and "in use" not in log
 
 
 @pytest.mark.parametrize(

@@ -1,2 +1,2 @@
-"""Model families, each registered by its entry point in `optimizer_containers.train_specs`
-(pyproject.toml) when `components.train_spec.get_train_spec` first asks for it."""
+"""Model families of this repository, each imported (and so registered) by
+`components.train_spec.get_train_spec` when first asked for (`BUILTINS` there)."""

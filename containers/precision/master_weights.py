@@ -215,6 +215,7 @@ class MasterWeights(Precision):
         eager = []
         kernel = native_adam.load() if self.compile else None
         for opt in optimizers:
+            _stepped(opt)
             flats = self._flat.get(id(opt), ())
             stepped = 0
             for flat in flats:
@@ -340,6 +341,14 @@ def _mark_stale(flats: list[FlatGroup]):
             flat.stale = True
 
     return hook
+
+
+def _stepped(opt: Optimizer) -> None:
+    """Tell torch's LR schedulers that `opt` steps now. A scheduler wraps `opt.step` to note
+    that it ran and warns at its own first step when it did not; the flat, native and
+    per-tensor paths step the masters without calling `opt.step`, so say what it would have."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        opt._opt_called = True  # type: ignore[attr-defined]
 
 
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

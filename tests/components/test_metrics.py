@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -38,21 +39,43 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def test_one_line_per_step_with_its_keys(tmp_path):
-    """Each line: step, loss, the caller's extras, then throughput, time, memory and ETA."""
+    """Each line: step, wall-clock time, loss, the headline lr, the caller's extras, then
+    throughput, time, memory, ETA and every group's lr by name."""
+    before = time.time()
     metrics = _logger(tmp_path, total_steps=5)
-    metrics.log(1, 2.5, 0.5, 1000, lr=0.01, grad_norm=1.5)
-    metrics.log(2, 2.0, 0.25, 1000, lr=0.02)
+    metrics.log(1, 2.5, 0.5, 1000, lrs={"AdamW-default": 0.01, "Muon-group0": 0.1}, grad_norm=1.5)
+    metrics.log(2, 2.0, 0.25, 1000, lrs={"AdamW-default": 0.02})
     metrics.close()
     first, second = _rows(tmp_path)
     assert list(first) == [
-        *("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"),
-        *("peak_memory_gib", "eta_s"),
+        *("step", "time", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"),
+        *("peak_memory_gib", "eta_s", "lr/AdamW-default", "lr/Muon-group0"),
     ]
     assert first["step"] == 1 and first["loss"] == 2.5 and first["grad_norm"] == 1.5
+    assert before - 1 <= first["time"] <= second["time"] <= time.time() + 1
+    assert first["lr"] == first["lr/AdamW-default"] == 0.01 and first["lr/Muon-group0"] == 0.1
     assert first["tokens_per_s"] == 2000 and first["step_time_s"] == 0.5
     assert first["eta_s"] == pytest.approx(0.5 * 4) and first["peak_memory_gib"] > 0
     assert "grad_norm" not in second and second["lr"] == 0.02
     assert second["eta_s"] == pytest.approx((0.5 + 0.25) / 2 * 3)  # mean of recent step times
+
+
+def test_throughput_is_over_the_steps_since_the_last_row(tmp_path, caplog):
+    """Rows at steps 1, 4 and 6: each row's tokens/s and step time cover its own window."""
+    caplog.set_level(logging.INFO, logger="components.metrics")
+    metrics = _logger(tmp_path, total_steps=6, log_freq=4)
+    times = [0.5, 0.1, 0.2, 0.3, 0.4, 0.6]
+    for step, seconds in enumerate(times, 1):
+        metrics.log(step, 1.0, seconds, 100 * step, lrs={"SGD-default": 0.1})
+    metrics.close()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 4, 6]
+    windows = [(0, 1), (1, 4), (4, 6)]
+    for row, (a, b) in zip(rows, windows):
+        tokens = sum(100 * s for s in range(a + 1, b + 1))
+        assert row["tokens_per_s"] == pytest.approx(tokens / sum(times[a:b]))
+        assert row["step_time_s"] == pytest.approx(sum(times[a:b]) / (b - a))
+    assert "lr[SGD-default] 0.1" in caplog.text and "lr/" not in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -70,7 +93,7 @@ def test_log_freq_keeps_the_first_and_last_step(tmp_path, log_freq, total_steps,
 def test_non_finite_numbers_are_null_in_the_file_but_shown_in_the_log(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="components.metrics")
     metrics = _logger(tmp_path)
-    metrics.log(1, math.nan, 0.1, 10, grad_norm=math.inf, lr=-math.inf, skipped_steps=1)
+    metrics.log(1, math.nan, 0.1, 10, grad_norm=math.inf, lrs={"A": -math.inf}, skipped_steps=1)
     metrics.close()
     (row,) = _rows(tmp_path)
     assert row["loss"] is None and row["grad_norm"] is None and row["lr"] is None
@@ -102,9 +125,9 @@ def test_a_resumed_run_appends_to_the_same_file(tmp_path):
     # Resumed from step 2 (rolled back): the rows of 3-5 go, 3-4 are logged once again.
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "lo')  # a row cut short by a kill
-    again = MetricsLogger(
-        Metrics(), str(tmp_path), total_steps=5, enabled=True, device=CPU, resumed_from=2
-    )
+    again = MetricsLogger(Metrics(), str(tmp_path), total_steps=5, enabled=True, device=CPU)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6  # nothing is dropped before the first step is known
     for step in (3, 4):
         again.log(step, 1.0, 0.1, 10)
     again.close()
@@ -140,3 +163,21 @@ def test_param_checksum_on_two_ranks_is_the_unsharded_sum_and_rank_0_writes(tmp_
     assert r0["sharded"] == r1["sharded"]
     (row,) = _rows(tmp_path)
     assert row["param_checksum"] == r0["sharded"]
+
+
+def test_tensorboard_gets_the_scalars_of_each_row(tmp_path):
+    """With enable_tensorboard, each logged row's numbers are scalars in `tb/` (read back
+    through tensorboard's own reader): loss, throughput and every group's lr."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = _logger(tmp_path, total_steps=3, enable_tensorboard=True)
+    for step in (1, 2, 3):
+        metrics.log(step, 3.0 - step, 0.5, 100, lrs={"AdamW-default": step / 10, "Muon-group0": 1})
+    metrics.close()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert {"loss", "lr", "lr/AdamW-default", "lr/Muon-group0", "tokens_per_s"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.0), (3, 0.0)]
+    assert [e.value for e in events.Scalars("lr/AdamW-default")] == pytest.approx([0.1, 0.2, 0.3])
+    assert [e.value for e in events.Scalars("tokens_per_s")] == [200.0] * 3

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,49 @@ def test_llama_builders_take_their_own_sections():
     schedulers = spec.build_lr_schedulers_fn(optimizers, LRScheduler(warmup_steps=1), 4)
     assert isinstance(schedulers, LRSchedulersContainer) and len(schedulers) == 2
     assert schedulers.get_last_lr() == pytest.approx(1e-2 / 2)
+
+
+def test_the_built_in_family_registers_from_a_checkout_without_package_metadata(tmp_path):
+    """A source checkout on PYTHONPATH, not installed: the base interpreter (normal site
+    set-up, no -S) sees this venv's packages but not this project's distribution, whose
+    metadata (and its entry points) it then cannot find; `llama` still registers."""
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("needs a virtual environment: its base interpreter lacks the install")
+    (site,) = {p for p in sys.path if p.startswith(sys.prefix) and p.endswith("site-packages")}
+    for entry in Path(site).iterdir():  # the venv's packages, without this project's install
+        if not entry.name.startswith(("optimizer_containers", "__editable__")):
+            (tmp_path / entry.name).symlink_to(entry)
+    for package in ("components", "config", "containers"):
+        (tmp_path / package).symlink_to(Path(REPO) / package)
+    code = (
+        "import importlib.metadata as md\n"
+        "try:\n"
+        "    md.distribution('optimizer-containers')\n"
+        "    raise SystemExit('the package metadata is visible: this proves nothing')\n"
+        "except md.PackageNotFoundError:\n"
+        "    pass\n"
+        "from components.train_spec import get_train_spec\n"
+        "print(get_train_spec('llama').name)\n"
+    )
+    out = subprocess.run(
+        [sys._base_executable, "-c", code],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["llama"], out.stderr[-3000:]
+
+
+def test_quickstart_help_prints_usage():
+    out = subprocess.run(
+        [sys.executable, "examples/quickstart.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and not out.stderr, out.stderr[-3000:]
+    assert "Quick start" in out.stdout and "--job.config_file" in out.stdout
+    assert "[optimizer]" in out.stdout  # the config keys it takes

@@ -81,6 +81,10 @@ def _kill_and_heal(
     assert sorted(survivor) == list(range(min(survivor), job.steps + 1)) and min(survivor) <= 2
     assert not set(range(killed_at + 1, hold)) & set(healed), (killed_at, sorted(healed))
     assert "healed from a peer" in job.log("replica_1")[restarted_at:]
+    # A peer's death is at most one line on the survivor (no torchft traceback), and no
+    # flight-recorder warnings on a CPU.
+    assert "Traceback" not in job.log("replica_0"), job.log("replica_0")[-3000:]
+    assert "flight recorder" not in job.log("replica_0") + job.log("replica_1")
     return survivor, healed, killed_at
 
 

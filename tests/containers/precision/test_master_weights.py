@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -139,6 +140,24 @@ def test_unused_parameters_and_accumulation():
                     f"master_weights.{next(n for n, q in m.named_parameters() if q is p)}"
                 ].bfloat16(),
             )
+
+
+@pytest.mark.parametrize("fused", [False, True])  # True: flat buffers (containers/flat_adam)
+def test_torch_schedulers_see_the_inner_optimizers_step(fused):
+    """The masters step without `opt.step()` (flat or per tensor), yet a torch LR scheduler
+    on an inner optimizer sees it stepped: no "lr_scheduler.step() before optimizer.step()"
+    warning, and its schedule is not shifted."""
+    parts = _parts()
+    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {**KW, "fused": fused})
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1)) for opt in mp]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any scheduler warning fails the test
+        for step in range(2):
+            _backward(parts, mp, step)
+            mp.step()
+            for scheduler in schedulers:
+                scheduler.step()
+    assert [g["lr"] for g in mp.param_groups] == pytest.approx([KW["lr"] / 3] * len(mp))
 
 
 @pytest.mark.parametrize("fused", [False, True])  # True: flat buffers (containers/flat_adam)

@@ -1,0 +1,92 @@
+"""A run you can watch: one 12-step 2-rank train.py run, then what its dump folder holds and
+what `python -m scripts.plot` and `python -m scripts.inspect` make of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from config import load_job_config
+from tests.harness.dist import launch
+
+ARGS = [
+    *("--job.config_file", "config/debug.toml", "--model.flavor", "tiny"),
+    *("--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "12"),
+    *("--lr_scheduler.warmup_steps", "4", "--metrics.log_freq", "5"),
+    *("--checkpoint.interval", "6", "--checkpoint.keep_latest_k", "0"),
+    *("--metrics.enable_tensorboard", "--job.print_config"),
+]
+TOKENS_PER_STEP = 2 * 2 * 32  # ranks x local batch x seq_len
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):
+    dump = tmp_path_factory.mktemp("watched") / "run"
+    argv = [*ARGS, "--job.dump_folder", str(dump)]
+    started = time.time()
+    result = launch(2, argv, torchrun=False)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return dump, argv, started, time.time()
+
+
+def _tool(name: str, *args: str, cwd) -> str:
+    """`python -m scripts.<name>` from another directory (the installed package)."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"scripts.{name}", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_the_dump_folder_holds_log_config_metrics_and_tensorboard_events(run):
+    dump, argv, started, ended = run
+    log = (dump / "train.log").read_text()
+    assert log.count("micro-batches/step, from step 0") == 1  # rank 0's lines, once
+    assert "[optimizer]" in log and "step    12" in log  # --job.print_config, the steps
+
+    cfg, path = load_job_config(argv), str(dump / "config.toml")
+    saved = load_job_config(["--job.config_file", path])
+    assert saved == dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=path))
+
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 5, 10, 12]
+    assert all(started <= r["time"] <= ended for r in rows)
+    assert [r["time"] for r in rows] == sorted(r["time"] for r in rows)
+    for row in rows:  # window throughput: tokens per step over the window's mean step time
+        assert row["tokens_per_s"] == pytest.approx(TOKENS_PER_STEP / row["step_time_s"])
+        assert row["lr"] == row["lr/AdamW-default"] and "lr/AdamW-group0" in row
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dump / "tb")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in rows
+    ]
+    assert {"grad_norm", "tokens_per_s", "lr/AdamW-default"} <= set(events.Tags()["scalars"])
+
+
+def test_plot_and_inspect_read_the_run(run, tmp_path):
+    dump = run[0]
+    printed = _tool("plot", str(dump), str(dump), cwd=tmp_path)
+    assert printed.strip() == f"wrote {dump / 'loss.png'}: loss of 2 runs"
+    assert (dump / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    listing = _tool("inspect", str(dump / "checkpoint" / "step-6"), cwd=tmp_path)
+    assert listing.splitlines()[0].startswith(f"{dump / 'checkpoint' / 'step-6'}: step 6;")
+    for line in (
+        "optimizer state, by name:",
+        "optimizer param groups, by key",
+        "lr_scheduler: step = 6",
+        "train_state: step = 6, skipped_steps = 0",
+    ):
+        assert line in listing, listing
+    assert "  exp_avg_sq  " in listing and "  output.weight  " in listing, listing
