@@ -12,7 +12,7 @@ sizes); `--flat` gives `--parts` equal flat tensors instead.
 - fp32: torch fused AdamW on fp32 parameters (the 28 bytes/param floor);
 - container: MixedPrecisionOptimizersContainer on bf16 parameters, fp32 masters, static loss
   scale 1024 and max_norm 1 (so unscale and clip really run), fused AdamW; eager and compiled
-  (`compile=True`: on a CPU the native one-pass kernel of `containers.precision.native_adam`);
+  (`compile=True`: one inductor pass over each flat group, `containers.precision.flat_adam`);
 - seed: LightRFT FSDPadaptOptimizer's algorithm, re-implemented faithfully: fp32 copies of all
   gradients first, an fp64 norm, a separate unscale pass, a separate clip pass, the optimizer,
   then a per-tensor copy back;
@@ -173,9 +173,8 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
         return _fwd_bwd(kind, args)
     if kind == "timing":
         return _interleaved(args)
-    if kind == "compiled":  # cold caches (inductor's, the native kernel's): what a new job pays
+    if kind == "compiled":  # inductor's cache cold: what a new job pays
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
-        os.environ["OPTIMIZER_CONTAINERS_CACHE"] = tempfile.mkdtemp()
     params, grads, step, optimizers = _build(kind, args)
     masters = [m for o in optimizers for g in o.param_groups for m in g["params"]]
     masters = [m for m in masters if m.dtype != params[0].dtype]  # fp32 has none
@@ -252,6 +251,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fb-layers", type=int, default=8, help="fwd+bwd model depth")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--before",
+        help="a checkout of an earlier commit (e.g. `git worktree add /tmp/before REV`): its "
+        "step times, taken by its own copy of this script, beside today's",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -268,6 +272,28 @@ def main(argv: list[str]) -> None:
             runs[kind].append(run(kind, args))
     print(_describe(args, runs["fp32"][0]))
     print(markdown_table(_rows(runs)))
+    if args.before:
+        print(markdown_table(_before_rows(args, runs["timing"])))
+
+
+def _before_rows(
+    args: argparse.Namespace, now: list[dict[str, float]]
+) -> list[tuple[str, str, str, str]]:
+    """Step times / fp32 of the checkout `args.before` (its own script, interleaved as here)
+    and of today's code, run alternately in fresh processes."""
+    script = str(Path(args.before) / "benchmarks" / Path(__file__).name)
+    argv = ["--child", "timing", "--steps", str(args.steps), "--parts", str(args.parts)]
+    argv += ["--params", str(args.params), "--layers", str(args.layers), "--dim", str(args.dim)]
+    argv += ["--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+    argv += ["--flat"] if args.flat else []
+    old = [run_fresh(script, argv, for_memory=False) for _ in now]
+    rows = []
+    for kind in ("container", "compiled"):
+        b = min(r[kind] / r["fp32"] for r in old)
+        a = min(r[kind] / r["fp32"] for r in now)
+        goal = "<= 1.2" if kind == "compiled" else "<= 2.0"
+        rows.append((f"{kind} step / fp32 step: before -> now", f"{b:.2f} -> {a:.2f}", "", goal))
+    return rows
 
 
 def _describe(args: argparse.Namespace, fp32: dict[str, float]) -> str:

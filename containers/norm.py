@@ -56,7 +56,7 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
 
 SquareSum = Callable[[list[torch.Tensor]], torch.Tensor]
 """Tensors -> the sum of squares of all their elements as an fp32 scalar (e.g. a compiled
-or native kernel)."""
+kernel)."""
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

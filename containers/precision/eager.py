@@ -67,10 +67,18 @@ def step_masters(
     pairs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
     factor: float,
     master_dtype: torch.dtype,
+    sums: dict[torch.Tensor, torch.Tensor] | None = None,
     chunk_numel: int = CHUNK_NUMEL,
 ) -> None:
     """Step `optimizers` (each with its (model parameter, master) `pairs` that have a
-    gradient): cast, multiply by `factor` (unscale x clip), step, write back, drop gradients."""
+    gradient): cast, multiply by `factor` (unscale x clip), step, write back, drop gradients.
+    `sums`: parameter -> its fp32 gradient sum (`containers.precision.sums`), which its master
+    steps on instead of the rounded gradient (taken out as it is used)."""
+    if sums is not None:
+        for opt, live in zip(optimizers, pairs):
+            if live:
+                step_whole(opt, live, factor, _from(sums))
+        return
     chunked: list[Triple] = []
     for opt, live in zip(optimizers, pairs):
         if type(opt) in PER_PARAMETER and not any(p.grad.is_sparse for p, _ in live):
@@ -119,3 +127,16 @@ def step_whole(
         m.grad = None
     if live:
         torch._foreach_copy_([local(p) for p, _ in live], [local(m) for _, m in live])
+
+
+def _from(
+    sums: dict[torch.Tensor, torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step_whole`'s `grad_of` for fp32 sums: a parameter's sum, or, for a gradient set by
+    hand (not summed), its cast."""
+
+    def grad_of(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        total = sums.pop(p, None)
+        return shaped_like(total if total is not None else local(p.grad).to(m.dtype), m)
+
+    return grad_of

@@ -1,4 +1,5 @@
-"""Masters and Adam state of a param group in flat buffers: one fused kernel call per chunk.
+"""Masters and Adam state of a param group in flat buffers: one fused kernel call per chunk,
+or one compiled pass over the group.
 
 Torch's fused Adam/AdamW makes one kernel call per tensor. On a CPU each call costs ~10 us
 of dispatch and thread-pool hand-off, so on a transformer's hundreds of tensors that overhead
@@ -9,7 +10,10 @@ them (`Tensor.set_`, so every holder of a master still holds it) and the optimiz
 entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
-chunk's flat slices.
+chunk's flat slices. With `[mixed_precision] compile = true` the group steps instead as one
+inductor graph over its flat buffers (`_adam`): the low-precision gradients gathered into a
+flat buffer of their dtype (2 bytes/param more, kept), read once, and the new parameters written
+into it and scattered back; a few fp32 ulp from the eager kernel (another order of roundings).
 
 Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
 kernel runs every element on its vector path whatever the chunking (a tensor's last few
@@ -20,13 +24,14 @@ torch's per-tensor fused step bitwise for tensors whose size is a multiple of `P
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
 
 from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
-from containers.precision.native_adam import Kernel, Plan
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -98,8 +103,9 @@ class FlatGroup:
         for piece, start, n in zip(pieces, self.starts, self.sizes):
             self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self.live = list(zip(self.model, self.sizes))
+        self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
-        self._walk: Plan | None = None  # the native kernel's walk, made at its first use
+        self._low: torch.Tensor | None = None  # the compiled step's gradient/parameter buffer
         self.chunk(chunk_numel)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
@@ -221,41 +227,17 @@ class FlatGroup:
         self.uniform = None
         return False
 
-    def _native(
-        self, kernel: Kernel, group: dict, decoupled: bool, factor: float, grads: list
-    ) -> bool:
-        """The step in one pass with the native `kernel`, if it can read every tensor."""
-        buf = self.buffers
-        if buf["master"].dtype != torch.float32 or not buf["master"].is_cpu:
-            return False
-        # Checked every step: a parameter whose storage moved (a reset by FSDP, a `.data =`)
-        # must not be written through its old address.
-        if self._walk is None or [local(p).data_ptr() for p in self.model] != self._walk.at:
-            self._walk = Plan([local(p) for p in self.model], self.starts)
-        beta1, beta2 = group["betas"]
-        hyper = {
-            "lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
-            "weight_decay": group["weight_decay"], "eps": group["eps"],
-            "maximize": group.get("maximize", False), "step": buf["step"][0].item(),
-            "adamw": decoupled,
-        }  # fmt: skip
-        if not kernel.adam(self._walk, grads, buf, hyper, factor):
-            return False
-        for p in self.model:
-            p.grad = None
-        return True
-
     @torch.no_grad()
     def step(
         self,
         factor: float,
-        kernel: Kernel | None = None,
+        compiled: bool = False,
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
-        all in one pass with the native `kernel` where it takes the tensors; drop each
-        low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient sum
-        (`containers.precision.sums`), stepped on instead of its gradient (and taken out)."""
+        all in one inductor pass if `compiled` (and the gradients are low precision); drop
+        each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
+        sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out)."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         beta1, beta2 = group["betas"]
@@ -263,7 +245,8 @@ class FlatGroup:
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
-        if kernel is not None and self._native(kernel, group, decoupled, factor, grads):
+        if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
+            self._step_compiled(group, decoupled, factor, grads)
             return
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_
         step = [buf["step"][0]]
@@ -293,6 +276,71 @@ class FlatGroup:
                 amsgrad=False, maximize=group.get("maximize", False),
             )  # fmt: skip
             torch._foreach_copy_(cast_to, cast_from)
+
+    def _step_compiled(
+        self, group: dict, decoupled: bool, factor: float, grads: list[torch.Tensor | None]
+    ) -> None:
+        """The step as one inductor graph over the flat buffers: the gradients gathered into
+        a flat low-precision buffer (one foreach copy), read once, and the new parameters
+        written into the same buffer, then scattered to the model (one foreach copy)."""
+        buf = self.buffers
+        if self._low is None or self._low.device != buf["master"].device:
+            self._low = torch.zeros_like(buf["master"], dtype=self._low_dtype)
+            self._low_views = [self._low[s : s + n] for s, n in zip(self.starts, self.sizes)]
+        live = [i for i, g in enumerate(grads) if g is not None]
+        torch._foreach_copy_([self._low_views[i] for i in live], [grads[i].view(-1) for i in live])
+        for p in self.model:
+            p.grad = None
+        grads.clear()
+        step = buf["step"][0].item()
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        hyper = torch.tensor(
+            [
+                factor * (-1.0 if group.get("maximize", False) else 1.0),
+                1.0 - lr * wd if decoupled else 1.0,  # decoupled decay: a multiply
+                0.0 if decoupled else wd,  # coupled decay: added to the gradient
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                lr / (1.0 - beta1**step),
+                math.sqrt(1.0 - beta2**step),
+                group["eps"],
+            ],
+            dtype=torch.float32,
+            device=buf["master"].device,
+        )
+        _compiled_adam()(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], self._low, hyper)
+        out = [local(p).view(-1) for p in self.model]
+        torch._foreach_copy_([out[i] for i in live], [self._low_views[i] for i in live])
+
+
+def _adam(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    low: torch.Tensor,
+    h: torch.Tensor,
+) -> None:
+    """Adam/AdamW over flat buffers in one pass: `low` holds the low-precision gradients on
+    the way in and the new low-precision parameters on the way out; `h` the hyperparameters
+    (`FlatGroup._step_compiled`), a tensor so that no value recompiles. torch's fused kernel's
+    operations, though not its order of roundings: a few fp32 ulp apart from it."""
+    grad = low.float() * h[0] + master * h[2]
+    avg = exp_avg.lerp(grad, h[3])
+    avg_sq = exp_avg_sq * h[4] + grad * grad * h[5]
+    new = master * h[1] - h[6] * avg / (avg_sq.sqrt() / h[7] + h[8])
+    exp_avg.copy_(avg)
+    exp_avg_sq.copy_(avg_sq)
+    master.copy_(new)
+    low.copy_(new)
+
+
+@functools.cache
+def _compiled_adam() -> Callable[..., None]:
+    """`_adam` compiled on first use (tens of seconds once, then inductor's cache): one graph
+    for every group, whatever its size."""
+    return torch.compile(_adam, dynamic=True, fullgraph=True)
 
 
 def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -3,14 +3,11 @@
 The model keeps bf16/fp16 parameters (FSDP2 shards, so all-gathers move half the bytes); the
 inner optimizers step fp32 masters sharded the same way. A step: one pass over the gradients
 for the global norm (non-finite gradients make it non-finite, so overflow detection cannot be
-defeated by 0 * inf) or, without a clip, the container's finite check; one collective, one
-host sync for the skip decision; then the gradients are cast to fp32 chunk by chunk, unscaled
-and clipped in one multiply, stepped, and the masters written back to the parameters. Fused
-Adam/AdamW groups keep masters and state in flat buffers and step each chunk in one kernel
-call (`containers.precision.flat_adam`), or, compiled on a CPU, the whole group in one native pass
-(`containers.precision.native_adam`, which also takes the norm); other optimizers step per tensor
-(`containers.precision.eager`), or, compiled, in one pass per tensor
-(`containers.precision.fused_update`).
+defeated by 0 * inf); one collective, one host sync for the skip decision; then one of two
+update paths, each unscaling and clipping in the same multiply and writing the masters back:
+- fused Adam/AdamW groups keep masters and state in flat buffers (`flat_adam`): torch's fused
+  kernel chunk by chunk, or with `compile` one inductor graph over the group's buffers;
+- every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
 """
 
 from __future__ import annotations
@@ -27,19 +24,12 @@ from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
 from containers.container import OptimizersContainer
-from containers.norm import GlobalNorm, local, sum_of_squares
+from containers.norm import GlobalNorm, local
 from containers.parts import Gate, Precision, Timing
-from containers.precision import native_adam
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
-from containers.precision.fused_update import (
-    COMPILE_MIN_NUMEL,
-    compiled,
-    fused_adamw_step,
-    supports_fused_update,
-)
 from containers.precision.loss_scaler import LossScaler
-from containers.precision.sums import FullPrecisionSums, from_initial, step_on_sums
+from containers.precision.sums import FullPrecisionSums, from_initial
 from containers.state.flat import describe_keys
 from containers.state.param_groups import ParamGroupRule
 
@@ -68,8 +58,6 @@ class MasterWeights(Precision):
             )
         self.scaler = LossScaler(self.settings, fp16=self.param_dtype == torch.float16)
         self.compile = self.settings.compile
-        # Smaller tensors take the eager path even when compiling (`fused_update`).
-        self.compile_min_numel = COMPILE_MIN_NUMEL
         self.offloaded = False
         # Gradients summed in fp32 over micro-batches (`containers.precision.sums`).
         self.sums = (
@@ -148,6 +136,10 @@ class MasterWeights(Precision):
                 self._flat[id(opt)] = flats
                 opt.register_load_state_dict_post_hook(_mark_stale(flats))
 
+    def steps_flat(self, opt: Optimizer) -> bool:
+        """Whether every param group of `opt` keeps its state in flat buffers (`flat_adam`)."""
+        return len(self._flat.get(id(opt), ())) == len(opt.param_groups)
+
     def _pairs(self, optimizers: Sequence[Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, master) of `optimizers`' parameters that have a gradient."""
         pairs = []
@@ -177,19 +169,7 @@ class MasterWeights(Precision):
         """The unscaled global norm in fp32 (`Precision.grad_norm`; fp64 if `exact`); inf or
         nan if any gradient is non-finite."""
         over = over if over is not None else GlobalNorm(params)
-        grads = [p.grad for p in params]
-        if not self.compile or exact:
-            return over(grads, params=params, exact=exact) * self._unscale
-        return over(grads, self._compiled_square_sum, params=params) * self._unscale
-
-    def _compiled_square_sum(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The native kernel's sum of squares where it reads the gradients (on a CPU), else
-        inductor's for tensors of `compile_min_numel` elements and more."""
-        kernel = native_adam.load()
-        total = kernel.square_sum(tensors) if kernel is not None else None
-        if total is not None:
-            return torch.tensor(total, dtype=torch.float32)
-        return sum_of_squares(tensors, compiled()[1], self.compile_min_numel, tensors[0].device)
+        return over([p.grad for p in params], params=params, exact=exact) * self._unscale
 
     def decided(self, applied: bool) -> None:
         self._backing_off = not applied and self.scaler.can_back_off
@@ -213,32 +193,16 @@ class MasterWeights(Precision):
         factor = clip * self._unscale  # unscale and clip in the same multiply
         sums = self.sums.sums if self.sums is not None else None
         eager = []
-        kernel = native_adam.load() if self.compile else None
         for opt in optimizers:
             _stepped(opt)
-            flats = self._flat.get(id(opt), ())
             stepped = 0
-            for flat in flats:
+            for flat in self._flat.get(id(opt), ()):
                 if flat.ready():
-                    # drops its gradients (and takes its sums): `_pairs` skips it below
-                    flat.step(factor, kernel, sums)
+                    flat.step(factor, self.compile, sums)  # drops its gradients, takes its sums
                     stepped += 1
-            if stepped == len(opt.param_groups):
-                eager.append([])  # all of it stepped flat: nothing left to look for
-                continue
-            live = self._pairs([opt])
-            if sums is not None:
-                step_on_sums([opt], [live], sums, factor)
-                eager.append([])
-                continue
-            if self.compile and supports_fused_update(opt):
-                big = [(p, m) for p, m in live if local(p).numel() >= self.compile_min_numel]
-                fused_adamw_step(opt, [(local(p), local(p.grad), m) for p, m in big], factor)
-                for p, _ in big:
-                    p.grad = None
-                live = [(p, m) for p, m in live if p.grad is not None]
-            eager.append(live)
-        step_masters(optimizers, eager, factor, self.master_dtype)
+            # What did not step flat steps eagerly (`_pairs` skips what did).
+            eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
+        step_masters(optimizers, eager, factor, self.master_dtype, sums)
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.sums is not None:
@@ -345,8 +309,8 @@ def _mark_stale(flats: list[FlatGroup]):
 
 def _stepped(opt: Optimizer) -> None:
     """Tell torch's LR schedulers that `opt` steps now. A scheduler wraps `opt.step` to note
-    that it ran and warns at its own first step when it did not; the flat, native and
-    per-tensor paths step the masters without calling `opt.step`, so say what it would have."""
+    that it ran and warns at its own first step when it did not; the flat and per-tensor
+    paths step the masters without calling `opt.step`, so say what it would have."""
     if hasattr(opt.step, "_wrapped_by_lr_sched"):
         opt._opt_called = True  # type: ignore[attr-defined]
 
@@ -423,8 +387,13 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         )
         # The masters exist: what none took (other pipeline stages' parameters) can go.
         self.precision._initial.clear()
-        if self.precision.compile and not all(supports_fused_update(o) for o in self):
-            logger.warning("compile: only plain AdamW/Adam have a fused update; others eager")
+        eager = sorted({type(o).__name__ for o in self if not self.precision.steps_flat(o)})
+        if self.precision.compile and eager:
+            logger.warning(
+                "[mixed_precision] compile: only fused Adam/AdamW groups step compiled; %s "
+                "step eagerly",
+                ", ".join(eager),
+            )
 
     @property
     def scaler(self) -> LossScaler:

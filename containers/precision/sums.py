@@ -13,8 +13,8 @@ container 3% of loss against FSDP2's bf16 policy, which sums fp32 gradients
 so the next micro-batch lands on no gradient and is not rounded into one. Before the step the
 parameters get the bf16 rounding of their sums back as `.grad` (what the finite check, the
 norm and the clip read, as before); the masters step on the fp32 sums themselves: flat groups
-(`containers.precision.flat_adam`, the native kernel included) read them in place of the gradients,
-other optimizers through `step_on_sums`.
+(`containers.precision.flat_adam`, with torch's fused kernel) read them in place of the gradients,
+other optimizers through `containers.precision.eager.step_masters`.
 
 Costs: the fp32 sums (4 bytes/param instead of the 2 of a bf16 gradient, from the first
 micro-batch to the step, plus the bf16 copy the step makes) and one add per micro-batch. With
@@ -24,16 +24,12 @@ per micro-batch (FSDP2 casts its reduce-scatter output to the parameter's dtype)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim import Optimizer
 
 from containers.norm import local, shaped_like
-from containers.precision.eager import step_whole
 
-__all__ = ["FullPrecisionSums", "from_initial", "step_on_sums"]
+__all__ = ["FullPrecisionSums", "from_initial"]
 
 
 class FullPrecisionSums:
@@ -66,26 +62,6 @@ class FullPrecisionSums:
 
     def clear(self) -> None:
         self.sums.clear()
-
-
-@torch.no_grad()
-def step_on_sums(
-    optimizers: Sequence[Optimizer],
-    pairs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
-    sums: dict[torch.Tensor, torch.Tensor],
-    factor: float,
-) -> None:
-    """Step `optimizers` (each with its (model parameter, master) `pairs` that have a
-    gradient) on the fp32 `sums` times `factor` (unscale x clip), write the masters back to
-    the parameters and drop the gradients and sums."""
-
-    def grad_of(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        total = sums.pop(p, None)  # None: a gradient set by hand, not summed here
-        return shaped_like(total if total is not None else local(p.grad).to(m.dtype), m)
-
-    for opt, live in zip(optimizers, pairs):
-        if live:
-            step_whole(opt, live, factor, grad_of)
 
 
 @torch.no_grad()

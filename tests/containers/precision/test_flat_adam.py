@@ -149,7 +149,7 @@ def test_only_fused_adam_groups_go_flat():
     assert not foreach.precision._flat and not amsgrad.precision._flat and not sgd.precision._flat
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "native"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled_keeps_fused_on_sums"])
 def test_fp32_gradient_sums_step_flat_as_torch_fused_on_the_sums(compile):
     """grad_accumulation_dtype "float32": the flat groups step on the fp32 sums of the
     micro-batches' bf16 gradients (no per-tensor step), bitwise torch's fused AdamW on them."""
