@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -58,11 +59,11 @@ def main(argv: list[str]) -> int:
         logger.info("config (saved as config.toml in the dump folder):\n%s", resolved)
     job = build_job(cfg)
     run_log.keep_in(job.dump_folder)  # the folder is this run's now (and what was logged)
-    if job.rank == 0:
-        Path(job.dump_folder, "config.toml").write_text(resolved, encoding="utf-8")
     # What every rank agrees on is said once, by rank 0.
     warn, fail = (logger.warning, logger.error) if job.rank == 0 else (logger.debug, logger.debug)
     job.checkpoint.load()
+    if job.rank == 0:  # after the load: a refused resume leaves the folder's config as it was
+        Path(job.dump_folder, "config.toml").write_text(resolved, encoding="utf-8")
     optimizers, state, steps = job.optimizers, job.train_state, cfg.training.steps
     metrics = MetricsLogger(
         cfg.metrics,
@@ -225,16 +226,23 @@ def run(
         return 2
     except SaveFailed as e:
         speak_once(f"error: {e}", root_cause=True)
-        return 1
+        _exit_now(1)
     except Exception as e:
         failure = collective_failure(e)
         if failure is None:
             raise
         # A peer that exited first has its own line; one that stopped answering has none.
         speak_once(f"error: {failure.line}", root_cause=failure.timed_out)
-        logging.shutdown()
-        # The process group is broken: its teardown at interpreter exit can abort the process.
-        os._exit(1)
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit from a run that stopped mid-job: its process group and checkpoint threads still
+    live, and tearing them down at interpreter exit can abort the process (exit 134)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,11 @@ from components.checkpoint_files import (
 )
 from components.checkpoint_save import audit, folder_bytes, kept_steps, save_failed
 from components.checkpoint_seed import load_seed, open_seed
+from components.resume import ConfigSettings
 from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
+from containers import OptimizersContainer
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 
@@ -154,6 +156,10 @@ class CheckpointManager:
         self._publish_lock = threading.Lock()
         # Async saves run collectives from a background thread: give them a group of their
         # own so they never interleave with the training's collectives.
+        # This run's hyperparameters, put back after it resumes a checkpoint or a seed.
+        optimizer = states.get("optimizer")
+        ours = isinstance(optimizer, OptimizersContainer)
+        self._config = ConfigSettings(optimizer) if ours else None
         self._pg = (
             dist.new_group(backend="gloo")
             if cfg.enable and cfg.async_mode == "async" and dist.is_initialized()
@@ -188,7 +194,9 @@ class CheckpointManager:
         elif self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
-            return load_seed(seed, self.states, model_only)
+            step = load_seed(seed, self.states, model_only)
+            self._config_wins()
+            return step
         else:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
@@ -202,12 +210,19 @@ class CheckpointManager:
         if newer and not read_only:
             self._protect_newer(step, newer)
         dcp.load(self.states, checkpoint_id=path)
+        self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
         logger.info(
             "resumed from %s%s", path, f" (not from initial_load_path {seed})" if seed else ""
         )
         return step
+
+    def _config_wins(self) -> None:
+        """Put this run's hyperparameters back over the loaded ones (the LR schedulers, which
+        load after the optimizer, have set the lrs from this run's base lrs already)."""
+        if self._config is not None:
+            self._config.restore()
 
     def _prepare_folder(self) -> None:
         """Before step 1: the folder must be writable (not found out at the first save), and

@@ -101,13 +101,19 @@ def _causes(error: BaseException) -> list[BaseException]:
     return seen
 
 
-def out_of_space(error: BaseException) -> bool:
+def out_of_space(error: BaseException, needed: int = 0, free: int | None = None) -> bool:
     """Whether `error` (a failed DCP save) came from a full disk or quota.
 
-    torch's writer reports it as `unexpected pos A vs B`; the `OSError` with `ENOSPC` is what
-    that was raised during.
+    torch's writer reports it as `unexpected pos A vs B`, raised during an `OSError` with
+    `ENOSPC`, or with no `OSError` at all when its buffered writes came up short: then the
+    save needed more than the `free` bytes there were before it (not the free bytes now: the
+    first rank to see the failure removes the partial save).
     """
-    return any(isinstance(e, OSError) and e.errno in _FULL for e in _causes(error))
+    causes = _causes(error)
+    if any(isinstance(e, OSError) and e.errno in _FULL for e in causes):
+        return True
+    short = any("unexpected pos" in str(e) for e in causes)
+    return short and free is not None and free < needed
 
 
 def kept_steps(folder: Path) -> str:
@@ -124,7 +130,7 @@ def save_failed(
     DCP raises it on every rank once they all stopped writing, so any rank may remove the
     partial save: the first to see the failure does.
     """
-    if not out_of_space(error):
+    if not out_of_space(error, needed, free):
         return error
     tmp = folder / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

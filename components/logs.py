@@ -84,6 +84,17 @@ class _Pending(logging.Handler):
         self.records.append(record)
 
 
+class _LogFile(logging.FileHandler):
+    """train.log: a write that fails (a full disk) stops the file, with one line on stderr,
+    instead of a "--- Logging error ---" dump per line; the console keeps every line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.stream is not None and not getattr(self, "_failed", False):
+            self._failed = True
+            sys.stderr.write(f"train.log: not written from here on ({sys.exc_info()[1]})\n")
+        self.setLevel(logging.CRITICAL + 1)
+
+
 class RunLog:
     """The logging of one train.py process (see the module docstring); from `setup_logging`."""
 
@@ -106,7 +117,7 @@ class RunLog:
         path = Path(folder) / LOG_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         tag = "" if self.rank == 0 else f"[rank {self.rank}] "
-        self.file = logging.FileHandler(path, encoding="utf-8")
+        self.file = _LogFile(path, encoding="utf-8")
         formatter = logging.Formatter(FORMAT.replace("%(message)s", f"{tag}%(message)s"))
         self.file.setFormatter(formatter)
         root = logging.getLogger()

@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
 from containers.norm import GlobalNorm
 from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
 from containers.state.flat import (
     PG,
     STATE,
-    changed_settings,
     flatten_into,
     plan_load,
     refuse_other_layout,
@@ -161,7 +161,7 @@ class OptimizersContainer(Optimizer, Stateful):
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
-        self.defaults = dict(optimizer_kwargs)
+        self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -208,7 +208,7 @@ class OptimizersContainer(Optimizer, Stateful):
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
         """A read-only live view of every inner optimizer's per-parameter state."""
-        return _States(self.optimizers)
+        return StateView(self.optimizers)
 
     def __iter__(self) -> Iterator[Optimizer]:
         return iter(self.optimizers)
@@ -301,19 +301,9 @@ class OptimizersContainer(Optimizer, Stateful):
         return norm.float(), value, not (skip and self.skip_nonfinite)
 
     def _with_hooks(self, apply: Callable[[], None]) -> None:
-        args: tuple[Any, ...] = ()
-        kwargs: dict[str, Any] = {}
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            result = hook(self, args, kwargs)
-            if result is not None:
-                if not (isinstance(result, tuple) and len(result) == 2):
-                    raise RuntimeError(
-                        f"step pre hook {hook!r} must return None or (args, kwargs), not {result!r}"
-                    )
-                args, kwargs = result
-        apply()
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
+        with_step_hooks(
+            self, self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks, apply
+        )
 
     def apply_unit(self, unit: Unit) -> None:
         """Step one unit now, unless its gradients are non-finite, and drop its gradients
@@ -322,7 +312,8 @@ class OptimizersContainer(Optimizer, Stateful):
         if self.skip_nonfinite and not all_finite(grads):
             self._skipped_units += 1
         else:
-            self.precision.apply(unit.optimizers)
+            with inner_steps():
+                self.precision.apply(unit.optimizers)
         for p in unit.params:
             p.grad = None
 
@@ -405,10 +396,12 @@ class OptimizersContainer(Optimizer, Stateful):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict; on any problem raise and leave the optimizer as it was.
 
-        The dict gives state (moments, step counts, the precision's masters and scaler); the
-        container keeps its own hyperparameters and param groups, which its constructor built
-        from this run's config. What the dict's groups would have set differently is logged
-        in one line. A dict of another state layout (AdamW's into SGD) is refused.
+        As torch's `Optimizer.load_state_dict`: the dict gives the state (moments, step
+        counts, the precision's masters and scaler) and the groups' hyperparameters (lr,
+        betas, weight decay, ...), by FQN; kernel choices (`fused`, `foreach`) stay the
+        container's. A trainer that wants its config to win on resume sets it back after the
+        load (`components.optimizer.restore_settings`). A dict of another state layout
+        (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
         """
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -426,7 +419,6 @@ class OptimizersContainer(Optimizer, Stateful):
             layout.append(states)
             created.update(news)
         plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
-        changes = changed_settings(self.optimizers, self._fqns, state_dict)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:
             for opt, osd in zip(self.optimizers, plans):
@@ -436,8 +428,6 @@ class OptimizersContainer(Optimizer, Stateful):
                 opt.load_state_dict(backup)
             raise
         self.precision.load_state(taken)
-        if changes:
-            logger.info("resume: from the config, not the checkpoint: %s", ", ".join(changes))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -446,23 +436,3 @@ class OptimizersContainer(Optimizer, Stateful):
         another layout than this container's (e.g. AdamW's for SGD), before anything loads."""
         layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
-
-
-class _States(Mapping):
-    """Every inner optimizer's per-parameter state, read-only. Not a ChainMap: looking a
-    parameter up in the torch defaultdicts of optimizers that do not own it would insert it."""
-
-    def __init__(self, optimizers: Sequence[Optimizer]) -> None:
-        self._optimizers = optimizers
-
-    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
-        for opt in self._optimizers:
-            if p in opt.state:
-                return opt.state[p]
-        raise KeyError(p)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for opt in self._optimizers for p in opt.state)
-
-    def __len__(self) -> int:
-        return sum(len(opt.state) for opt in self._optimizers)

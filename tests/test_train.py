@@ -197,14 +197,17 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
     # A damaged newest checkpoint: named with its file and the fix, never skipped for step-1.
     with open(tmp_path / "checkpoint" / "step-2" / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    log = tmp_path / "train.log"  # the one file that changes: it says why
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != log}
+    logged = log.read_text()
     result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
     assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1, result.stdout
     assert re.search(r"step-2 is damaged: __0_0\.distcp is truncated: 1000 bytes", errors[0])
     assert "load_step = 1 and set_aside_newer = true" in errors[0]
-    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != log} == before
+    assert log.read_text().startswith(logged) and errors[0] in log.read_text()
 
 
 def test_accumulation_follows_the_global_batch_across_ranks_and_replica_groups():

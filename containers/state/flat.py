@@ -2,7 +2,7 @@
 
 A load takes state from the dict (moments, step counts) and hyperparameters from the container
 (its groups were built from this run's config): `plan_load` validates and unflattens, and
-`changed_settings` says what the dict's groups would have set otherwise.
+`setting_changes` says how groups' settings differ from a snapshot of them.
 """
 
 from __future__ import annotations
@@ -121,9 +121,11 @@ def plan_load(
 ) -> list[dict[str, Any]]:
     """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
 
-    State comes from `flat`; every group setting (lr, betas, weight decay, kernel flags) is
-    the optimizer's own, built from this run's config, so `flat`'s groups only have to cover
-    the same parameters. A state name the first update creates (`created`) that is still all
+    State and every group's hyperparameters (lr, betas, weight decay, ...) come from `flat`,
+    as torch's `Optimizer.load_state_dict` takes them: by FQN, from the group's parameters,
+    which must agree. Kernel choices (`fused`, `foreach`, ...) stay the optimizer's own (a
+    CUDA run's `fused` is no CPU run's), and so does a key `flat` does not hold (an older
+    writer's). A state name the first update creates (`created`) that is still all
     zeros is a never-stepped parameter's placeholder: it is left out, so the next step is the
     optimizer's first, as in a fresh run.
 
@@ -186,7 +188,7 @@ def plan_load(
         groups = []
         index = 0
         for group in opt.param_groups:
-            loaded: dict[str, Any] = {k: v for k, v in group.items() if k != "params"}
+            loaded = _loaded_settings(group, fqns, flat)
             loaded["params"] = []
             for p in group["params"]:
                 prefix = f"{STATE}.{fqns[p]}"
@@ -204,31 +206,54 @@ def plan_load(
     return plans
 
 
-def changed_settings(
-    optimizers: Sequence[Optimizer], fqns: Mapping[torch.Tensor, str], flat: Mapping[str, Any]
+def _loaded_settings(
+    group: dict[str, Any], fqns: Mapping[torch.Tensor, str], flat: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`group`'s settings as `flat` holds them for its parameters (see `plan_load`); raise
+    ValueError if its parameters disagree there, as they cannot share one group then."""
+    loaded = {k: v for k, v in group.items() if k != "params"}
+    names = [fqns[p] for p in group["params"]]
+    prefix = f"{PG}.{names[0]}." if names else None
+    for key in [k[len(prefix) :] for k in flat if k.startswith(prefix)] if prefix else []:
+        if key in _IMPLEMENTATION_KEYS:
+            continue
+        value = flat[f"{prefix}{key}"]
+        for name in names[1:]:
+            other = flat.get(f"{PG}.{name}.{key}", value)
+            if not _same(other, value):
+                raise ValueError(
+                    f"optimizer state dict: param_groups.*.{key} is {_show(value)} for "
+                    f"{names[0]!r} but {_show(other)} for {name!r}, which share one param "
+                    "group here; load a dict whose groups are this container's (same "
+                    "param-group rules)"
+                )
+        own = group.get(key)
+        if isinstance(own, torch.Tensor) and not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=own.dtype, device=own.device)  # a tensor lr
+        loaded[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return loaded
+
+
+def setting_changes(
+    optimizers: Sequence[Optimizer], before: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """What `flat`'s groups set differently from the optimizers' own (the config's) groups,
-    one entry per setting, e.g. ``weight_decay 0.1 -> 0.01`` or ``optimizer AdamW -> Adam``;
-    a setting that changed in several ways counts the parameters of each. Under an LR
-    scheduler, ``lr`` compares the base lrs (``initial_lr``)."""
+    """What the optimizers' groups hold now against `before` (their settings at another time,
+    group by group), one entry per setting, e.g. ``weight_decay 0.01 -> 0.1 (3 params)`` or
+    ``optimizer Adam -> AdamW``. Under an LR scheduler ``lr`` compares the base lrs
+    (``initial_lr``): the scheduler sets the lr itself from its base and its position."""
     changes: dict[str, Counter[tuple[str, str]]] = {}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for name, now in group.items():
-                    key = name
-                    if name == "lr" and "initial_lr" in group:
-                        # An LR scheduler sets lr from its base (initial_lr) and its position,
-                        # which it loads itself (maybe after this load): the base is the setting.
-                        key, now = "initial_lr", group["initial_lr"]
-                    was = flat.get(f"{PG}.{fqns[p]}.{key}", now)
-                    skip = ("params", "initial_lr", *_IMPLEMENTATION_KEYS)
-                    if name in skip or _same(was, now):
-                        continue
-                    if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
-                        # The one setting that tells Adam from AdamW (their state is the same).
-                        name, was, now = "optimizer", _adam_name(was), _adam_name(now)
-                    changes.setdefault(name, Counter())[(_show(was), _show(now))] += 1
+    groups = [(opt, g) for opt in optimizers for g in opt.param_groups]
+    for (opt, group), then in zip(groups, before, strict=True):
+        n = len(group["params"])
+        for name, was in group.items():
+            key = "initial_lr" if name == "lr" and "initial_lr" in group else name
+            was, now = group[key], then.get(key, group[key])
+            if name in ("params", "initial_lr", *_IMPLEMENTATION_KEYS) or _same(was, now):
+                continue
+            if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
+                # The one setting that tells Adam from AdamW (their state is the same).
+                name, was, now = "optimizer", _adam_name(was), _adam_name(now)
+            changes.setdefault(name, Counter())[(_show(was), _show(now))] += n
     lines = []
     for key, pairs in changes.items():
         if len(pairs) == 1:

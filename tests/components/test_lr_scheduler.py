@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers, lr_factor
+from components.resume import ConfigSettings
 from config import LRScheduler
 from containers import OptimizersContainer, ParamGroupRule
 from tests.harness.helpers import three_parts, train
@@ -82,10 +83,13 @@ def test_resume_keeps_the_step_but_takes_the_lr_from_the_config(caplog):
 
     new = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 2e-3})  # lr changed in config
     new_sched = build_lr_schedulers(new, cfg, total_steps=10)
-    with caplog.at_level(logging.INFO, logger="containers.container"):
-        new.load_state_dict(saved_optim)  # keeps the config's lr in the groups...
-    new_sched.load_state_dict(saved_sched)  # ...and the schedule applies its position
-    # The base lrs are compared, not the scheduled ones (this load came before the schedule's).
+    config = ConfigSettings(new)  # as the trainer's CheckpointManager keeps it
+    new.load_state_dict(saved_optim)  # torch's contract: the checkpoint's base lr comes back...
+    assert {g["initial_lr"] for g in new.param_groups} == {1e-3}
+    new_sched.load_state_dict(saved_sched)  # ...the schedule applies its position...
+    with caplog.at_level(logging.INFO, logger="components.resume"):
+        config.restore()  # ...and the trainer's rule puts the config's base back
+    # The base lrs are compared, not the scheduled ones.
     assert [r.getMessage() for r in caplog.records] == [
         "resume: from the config, not the checkpoint: lr 0.001 -> 0.002"
     ]

@@ -20,7 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
+from components.resume import ConfigSettings
 from containers import (
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
@@ -195,7 +200,9 @@ def test_bad_state_dict_raises_listing_keys_and_changes_nothing():
     assert_same(_state_copy(container), before)
 
 
-def test_a_load_takes_state_from_the_dict_and_every_setting_from_the_container(caplog):
+def test_a_load_takes_state_and_hyperparameters_as_torch_and_the_trainer_rule_puts_config_back(
+    caplog,
+):
     parts = three_parts()
     rules = [ParamGroupRule(NO_DECAY, {"weight_decay": 0.0})]
     old = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -203,21 +210,28 @@ def test_a_load_takes_state_from_the_dict_and_every_setting_from_the_container(c
     train(parts, writer, 2)
     saved = _state_copy(writer)
 
-    # Another class of the same state layout, every setting changed, no param-group rules.
+    # torch's contract: Adam built with other settings loads AdamW's state dict as an
+    # AdamW (decoupled decay) with the dict's lr, betas, eps, weight decays: what torch does.
     new = {"lr": 1e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01, "foreach": False}
     new_parts = copy.deepcopy(parts)
-    reader = OptimizersContainer(new_parts, torch.optim.Adam, new)
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in reader.param_groups]
-    with caplog.at_level(logging.INFO, logger="containers.container"):
-        reader.load_state_dict(saved)
-    assert [{k: v for k, v in g.items() if k != "params"} for g in reader.param_groups] == settings
+    reader = OptimizersContainer(new_parts, torch.optim.Adam, new, param_groups=rules)
+    config = ConfigSettings(reader)  # the trainer's snapshot of its config
+    settings = {k: v for k, v in reader.param_groups[0].items() if k != "params"}
+    reader.load_state_dict(saved)
+    loaded = {k: v for k, v in reader.param_groups[0].items() if k != "params"}
+    assert loaded == settings | {k: old[k] for k in old} | {"decoupled_weight_decay": True}
+    assert [g["weight_decay"] for g in reader.param_groups] == [0.1, 0.0] * 3
+    assert loaded["foreach"] is False  # kernel choices stay the container's
+
+    # The trainer's rule (components.resume): the config wins, said in one line.
+    with caplog.at_level(logging.INFO, logger="components.resume"):
+        config.restore()
     assert [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()] == [
         "resume: from the config, not the checkpoint: lr 0.01 -> 0.001, betas (0.9, 0.95) -> "
-        "(0.8, 0.99), eps 1e-08 -> 1e-06, weight_decay 0.1 -> 0.01 (3 params) / 0.0 -> 0.01 "
-        "(5 params), optimizer AdamW -> Adam"
+        "(0.8, 0.99), eps 1e-08 -> 1e-06, weight_decay 0.1 -> 0.01, optimizer AdamW -> Adam"
     ]
 
-    # The next steps are torch's Adam at the new settings, from the saved moments.
+    # The next steps are torch's Adam at the config's settings, from the saved moments.
     ref_parts = copy.deepcopy(parts)
     named = [(n, p) for m in ref_parts for n, p in m.named_parameters()]
     ref = torch.optim.Adam([p for _, p in named], **new)
@@ -225,16 +239,47 @@ def test_a_load_takes_state_from_the_dict_and_every_setting_from_the_container(c
         ref.state[p] = {
             k: saved[f"state.{name}.{k}"].clone() for k in ("step", "exp_avg", "exp_avg_sq")
         }
+    ref.param_groups[0]["params"] = [p for n, p in named if not re.search(NO_DECAY, n)]
+    ref.add_param_group(
+        {"params": [p for n, p in named if re.search(NO_DECAY, n)], "weight_decay": 0.0}
+    )
     train(new_parts, reader, 2, start=2)
     train(ref_parts, ref, 2, start=2)
     for m, r in zip(new_parts, ref_parts):
         assert all(torch.equal(a, b) for a, b in zip(m.parameters(), r.parameters()))
 
-    # Loading what it holds changes nothing, so nothing is logged.
+    # Nothing changed since: nothing to say.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="containers.container"):
-        reader.load_state_dict(_state_copy(reader))
-    assert not [r for r in caplog.records if "resume:" in r.getMessage()]
+    reader.load_state_dict(_state_copy(reader))
+    with caplog.at_level(logging.INFO, logger="components.resume"):
+        assert config.restore() == []
+
+
+def test_a_torchtitan_format_optimizer_state_dict_loads_with_its_lr():
+    # torchtitan flattens with torch's own flatten_optimizer_state_dict: the same keys.
+    parts = three_parts()
+    plain = [torch.optim.AdamW(part.parameters(), lr=7e-4) for part in parts]  # one per part
+    forward(parts, batch(0)).square().mean().backward()
+    for opt in plain:
+        opt.step()
+    flat = _torch_flat(parts, plain)
+    container = OptimizersContainer(copy.deepcopy(parts), torch.optim.AdamW, {"lr": 1e-2})
+    container.load_state_dict(flat)
+    assert {g["lr"] for g in container.param_groups} == {7e-4}
+    assert_same(container.state_dict(), flat)
+
+
+def test_a_failed_load_leaves_the_hyperparameters_as_they_were():
+    parts = three_parts()
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    train(parts, container, 1)
+    saved = _state_copy(container)
+    saved = {k: (1e-5 if k.endswith(".lr") else v) for k, v in saved.items()}
+    saved["state.head.weight.exp_avg"] = torch.zeros(3, 3)  # the last part's: wrong shape
+    before = [dict(g) for g in container.param_groups]
+    with pytest.raises(ValueError, match="mismatched"):
+        container.load_state_dict(saved)
+    assert [dict(g) for g in container.param_groups] == before
 
 
 def _parts_for(cls: type) -> list[nn.Module]:
@@ -382,6 +427,51 @@ def test_step_hooks_fire_once_per_step_and_closure_runs_once():
     assert calls == ["closure", "post"] and loss.dim() == 0
 
 
+@pytest.mark.parametrize("timing", ["after", "in_backward"])
+def test_global_step_hooks_see_the_container_once_per_step_in_torchs_order(timing):
+    parts = three_parts()
+    cls = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
+    container = cls(parts, torch.optim.AdamW, {"lr": 1e-2})
+    inner: list[int] = []
+    container.optimizers[0].register_step_pre_hook(lambda *a: inner.append(1))  # still fires
+    calls: list[tuple[str, object]] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda opt, a, k: calls.append(("global pre", opt))),
+        register_optimizer_step_post_hook(lambda opt, a, k: calls.append(("global post", opt))),
+    ]
+    container.register_step_pre_hook(lambda opt, a, k: calls.append(("pre", opt)))
+    container.register_step_post_hook(lambda opt, a, k: calls.append(("post", opt)))
+    try:
+        train(parts, container, 3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = ["global pre", "pre", "post", "global post"]
+    assert calls == [(name, container) for name in order] * 3
+    assert len(inner) == 3 * (len(container.units) // 3 if timing == "in_backward" else 1)
+
+
+def test_one_cycle_lr_cycles_the_inner_betas_as_on_one_torch_adamw():
+    parts, ref_parts = three_parts(), three_parts()
+    container = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    ref = torch.optim.AdamW([p for m in ref_parts for p in m.parameters()], lr=1e-2)
+    assert {"betas", "eps", "weight_decay", "amsgrad"} <= container.defaults.keys()
+    cycles = [
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=6)
+        for opt in (container, ref)
+    ]
+    beta1s = set()
+    for step in range(5):
+        for model, opt, sched in ((parts, container, cycles[0]), (ref_parts, ref, cycles[1])):
+            train(model, opt, 1, start=step)
+            sched.step()
+        want = [(g["lr"], g["betas"]) for g in ref.param_groups]
+        assert {(g["lr"], g["betas"]) for g in container.param_groups} == set(want)
+        beta1s.add(want[0][1][0])
+    assert len(beta1s) > 2  # the momentum did cycle
+    assert _weights_equal(parts, ref_parts)
+
+
 def test_frozen_params_are_skipped_and_iter_len_state_work():
     parts = three_parts()
     parts[1].requires_grad_(False)
@@ -484,15 +574,6 @@ def _load_sharded(path: str) -> dict:
     return {k: full(v) for k, v in container.state_dict().items()}
 
 
-def _with_lr(state_dict: dict, lr: float) -> dict:
-    """`state_dict` as a container built with `lr` holds it after loading: state from the
-    dict, settings its own."""
-    return {
-        k: lr if k.startswith("param_groups.") and k.endswith(".lr") else v
-        for k, v in state_dict.items()
-    }
-
-
 def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(4, _save_sharded, path)[0]
@@ -504,10 +585,10 @@ def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
         parts, torch.optim.AdamW, {"lr": 5.0, "fused": True}, param_groups=rules
     )
     dcp.load({"optim": single}, checkpoint_id=path, no_dist=True)
-    assert_same(single.state_dict(), _with_lr(saved, 5.0))
+    assert_same(single.state_dict(), saved)  # the saved lr 1e-2 too, as torch loads it
 
     for world_size in (2, 3):
-        assert_same(run_ranks(world_size, _load_sharded, path)[0], _with_lr(saved, 5.0))
+        assert_same(run_ranks(world_size, _load_sharded, path)[0], saved)
 
 
 # -- non-finite steps are skipped -----------------------------------------------------------

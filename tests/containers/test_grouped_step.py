@@ -154,7 +154,7 @@ def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise
                 sched.step()
     assert calls == ["pre0", "post1"] * 3
     assert grouped.optimizers[2].param_groups[0]["lr"] == 1e-2 * 0.5**3
-    # A global hook sees every inner optimizer step, as torch's own steps would show it.
+    # A global hook sees the container step, once, as it would one torch optimizer's.
     seen: list[torch.optim.Optimizer] = []
     handle = register_optimizer_step_pre_hook(lambda opt, *a: seen.append(opt))
     try:
@@ -162,7 +162,7 @@ def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise
         _step(ref_parts, alone, 3)
     finally:
         handle.remove()
-    assert seen[:3] == grouped.optimizers and len(seen) == 6
+    assert seen == [grouped, alone]
     assert_same(grouped.state_dict(), alone.state_dict())
     for a, b in zip(
         (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())

@@ -108,19 +108,19 @@ def train_resumed(argv: list[str]) -> dict:
     The job is train.py's own: `build_job` is only wrapped to keep a handle on it. Runs in one
     process or on the ranks of `tests.harness.dist.run_ranks`.
     """
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
     import train
 
     build_job, jobs, resumed = train.build_job, [], {}
 
     def recording_build_job(cfg: Any) -> Any:
         jobs.append(build_job(cfg))
+        # The first inner step (in backward too, under in-backward timing) comes first.
+        for opt in jobs[-1].optimizers.optimizers:
+            opt.register_step_pre_hook(capture)
         return jobs[-1]
 
-    def capture(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        # Only the container's own optimizers: initial state is built on throwaways.
-        if resumed or not jobs or optimizer not in jobs[0].optimizers.optimizers:
+    def capture(*_: Any) -> None:
+        if resumed:
             return
         job = jobs[0]
         resumed["step"] = job.train_state.step
@@ -132,10 +132,8 @@ def train_resumed(argv: list[str]) -> dict:
         resumed["sample_index"] = job.dataloader.sample_index
 
     train.build_job = recording_build_job
-    hook = register_optimizer_step_pre_hook(capture)
     try:
         code = train.main(argv)
     finally:
-        hook.remove()
         train.build_job = build_job
     return {"code": code, **resumed}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 
 import pytest
@@ -351,8 +353,8 @@ def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_liv
     and max_norm: when it joins it is refused, naming both keys and both values, before it
     loads or commits anything (exit 2); group 0 commits every step and says so once."""
     job = FTJob(tmp_path, 10, nproc=2)
-    hold = tmp_path / "hold"
-    hold.touch()
+    both, hold = tmp_path / "both", tmp_path / "hold"
+    both.touch(), hold.touch()
     try:
         job.start_replica(0, ("-m", "tests.harness.faults", "hold", "4", str(hold)))
         job.wait_for("group 0 at step 3", lambda: _last(job, 0) == 3)
@@ -431,3 +433,49 @@ def test_no_lighthouse_is_one_line_within_the_connect_timeout(tmp_path):
     [line] = [x for x in result.stdout.splitlines() if "error:" in x or "Traceback" in x]
     assert f"lighthouse = 'http://127.0.0.1:{port}': no lighthouse answered within " in line
     assert "connect_timeout_ms = 1000; start it first" in line, line
+
+
+def test_a_users_own_loop_with_a_plain_lambda_lr_heals_bitwise(tmp_path):
+    """torch's load contract under torchft: a user's loop (no train.py, no project scheduler)
+    with a plain `LambdaLR`; the group killed after step 2 restarts fresh (lr 1e-2) and heals
+    from the survivor at step 6 or later: its first step runs at the survivor's lr, and both
+    groups' weights stay bitwise equal to the end."""
+    job = FTJob(tmp_path, 1)
+    both, hold = tmp_path / "both", tmp_path / "hold"
+    both.touch(), hold.touch()
+    script = [sys.executable, "-m", "tests.harness.plain_ft"]
+
+    def start(replica: int, *extra: str) -> None:
+        address = f"http://127.0.0.1:{job.port}"
+        job._start(
+            f"replica_{replica}", [*script, str(replica), address, "10", str(tmp_path), *extra]
+        )
+
+    def rows(replica: int) -> dict[int, dict]:
+        path = tmp_path / f"replica_{replica}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return {row["step"]: row for row in map(json.loads, lines)}
+
+    try:
+        start(0, "hold", "1", str(both), "hold", "6", str(hold))
+        start(1, "hold", "1", str(both), "die", "2")
+        job.wait_for("both groups", lambda: all((tmp_path / f"ready_{r}").exists() for r in (0, 1)))
+        both.unlink()
+        assert job.wait_exit("replica_1", 120) == 3, job.log("replica_1")[-3000:]
+        job.killed.add("replica_1")
+        job.wait_for("the survivor alone up to step 5", lambda: max(rows(0), default=0) == 5)
+        (tmp_path / "ready_1").unlink()
+        start(1)
+        job.wait_for("the restarted group", (tmp_path / "ready_1").exists)
+        hold.unlink()
+        for replica in (0, 1):
+            assert job.wait_exit(f"replica_{replica}", 120) == 0, job.log(f"replica_{replica}")
+    finally:
+        job.close()
+    survivor, healed = rows(0), rows(1)
+    assert sorted(survivor) == list(range(1, 11))
+    after = sorted(s for s in healed if s > 2)
+    assert after and after[0] >= 6 and after[-1] == 10, sorted(healed)
+    for step in sorted(healed):
+        assert healed[step]["lr"] == survivor[step]["lr"] == pytest.approx(1e-2 * 0.7 ** (step - 1))
+        assert healed[step]["params"] == survivor[step]["params"], step

@@ -1,0 +1,99 @@
+"""The parts of torch's `Optimizer` contract a container over inner optimizers keeps by hand.
+
+- `defaults_of`: every hyperparameter of the optimizer class, as torch's `defaults` holds them
+  (schedulers such as OneCycleLR and CyclicLR look for `betas` or `momentum` there).
+- `with_step_hooks`: a step between the step hooks in torch's order, torch's global hooks
+  included, each seeing the container once per step, never its inner optimizers.
+- `StateView`: every inner optimizer's per-parameter state as one read-only mapping.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
+
+__all__ = ["StateView", "defaults_of", "inner_steps", "with_step_hooks"]
+
+Hooks = Mapping[int, Callable[..., Any]]
+
+
+def defaults_of(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Every hyperparameter of `cls`: its constructor's defaults, with `kwargs` over them."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name not in ("self", "params")
+        and p.default is not inspect.Parameter.empty
+        and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return defaults | dict(kwargs)
+
+
+def with_step_hooks(
+    optimizer: Optimizer, pre: Hooks, post: Hooks, apply: Callable[[], None]
+) -> None:
+    """Run `apply` (the inner optimizers' steps) as `optimizer`'s step: torch's global pre
+    hooks, then `pre`; after it `post`, then the global post hooks. A pre hook may return new
+    `(args, kwargs)` for the hooks after it, as in torch."""
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    for hook in [*torch_optimizer._global_optimizer_pre_hooks.values(), *pre.values()]:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"step pre hook {hook!r} must return None or (args, kwargs), not {result!r}"
+                )
+            args, kwargs = result
+    with inner_steps():
+        apply()
+    for hook in [*post.values(), *torch_optimizer._global_optimizer_post_hooks.values()]:
+        hook(optimizer, args, kwargs)
+
+
+@contextmanager
+def inner_steps() -> Iterator[None]:
+    """Inner optimizers' steps without torch's global step hooks, which see the container
+    (`with_step_hooks`); an inner optimizer's own hooks still fire. Emptying torch's global
+    tables for the while is the one way: torch's step wrapper reads them directly."""
+    tables = (
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
+    if not any(tables):
+        yield
+        return
+    saved = [dict(t) for t in tables]
+    for t in tables:
+        t.clear()
+    try:
+        yield
+    finally:
+        for t, hooks in zip(tables, saved):
+            t.update(hooks)
+
+
+class StateView(Mapping):
+    """Every inner optimizer's per-parameter state, read-only. Not a ChainMap: looking a
+    parameter up in the torch defaultdicts of optimizers that do not own it would insert it."""
+
+    def __init__(self, optimizers: Sequence[Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
+        for opt in self._optimizers:
+            if p in opt.state:
+                return opt.state[p]
+        raise KeyError(p)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for opt in self._optimizers for p in opt.state)
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
