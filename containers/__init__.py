@@ -4,6 +4,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 (`containers.parts`). The variants are thin, documented compositions of those parts.
 
     container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
+    contract.py      defaults, global step hooks and the state view kept by hand for torch
     parts.py         the part protocols (Precision, Gate, Timing) with their fp32 / always /
                      after-backward defaults, StepReport, refuse_impossible
     norm.py          the global gradient norm over the job's mesh; local-shard helpers

@@ -14,11 +14,12 @@ such bucket. Fused and foreach kernels compute every tensor from that tensor's o
 state and step count alone, so the result is bitwise each optimizer stepping alone.
 
 An optimizer takes its own `step()` instead when anything could tell the difference: a step
-hook of its own or a global one, a `step` patched on the instance (e.g. an LR scheduler built
-on it), a `GradScaler`'s `grad_scale`/`found_inf`, a subclass, a group without an explicit
-fused or foreach choice (torch picks by the tensors' devices), a tensor lr, or
-`differentiable`. The grouping is rebuilt on every step from the live group dicts (a few
-microseconds), so LR schedulers, user writes and loads, which replace the dicts, are seen.
+hook of its own or a global one, a `step` patched on the instance (but torch's LR schedulers'
+patch, which only notes that the step ran: that note is made here), a `GradScaler`'s
+`grad_scale`/`found_inf`, a subclass, a group without an explicit fused or foreach choice
+(torch picks by the tensors' devices), a tensor lr, or `differentiable`. The grouping is
+rebuilt on every step from the live group dicts (a few microseconds), so LR schedulers, user
+writes and loads, which replace the dicts, are seen.
 
 Why torch's private `_init_group` rather than a public route: the public alternative, one
 inner optimizer per optimizer class with a param group per part and rule, does not make one
@@ -84,9 +85,19 @@ def _groupable(opt: Optimizer) -> bool:
         type(opt) in _ADAM
         and not opt._optimizer_step_pre_hooks
         and not opt._optimizer_step_post_hooks
-        and "step" not in opt.__dict__
+        and _own_step(opt)
         and getattr(opt, "grad_scale", None) is None
         and getattr(opt, "found_inf", None) is None
+    )
+
+
+def _own_step(opt: Optimizer) -> bool:
+    """Whether `opt.step` is its class's, or that wrapped by torch's LR schedulers alone
+    (train.py builds one on every inner optimizer), which sets `_opt_called` and steps."""
+    step = opt.__dict__.get("step")
+    return step is None or (
+        getattr(step, "_wrapped_by_lr_sched", False)
+        and getattr(step, "__wrapped__", None) is type(opt).step
     )
 
 
@@ -105,6 +116,7 @@ def step_together(optimizers: Sequence[Optimizer]) -> None:
         if keys is None or not all(map(_mergeable, keys)):
             opt.step()
             continue
+        opt._opt_called = True  # type: ignore[attr-defined]  (what a scheduler's patch notes)
         for key, group in zip(keys, groups):
             buckets.setdefault(key, []).append((opt, group))
     for groups in buckets.values():

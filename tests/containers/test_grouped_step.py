@@ -38,6 +38,14 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _assert_bitwise(grouped: Any, alone: Any, parts: list, ref_parts: list) -> None:
+    assert_same(grouped.state_dict(), alone.state_dict())
+    for a, b in zip(
+        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
+    ):
+        assert torch.equal(a, b)
+
+
 RULES = [
     ParamGroupRule(r"\.bias$", {"weight_decay": 0.0}),
     ParamGroupRule(r"^head\.weight$", {"lr": 3e-2}),
@@ -128,11 +136,7 @@ def test_torch_init_group_keeps_every_adam_configuration_of_optim_db_bitwise(cls
         fused = "_fused_adamw_" if cls is torch.optim.AdamW else "_fused_adam_"
         assert ops.calls[fused if kwargs.get("fused") else "_foreach_addcmul_"] > 0
         _step(ref_parts, alone, step)
-    assert_same(grouped.state_dict(), alone.state_dict())
-    for a, b in zip(
-        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
-    ):
-        assert torch.equal(a, b)
+    _assert_bitwise(grouped, alone, parts, ref_parts)
 
 
 def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise():
@@ -163,11 +167,30 @@ def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise
     finally:
         handle.remove()
     assert seen == [grouped, alone]
-    assert_same(grouped.state_dict(), alone.state_dict())
-    for a, b in zip(
-        (p for m in parts for p in m.parameters()), (p for m in ref_parts for p in m.parameters())
-    ):
-        assert torch.equal(a, b)
+    _assert_bitwise(grouped, alone, parts, ref_parts)
+
+
+def test_torch_lr_schedulers_on_every_inner_optimizer_keep_the_one_call():
+    # As train.py's schedulers: a LambdaLR on each inner optimizer patches its `step`.
+    parts, ref_parts = three_parts(), three_parts()
+    kwargs = {"lr": 1e-2, "fused": True}
+    grouped = OptimizersContainer(parts, torch.optim.AdamW, kwargs)
+    alone = OptimizersContainer(ref_parts, torch.optim.AdamW, kwargs, precision=PerOptimizer())
+    scheds = {
+        c: [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in c]
+        for c in (grouped, alone)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        for step in range(3):
+            with CountOps() as ops:
+                _step(parts, grouped, step)
+            assert ops.calls["_fused_adamw_"] == 1, step
+            _step(ref_parts, alone, step)
+            for sched in (*scheds[grouped], *scheds[alone]):
+                sched.step()
+    assert {g["lr"] for g in grouped.param_groups} == {1e-2 * 0.5**3}
+    _assert_bitwise(grouped, alone, parts, ref_parts)
 
 
 class CountingAdamW(torch.optim.AdamW):
