@@ -118,7 +118,12 @@ def collective_failure(exc: BaseException) -> CollectiveFailure | None:
         return None
     what = _last_collective() or _innermost_torch_call(exc)
     detail = text.split("] ", 1)[-1].strip()  # drop gloo's source-file prefix
-    timed_out = "Timed out" in text or isinstance(exc, dist.DistBackendError)
+    # gloo says "Timed out"; the store a starting process group waits on, "wait timeout".
+    timed_out = (
+        "timed out" in text.lower()
+        or "wait timeout" in text
+        or isinstance(exc, (dist.DistBackendError, dist.DistStoreError))
+    )
     if timed_out:
         why = "got no answer in time: a rank stopped responding (see its log, or its host)"
     else:

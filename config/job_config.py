@@ -271,7 +271,8 @@ class MixedPrecision:
     buffers: each gradient read once, master, moments and parameter written in the same pass
     (2 bytes/param more for a flat gradient buffer; compiling takes tens of seconds on first
     use, then inductor's cache). Within a few fp32 ulp of the eager step, not bitwise; other
-    optimizers and fp32 gradient sums step eagerly."""
+    optimizers and fp32 gradient sums step eagerly. On an AVX2 CPU slower than the eager step
+    (inductor's bf16 conversions): for GPUs."""
 
     grad_accumulation_dtype: Literal["param_dtype", "float32"] = "param_dtype"
     """Dtype the gradients are summed in over a step's micro-batches: "param_dtype" adds each

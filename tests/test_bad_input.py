@@ -159,11 +159,14 @@ def _worker_pid(launcher: int, local_rank: int) -> int:
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under pid {launcher}")
 
 
-def test_a_stopped_rank_ends_the_run_within_the_train_timeout(tmp_path):
-    """SIGSTOP one rank after the first step: the other names the collective after
-    `train_timeout_seconds` (not gloo's 30 min) and exits; the launcher then exits nonzero."""
+@pytest.mark.parametrize("when", ["start-up", "training"])
+def test_a_stopped_rank_is_named_as_not_answering_within_the_timeout(tmp_path, when):
+    """SIGSTOP one rank while the processes start (then `init_timeout_seconds` holds) or
+    after the first step (`train_timeout_seconds`, not gloo's 30 min): the other says that a
+    rank did not answer, naming what waited, and exits; the launcher then exits nonzero."""
     args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "1000"]
-    args += ["--comm.train_timeout_seconds", "3", "--checkpoint.enable", "false"]
+    args += ["--comm.train_timeout_seconds", "3", "--comm.init_timeout_seconds", "5"]
+    args += ["--checkpoint.enable", "false"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     log = tmp_path / "out.txt"
     with open(log, "w") as f:
@@ -178,10 +181,19 @@ def test_a_stopped_rank_ends_the_run_within_the_train_timeout(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 120
-        # Step 2 logged: the first step is done, so the train timeout is in force.
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        # start-up: as soon as the worker exists; training: step 2 logged (the first step is
+        # done, so the train timeout is in force).
+        while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+            if (
+                when == "training"
+                and metrics.exists()
+                and len(metrics.read_text().splitlines()) >= 2
+            ):
+                break
+            if when == "start-up" and _has_worker(proc.pid, local_rank=1):
+                break
+            time.sleep(0.02)
         worker = _worker_pid(proc.pid, local_rank=1)
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -195,4 +207,16 @@ def test_a_stopped_rank_ends_the_run_within_the_train_timeout(tmp_path):
         kill_tree(proc.pid)
         proc.wait(timeout=30)
     (line,) = _error_lines(log.read_text())
-    assert re.search(r"collective gloo:\w+ #\d+ \(.*timeout 3 s\) got no answer in time", line)
+    assert "got no answer in time: a rank stopped responding" in line, line
+    if when == "training":
+        assert re.search(r"collective gloo:\w+ #\d+ \(.*timeout 3 s\) got no answer in time", line)
+    else:
+        assert "wait timeout after 5000ms" in line, line
+
+
+def _has_worker(launcher: int, local_rank: int) -> bool:
+    try:
+        _worker_pid(launcher, local_rank)
+    except AssertionError:
+        return False
+    return True

@@ -110,6 +110,15 @@ def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoi
     assert {p.name for p in folder.iterdir()} == {"run.lock", "step-4", "step-6", "step-040"}
     assert _steps(dump) == list(range(1, 11))
 
+    # Another seq_len on resume: one line naming both values and the fix, nothing changed.
+    other = ["--training.seq_len", "16", "--training.steps", "8"]
+    result = launch(2, [*BASE, *keep, *other], torchrun=False)
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    (error,) = _lines(result.stdout, "ERROR")
+    assert "[training] seq_len = 16: the checkpoint was trained with seq_len = 32" in error
+    assert "resume with --training.seq_len 32, or start a new dump folder" in error
+    assert _hashes(folder) == before
+
 
 def test_fp16_weights_that_overflow_never_reach_a_checkpoint_and_the_stop_line_is_true(tmp_path):
     """fp16 at lr 1e30: step 1's update overflows the fp16 weights. Whether the step is

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from config import ConfigError
+
 __all__ = ["ByteTextLoader", "load_corpus"]
 
 _CORPUS_BYTES = 8 * 2**20
@@ -142,8 +144,10 @@ class ByteTextLoader:
             raise ValueError(f"data checkpoint lacks {sorted(missing)}; it is not this loader's")
         for key in ("seed", "seq_len"):
             if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"data checkpoint has {key} = {state[key]!r} but this run has "
-                    f"{getattr(self, key)!r}; resume with the same [training] {key}"
+                # The data position means other samples under another seed or seq_len.
+                raise ConfigError(
+                    f"[training] {key} = {getattr(self, key)!r}: the checkpoint was trained "
+                    f"with {key} = {state[key]!r}, and its data position holds only for that; "
+                    f"resume with --training.{key} {state[key]!r}, or start a new dump folder"
                 )
         self.sample_index = int(state["sample_index"])
