@@ -1,0 +1,121 @@
+"""`MixedPrecisionOptimizersContainer`: the container with the `MasterWeights` precision."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from config import MixedPrecision as MixedPrecisionConfig
+from containers.container import OptimizersContainer
+from containers.parts import Gate, Timing
+from containers.precision.loss_scaler import LossScaler
+from containers.precision.master_weights import MasterWeights
+from containers.state.param_groups import ParamGroupRule
+
+__all__ = ["MixedPrecisionOptimizersContainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class MixedPrecisionOptimizersContainer(OptimizersContainer):
+    """An `OptimizersContainer` with the `MasterWeights` precision: fp32 masters of bf16/fp16
+    parameters, loss scaling, global clipping and overflow skip, offload.
+
+    Call `scale_loss(loss).backward()` (or `backward(loss)`), then `step()`; `last_report`
+    holds the unscaled norm, the loss scale and the skip count. `offload()` moves masters and
+    optimizer state to CPU; a `step()` while offloaded reloads first.
+
+    Args:
+        model_parts: modules whose trainable parameters are all of `settings.param_dtype`.
+        optimizer_cls: optimizer for the masters (any `torch.optim` one).
+        optimizer_kwargs: its constructor kwargs.
+        param_groups: rules that form param groups by FQN.
+        settings: the `[mixed_precision]` settings; default `config.MixedPrecision()`.
+        precision: a `MasterWeights` built already (e.g. the one the model was cast with);
+            replaces `settings`.
+        max_norm: clip the global gradient norm to this; 0 or None leaves gradients
+            unclipped (the norm is measured either way, for the overflow check).
+        gate: whether a step commits (e.g. `containers.TorchFTGate`).
+        timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
+        mesh: the job's named DeviceMesh, over which the global norm counts each gradient
+            element once (`OptimizersContainer`); None: one stage over the world.
+    """
+
+    def __init__(
+        self,
+        model_parts: Sequence[nn.Module],
+        optimizer_cls: type[Optimizer],
+        optimizer_kwargs: Mapping[str, Any],
+        *,
+        param_groups: Sequence[ParamGroupRule] = (),
+        settings: MixedPrecisionConfig | None = None,
+        precision: MasterWeights | None = None,
+        max_norm: float | None = 0.0,
+        gate: Gate | None = None,
+        timing: Timing | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        self.precision: MasterWeights = precision or MasterWeights(settings)
+        if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
+            raise ValueError(
+                f"grad_accumulation_dtype 'float32' with gate {type(gate).__name__}: the gate "
+                "averages the bf16 .grad, but the masters would step on this group's own fp32 "
+                "sums; use grad_accumulation_dtype 'param_dtype'"
+            )
+        super().__init__(
+            model_parts,
+            optimizer_cls,
+            optimizer_kwargs,
+            param_groups=param_groups,
+            precision=self.precision,
+            gate=gate,
+            timing=timing,
+            max_norm=max_norm,
+            mesh=mesh,
+        )
+        # The masters exist: what none took (other pipeline stages' parameters) can go.
+        self.precision._initial.clear()
+        eager = sorted({type(o).__name__ for o in self if not self.precision.steps_flat(o)})
+        if self.precision.compile and eager:
+            logger.warning(
+                "[mixed_precision] compile: only fused Adam/AdamW groups step compiled; %s "
+                "step eagerly",
+                ", ".join(eager),
+            )
+
+    @property
+    def scaler(self) -> LossScaler:
+        return self.precision.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.scaler.scale
+
+    @property
+    def last_grad_norm(self) -> float:
+        return self.last_report.grad_norm or 0.0
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.last_report.skipped is not None
+
+    @property
+    def compile(self) -> bool:
+        return self.precision.compile
+
+    @property
+    def offloaded(self) -> bool:
+        return self.precision.offloaded
+
+    def offload(self) -> None:
+        """Move master weights and optimizer state to CPU (pinned, non-blocking on CUDA)."""
+        self.precision.offload(self.optimizers)
+
+    def reload(self) -> None:
+        """Move master weights and optimizer state back to the parameters' device."""
+        self.precision.reload(self.optimizers)
