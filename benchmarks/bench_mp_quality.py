@@ -52,7 +52,7 @@ CONTENDERS: dict[str, list[str]] = {
     ],
     "container": ["--job.config_file", "config/mixed_precision.toml"],
 }
-QUICK = ["--model.flavor", "tiny", "--training.seq_len", "32"]
+QUICK = ["--model.flavor", "tiny", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "2"]
 
 
 def _metrics(folder: Path) -> list[dict]:
@@ -151,6 +151,7 @@ def _memory(name: str, args: argparse.Namespace) -> dict[str, float]:
         "--job.dump_folder", str(folder),
         "--checkpoint.enable", "false",
         "--training.steps", "1",
+        "--lr_scheduler.warmup_steps", "0",
     ]  # fmt: skip
     torchrun = Path(sys.executable).with_name("torchrun")
     return run_fresh(

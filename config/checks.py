@@ -167,6 +167,12 @@ def cross_check(cfg: JobConfig) -> None:
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (then container 'default' is enough)"
         )
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup > steps:
+        problems.append(
+            f"[lr_scheduler] warmup_steps = {warmup}: more than [training] steps = {steps}, so "
+            f"the lr would never reach its peak; use warmup_steps <= {steps} or train longer"
+        )
     ckpt = cfg.checkpoint
     if ckpt.initial_load_path and not ckpt.enable:
         problems.append(

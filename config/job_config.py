@@ -88,7 +88,7 @@ class Parallelism:
 @dataclass(kw_only=True)
 class LRScheduler:
     warmup_steps: int = bounded(10, ge=0)
-    """Steps of linear warmup from near zero to the peak lr."""
+    """Steps of linear warmup from near zero to the peak lr; at most [training] steps."""
 
     decay_ratio: float | None = bounded(None, ge=0.0, le=1.0)
     """Fraction of the steps spent decaying (WSD); None decays over all steps after warmup."""

@@ -39,7 +39,17 @@ def test_help_lists_the_keys_and_reads_nothing(flag, capsys):
 def test_no_arguments_run_the_debug_job(tmp_path):
     """The defaults alone (no config file) train; an empty TOML gives the same config
     (tests/config/test_defaults.py)."""
-    result = launch(0, ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
+    result = launch(
+        0,
+        [
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]

@@ -30,7 +30,7 @@ BASE = [
     "--training.local_batch_size",
     "2",
     "--lr_scheduler.warmup_steps",
-    "4",
+    "1",
     "--checkpoint.interval",
     "10",
     "--checkpoint.keep_latest_k",
@@ -160,6 +160,10 @@ def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(
         (["--optimizer.nmae", "AdamW"], r"unknown key 'nmae'; did you mean 'name'"),
         (["--optimizer.container", "x"], r"container = 'x': unknown container"),
         (["--training.global_batch_size", "7"], r"global_batch_size = 7: not a multiple"),
+        (
+            ["--training.steps", "3", "--lr_scheduler.warmup_steps", "5"],
+            r"warmup_steps = 5: more than \[training\] steps = 3, .*use warmup_steps <= 3",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):

@@ -48,7 +48,7 @@ def test_toml_overrides_defaults(tmp_path):
         implementation = "fused"
 
         [training]
-        steps = 7
+        steps = 70
         dataset = "other"
 
         [checkpoint]
@@ -58,7 +58,7 @@ def test_toml_overrides_defaults(tmp_path):
     assert cfg.optimizer.lr == 0.01
     assert cfg.optimizer.implementation == "fused"
     assert cfg.optimizer.beta1 == 0.9
-    assert cfg.training.steps == 7
+    assert cfg.training.steps == 70
     assert cfg.training.dataset == "other"
     assert cfg.checkpoint.enable is True
     assert cfg.model == config.Model()
@@ -68,44 +68,44 @@ def test_toml_overrides_defaults(tmp_path):
 @pytest.mark.parametrize("form", ["space", "equals"])
 def test_cli_overrides_toml(tmp_path, form):
     """`--a.b v` and `--a.b=v` both beat the TOML value; other TOML keys survive."""
-    overrides = {"optimizer.lr": "0.5", "training.steps": "3", "model.flavor": "big"}
+    overrides = {"optimizer.lr": "0.5", "training.steps": "30", "model.flavor": "big"}
     argv = []
     for name, value in overrides.items():
         argv += [f"--{name}", value] if form == "space" else [f"--{name}={value}"]
     cfg = _load(
         tmp_path,
-        "[optimizer]\nlr = 0.01\nbeta1 = 0.8\n[training]\nsteps = 7\nseed = 4\n",
+        "[optimizer]\nlr = 0.01\nbeta1 = 0.8\n[training]\nsteps = 70\nseed = 4\n",
         *argv,
     )
     assert cfg.optimizer.lr == 0.5
     assert cfg.optimizer.beta1 == 0.8
-    assert cfg.training.steps == 3
+    assert cfg.training.steps == 30
     assert cfg.training.seed == 4
     assert cfg.model.flavor == "big"
 
 
 def test_cli_without_toml():
     """Overrides apply over defaults when no config file is given."""
-    cfg = load_job_config(["--training.steps", "5", "--optimizer.name=SGD"])
-    assert cfg.training.steps == 5
+    cfg = load_job_config(["--training.steps", "50", "--optimizer.name=SGD"])
+    assert cfg.training.steps == 50
     assert cfg.optimizer.name == "SGD"
     assert cfg.job.config_file is None
 
 
 def test_later_cli_override_wins():
     """A key given twice on the CLI takes the last value."""
-    assert load_job_config(["--training.steps", "5", "--training.steps=6"]).training.steps == 6
+    assert load_job_config(["--training.steps", "50", "--training.steps=60"]).training.steps == 60
 
 
 def test_last_config_file_is_read_and_recorded(tmp_path):
     """With `--job.config_file` given twice, the file read is the one recorded."""
     first = tmp_path / "first.toml"
     second = tmp_path / "second.toml"
-    first.write_text("[training]\nsteps = 1\n", encoding="utf-8")
-    second.write_text("[training]\nsteps = 2\n", encoding="utf-8")
+    first.write_text("[training]\nsteps = 10\n", encoding="utf-8")
+    second.write_text("[training]\nsteps = 20\n", encoding="utf-8")
     cfg = load_job_config(["--job.config_file", str(first), "--job.config_file", str(second)])
     assert cfg.job.config_file == str(second)
-    assert cfg.training.steps == 2
+    assert cfg.training.steps == 20
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_last_config_file_is_read_and_recorded(tmp_path):
         (["--checkpoint.enable", "0"], False),
         (["--checkpoint.enable=false"], False),
         (["--checkpoint.enable=on"], True),
-        (["--checkpoint.enable", "--training.steps", "5"], True),
+        (["--checkpoint.enable", "--training.steps", "50"], True),
     ],
 )
 def test_cli_bool_flags(argv, expected):
@@ -639,7 +639,7 @@ def test_structured_toml_never_escapes(doc, table_arrays, argv):
 @pytest.mark.parametrize(
     "doc",
     [
-        {"training": {"steps": 5, "max_norm": 0.5}, "checkpoint": {"enable": True}},
+        {"training": {"steps": 50, "max_norm": 0.5}, "checkpoint": {"enable": True}},
         {"optimizer": {"lr": 1, "param_groups": [{"pattern": "a", "lr": 0.5}, {"pattern": "b"}]}},
         {"job": {"dump_folder": 'quote " back \\ del \x7f tab \t nl \n'}},
     ],

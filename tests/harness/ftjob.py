@@ -36,6 +36,7 @@ class FTJob:
             "--training.seq_len", "64",
             "--training.local_batch_size", "4",
             "--training.steps", str(steps),
+            "--lr_scheduler.warmup_steps", "2",
             "--metrics.log_freq", "1",
             "--metrics.log_param_checksum",
             "--checkpoint.interval", str(steps),

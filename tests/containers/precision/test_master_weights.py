@@ -434,7 +434,8 @@ def test_dcp_saved_at_4_ranks_loads_masters_and_scaler_at_2_and_3(tmp_path):
 
 def test_train_py_runs_it_and_logs_scale_and_skips(tmp_path):
     args = ["--job.config_file", "config/mixed_precision.toml", "--model.flavor", "tiny"]
-    args += ["--training.steps", "4", "--training.seq_len", "32", "--metrics.log_freq", "1"]
+    args += ["--training.steps", "4", "--lr_scheduler.warmup_steps", "2"]
+    args += ["--training.seq_len", "32", "--metrics.log_freq", "1"]
     args += ["--job.dump_folder", str(tmp_path), "--mixed_precision.param_dtype", "float16"]
     result = launch(0, args)
     assert result.returncode == 0, result.stdout[-3000:]
