@@ -20,6 +20,7 @@ import components.startup_signals  # noqa: F401  (first: torch's imports take se
 
 # isort: split
 
+import atexit
 import logging
 import os
 import sys
@@ -226,20 +227,23 @@ def run(
         return 2
     except SaveFailed as e:
         speak_once(f"error: {e}", root_cause=True)
-        _exit_now(1)
+        exit_now(1)
     except Exception as e:
         failure = collective_failure(e)
         if failure is None:
             raise
         # A peer that exited first has its own line; one that stopped answering has none.
         speak_once(f"error: {failure.line}", root_cause=failure.timed_out)
-        _exit_now(1)
+        exit_now(1)
 
 
-def _exit_now(code: int) -> NoReturn:
-    """Exit from a run that stopped mid-job: its process group and checkpoint threads still
-    live, and tearing them down at interpreter exit can abort the process (exit 134)."""
-    logging.shutdown()
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code` once the lines are out, without the interpreter's teardown: after a
+    run that stopped mid-job (its process group and checkpoint threads still live), and even
+    after a closed one, torch's C++ objects destroyed at interpreter exit have aborted a rank
+    now and then ("terminate called without an active exception", exit 134) after an exit-1
+    stop; everything the run writes is closed or flushed by then."""
+    atexit._run_exitfuncs()  # what exit handlers do (release the run lock, end logging)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -247,4 +251,4 @@ def _exit_now(code: int) -> NoReturn:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format=FORMAT)
-    sys.exit(run(sys.argv[1:]))
+    exit_now(run(sys.argv[1:]))

@@ -118,4 +118,4 @@ if __name__ == "__main__":
     # The ranks run this file by its path: the repository must be on their import path.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
-    sys.exit(train.run(sys.argv[1:], __file__, main, train_args=lambda a: parse(a)[2]))
+    train.exit_now(train.run(sys.argv[1:], __file__, main, train_args=lambda a: parse(a)[2]))
