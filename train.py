@@ -227,22 +227,23 @@ def run(
         return 2
     except SaveFailed as e:
         speak_once(f"error: {e}", root_cause=True)
-        exit_now(1)
+        return 1
     except Exception as e:
         failure = collective_failure(e)
         if failure is None:
             raise
         # A peer that exited first has its own line; one that stopped answering has none.
         speak_once(f"error: {failure.line}", root_cause=failure.timed_out)
-        exit_now(1)
+        return 1  # the entry point exits with `exit_now`: no teardown of the broken group
 
 
 def exit_now(code: int) -> NoReturn:
-    """Exit with `code` once the lines are out, without the interpreter's teardown: after a
-    run that stopped mid-job (its process group and checkpoint threads still live), and even
-    after a closed one, torch's C++ objects destroyed at interpreter exit have aborted a rank
-    now and then ("terminate called without an active exception", exit 134) after an exit-1
-    stop; everything the run writes is closed or flushed by then."""
+    """Exit with `code` (what `run` returned) once the lines are out, without the
+    interpreter's teardown: after a run that stopped mid-job (its process group and checkpoint
+    threads still live), and even after a closed one, torch's C++ objects destroyed at
+    interpreter exit have aborted a rank now and then ("terminate called without an active
+    exception", exit 134) after an exit-1 stop; everything the run writes is closed or flushed
+    by then."""
     atexit._run_exitfuncs()  # what exit handlers do (release the run lock, end logging)
     sys.stdout.flush()
     sys.stderr.flush()

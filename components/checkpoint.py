@@ -154,12 +154,12 @@ class CheckpointManager:
         self._deferred = False  # a save fell due inside a skip streak: make it at the next step
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
         self._publish_lock = threading.Lock()
-        # Async saves run collectives from a background thread: give them a group of their
-        # own so they never interleave with the training's collectives.
         # This run's hyperparameters, put back after it resumes a checkpoint or a seed.
         optimizer = states.get("optimizer")
         ours = isinstance(optimizer, OptimizersContainer)
         self._config = ConfigSettings(optimizer) if ours else None
+        # Async saves run collectives from a background thread: give them a group of their
+        # own so they never interleave with the training's collectives.
         self._pg = (
             dist.new_group(backend="gloo")
             if cfg.enable and cfg.async_mode == "async" and dist.is_initialized()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from containers import OptimizersContainer
 from containers.state.flat import setting_changes
 
@@ -41,11 +43,16 @@ class ConfigSettings:
             for key, value in settings.items():
                 if key == "lr" and "initial_lr" in settings:
                     continue  # the scheduler's, from the base lr put back here
-                group[key] = value.clone() if hasattr(value, "clone") else value
+                group[key] = _copy(value)
         if changes:
             logger.info("resume: from the config, not the checkpoint: %s", ", ".join(changes))
         return changes
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.clone() if hasattr(v, "clone") else v for k, v in group.items() if k != "params"}
+    return {k: _copy(v) for k, v in group.items() if k != "params"}
+
+
+def _copy(value: Any) -> Any:
+    """A tensor setting (a tensor lr) copied, so later writes to the group do not reach it."""
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -20,7 +20,6 @@ multiply by a scalar factor, no host sync), so the one check catches it too.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -50,8 +49,6 @@ from containers.state.initial import derive
 from containers.state.param_groups import ParamGroupRule, assign, trainable
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -400,7 +397,7 @@ class OptimizersContainer(Optimizer, Stateful):
         counts, the precision's masters and scaler) and the groups' hyperparameters (lr,
         betas, weight decay, ...), by FQN; kernel choices (`fused`, `foreach`) stay the
         container's. A trainer that wants its config to win on resume sets it back after the
-        load (`components.optimizer.restore_settings`). A dict of another state layout
+        load (`components.resume.ConfigSettings`). A dict of another state layout
         (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
         """
         state_dict = dict(state_dict)

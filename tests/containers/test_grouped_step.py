@@ -139,11 +139,17 @@ def test_torch_init_group_keeps_every_adam_configuration_of_optim_db_bitwise(cls
     _assert_bitwise(grouped, alone, parts, ref_parts)
 
 
-def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise():
+def _grouped_and_alone() -> tuple[list, list, OptimizersContainer, OptimizersContainer]:
+    """Fused AdamW over two copies of one model: grouped, and each inner optimizer alone."""
     parts, ref_parts = three_parts(), three_parts()
     kwargs = {"lr": 1e-2, "fused": True}
     grouped = OptimizersContainer(parts, torch.optim.AdamW, kwargs)
     alone = OptimizersContainer(ref_parts, torch.optim.AdamW, kwargs, precision=PerOptimizer())
+    return parts, ref_parts, grouped, alone
+
+
+def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise():
+    parts, ref_parts, grouped, alone = _grouped_and_alone()
     calls: list[str] = []
     grouped.optimizers[0].register_step_pre_hook(lambda *a: calls.append("pre0"))
     grouped.optimizers[1].register_step_post_hook(lambda *a: calls.append("post1"))
@@ -172,10 +178,7 @@ def test_hooks_and_patched_steps_of_inner_optimizers_still_fire_and_stay_bitwise
 
 def test_torch_lr_schedulers_on_every_inner_optimizer_keep_the_one_call():
     # As train.py's schedulers: a LambdaLR on each inner optimizer patches its `step`.
-    parts, ref_parts = three_parts(), three_parts()
-    kwargs = {"lr": 1e-2, "fused": True}
-    grouped = OptimizersContainer(parts, torch.optim.AdamW, kwargs)
-    alone = OptimizersContainer(ref_parts, torch.optim.AdamW, kwargs, precision=PerOptimizer())
+    parts, ref_parts, grouped, alone = _grouped_and_alone()
     scheds = {
         c: [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in c]
         for c in (grouped, alone)
