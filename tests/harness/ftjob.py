@@ -53,9 +53,15 @@ class FTJob:
         self.killed: set[str] = set()
         self.start_lighthouse()
 
-    def start_lighthouse(self) -> None:
-        """Start the lighthouse on the job's port (again, after `kill("lighthouse")`)."""
-        lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}", "--min_replicas", "1"]
+    def start_lighthouse(self, min_replicas: int = 1) -> None:
+        """Start the lighthouse on the job's port (again, after `kill("lighthouse")`).
+
+        A restarted lighthouse knows no group until it hears from one: with `min_replicas`
+        1 the first group to reach it forms a quorum alone and trains on while the other
+        catches up (and heals); with the number of live groups, they rejoin together.
+        """
+        lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}"]
+        lighthouse += ["--min_replicas", str(min_replicas)]
         lighthouse += ["--join_timeout_ms", "500", "--quorum_tick_ms", "50"]
         self._start("lighthouse", [*lighthouse, "--heartbeat_timeout_ms", "1000"])
         self.killed.discard("lighthouse")
@@ -102,13 +108,15 @@ class FTJob:
         while not condition():
             for name, proc in self.procs.items():
                 if name not in self.killed and proc.poll() not in (None, 0):
-                    raise RuntimeError(
-                        f"{name} died while waiting for {what}:\n{self.log(name)[-3000:]}"
-                    )
+                    raise RuntimeError(f"{name} died while waiting for {what}:{self.tails()}")
             if time.monotonic() - start > timeout:
-                raise TimeoutError(f"no {what} within {timeout}s")
+                raise TimeoutError(f"no {what} within {timeout}s:{self.tails()}")
             time.sleep(0.02)
         return time.monotonic() - start
+
+    def tails(self, chars: int = 3000) -> str:
+        """The end of every process's log (a stop is often explained by another's)."""
+        return "".join(f"\n--- {name}:\n{self.log(name)[-chars:]}" for name in self.procs)
 
     def wait_exit(self, name: str, timeout: float = 180.0) -> int:
         return self.procs[name].wait(timeout=timeout)

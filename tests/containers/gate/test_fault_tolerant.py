@@ -380,9 +380,10 @@ def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_liv
 def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_ends_in_a_save(
     tmp_path,
 ):
-    """The lighthouse is killed at step >= 3 and started again 1 s later: both groups wait
-    and train on in lockstep. Killed again for good: past the 10 s quorum timeout each group
-    saves the step it reached and exits 1 with one line, no traceback."""
+    """The lighthouse is killed at step >= 3 and started again 1 s later (told to wait for
+    both groups, as its operator would: a fresh lighthouse knows none): both groups wait and
+    train on in lockstep, neither heals. Killed again for good: past the 10 s quorum timeout
+    each group saves the step it reached and exits 1 with one line, no traceback."""
     job = FTJob(
         tmp_path,
         400,
@@ -400,7 +401,8 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
         job.kill("lighthouse")
         down_at = max(_last(job, 0), _last(job, 1))
         time.sleep(1)
-        job.start_lighthouse()
+        back = [len(job.log(f"replica_{r}")) for r in (0, 1)]
+        job.start_lighthouse(min_replicas=2)
         job.wait_for("5 more steps", lambda: min(_last(job, 0), _last(job, 1)) >= down_at + 5)
         job.kill("lighthouse")
         gone = [len(job.log(f"replica_{r}")) for r in (0, 1)]
@@ -410,8 +412,7 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
     assert codes == [1, 1], [job.log(f"replica_{r}")[-3000:] for r in (0, 1)]
     for r in (0, 1):
         reached = _last(job, r)
-        # (torchft logs its own tracebacks when the restarted lighthouse's first quorum
-        # reuses a quorum id: that step is not committed and the next one is.)
+        assert "healed" not in job.log(f"replica_{r}")[back[r] : gone[r]]
         [line] = _errors(job.log(f"replica_{r}")[gone[r] :])
         assert f"stopped at step {reached} of 400: torchft found no quorum" in line, line
         assert "within 10 s" in line and "saved in" in line, line
@@ -419,6 +420,7 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
     survivor, other = job.metrics(0), job.metrics(1)
     common = sorted(set(survivor) & set(other))
     assert common[-1] > down_at + 4 and common[-1] <= job.steps
+    assert set(range(down_at, common[-1] + 1)) <= set(common)  # lockstep: no step alone
     for step in common:
         assert survivor[step]["param_checksum"] == other[step]["param_checksum"], step
 
