@@ -62,8 +62,11 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _run(name: str, seed: int, accum: int, args: argparse.Namespace) -> list[dict]:
-    """The per-step records of one training run (run now unless `--out` has them)."""
+def run_job(
+    name: str, seed: int, accum: int, args: argparse.Namespace, contender: list[str] | None = None
+) -> list[dict]:
+    """The per-step records of one training run of `contender` (default: `CONTENDERS[name]`),
+    run now unless `args.out` has them."""
     folder = Path(args.out) / f"{name}-seed{seed}-accum{accum}"
     records = _metrics(folder)
     if len(records) >= args.steps and records[args.steps - 1]["step"] == args.steps:
@@ -71,7 +74,7 @@ def _run(name: str, seed: int, accum: int, args: argparse.Namespace) -> list[dic
     shutil.rmtree(folder, ignore_errors=True)
     batch = args.local_batch_size or max(1, 8 // accum)
     argv = [
-        *CONTENDERS[name],
+        *(CONTENDERS[name] if contender is None else contender),
         *(QUICK if args.quick else []),
         "--job.dump_folder", str(folder),
         "--checkpoint.enable", "false",
@@ -96,7 +99,7 @@ def _run(name: str, seed: int, accum: int, args: argparse.Namespace) -> list[dic
     return _metrics(folder)[: args.steps]
 
 
-def _tail_mean(records: list[dict], window: int) -> float:
+def tail_mean(records: list[dict], window: int) -> float:
     return statistics.fmean(r["loss"] for r in records[-window:])
 
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for accum in args.accum:
         means: dict[str, list[float]] = {n: [] for n in names}
         for seed in args.seeds:
-            losses = {n: _tail_mean(_run(n, seed, accum, args), args.window) for n in names}
+            losses = {n: tail_mean(run_job(n, seed, accum, args), args.window) for n in names}
             for n in names:
                 means[n].append(losses[n])
             f32, pol, mp = (losses[n] for n in names)
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     first = args.accum[0]
     times = {
-        n: statistics.median(_step_s(_run(n, s, first, args)) for s in args.seeds) for n in names
+        n: statistics.median(_step_s(run_job(n, s, first, args)) for s in args.seeds) for n in names
     }
     lines += ["", "| bytes per parameter (steady, per rank) | " + " | ".join(names) + " |"]
     lines.append("| --- |" + " --- |" * len(names))

@@ -199,3 +199,29 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
             f"missing keys {describe_keys(missing)}; unexpected keys "
             f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
         )
+    if converted := dtype_changes(ours, saved):
+        logger.info("checkpoint %s: converted on load: %s", path, converted)
+
+
+def dtype_changes(ours: dict[str, Any], saved: dict[str, Any]) -> str:
+    """What loading `saved` (a checkpoint's metadata) into `ours` converts, by state name:
+    e.g. ``exp_avg, exp_avg_sq float32 -> bfloat16 (24 tensors)``; "" if nothing."""
+    names: dict[tuple[torch.dtype, torch.dtype], set[str]] = {}
+    counts: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for key, value in ours.items():
+        meta = saved.get(key)
+        if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        if (was := meta.properties.dtype) != value.dtype:
+            pair = (was, value.dtype)
+            names.setdefault(pair, set()).add(key.rsplit(".", 1)[-1])
+            counts[pair] = counts.get(pair, 0) + 1
+    return "; ".join(
+        f"{', '.join(sorted(names[pair]))} {_dtype(pair[0])} -> {_dtype(pair[1])} "
+        f"({counts[pair]} tensors)"
+        for pair in names
+    )
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

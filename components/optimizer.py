@@ -33,6 +33,8 @@ from config import Optimizer as OptimizerConfig
 from containers import (
     Gate,
     InBackward,
+    LeanAdam,
+    LeanAdamW,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
@@ -127,9 +129,31 @@ def registered_containers() -> list[str]:
     return sorted(_CONTAINERS)
 
 
+def _lean_moments(cfg: OptimizerConfig) -> bool:
+    """Whether the section or any of its groups keeps moments in a lower dtype."""
+    dtypes = {cfg.moment_dtype, *(g.moment_dtype for g in cfg.param_groups)}
+    return bool(dtypes - {None, "float32"})
+
+
+def _adam(plain: type[Optimizer], lean: type[Optimizer]) -> OptimizerFactory:
+    """Adam's or AdamW's factory: torch's class, or its lean twin when any group keeps bf16
+    moments (one class for every group, so a part keeps one inner optimizer)."""
+
+    def factory(cfg: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
+        if not _lean_moments(cfg):
+            return plain, adam_kwargs(cfg)
+        return lean, {**adam_kwargs(cfg), "moment_dtype": cfg.moment_dtype}
+
+    return factory
+
+
+_LEAN: dict[type[Optimizer], type[Optimizer]] = {
+    torch.optim.Adam: LeanAdam,
+    torch.optim.AdamW: LeanAdamW,
+}
+for _cls, _lean_cls in _LEAN.items():
+    register_optimizer(_cls.__name__, _adam(_cls, _lean_cls))
 for _cls in (
-    torch.optim.Adam,
-    torch.optim.AdamW,
     torch.optim.Adamax,
     torch.optim.NAdam,
     torch.optim.RAdam,
@@ -211,7 +235,21 @@ def resolve_optimizer(
             f"{where} name = {name!r}: unknown optimizer; registered: {known} "
             "(add one with components.optimizer.register_optimizer)"
         )
-    return _OPTIMIZERS[name](cfg)
+    cls, kwargs = _OPTIMIZERS[name](cfg)
+    if cfg.moment_dtype != "float32":
+        if "moment_dtype" not in kwargs:
+            raise ConfigError(
+                f"{where} moment_dtype = {cfg.moment_dtype!r}: {name} keeps its state in the "
+                "parameters' dtype here (bf16 moments are Adam's and AdamW's); set this "
+                "group's moment_dtype = 'float32' or use Adam/AdamW"
+            )
+        if cfg.implementation in ("foreach", "for-loop"):
+            raise ConfigError(
+                f"[optimizer] implementation = {cfg.implementation!r}: bf16 moments "
+                f"({where} moment_dtype) step through torch's fused kernel over fp32 "
+                "scratch; use implementation 'auto' or 'fused'"
+            )
+    return cls, kwargs
 
 
 def check_names(cfg: OptimizerConfig) -> None:
@@ -265,6 +303,8 @@ def _rules(
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
         refuse_on_shards(group_cls, group.name or cfg.name, where, sharded)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
+        if _LEAN.get(group_cls) is cls:  # a float32 group of a lean section: the same class
+            group_cls, group_kwargs = cls, {**group_kwargs, "moment_dtype": "float32"}
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
             rules.append(ParamGroupRule(group.pattern, diff))

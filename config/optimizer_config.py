@@ -7,11 +7,12 @@ from typing import Literal
 
 from config.fields import bounded
 
-__all__ = ["AdjustLR", "Implementation", "NSDtype", "Optimizer", "ParamGroup"]
+__all__ = ["AdjustLR", "Implementation", "MomentDtype", "NSDtype", "Optimizer", "ParamGroup"]
 
 Implementation = Literal["auto", "fused", "foreach", "for-loop"]
 NSDtype = Literal["auto", "bfloat16", "float32"]
 AdjustLR = Literal["original", "match_rms_adamw"]
+MomentDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(kw_only=True)
@@ -70,6 +71,9 @@ class ParamGroup:
     eps2: float | None = bounded(None, ge=0.0)
     """Parameter-scale floor of this group (Adafactor)."""
 
+    moment_dtype: MomentDtype | None = None
+    """Dtype of this group's Adam/AdamW moments."""
+
 
 @dataclass(kw_only=True)
 class Optimizer:
@@ -125,6 +129,11 @@ class Optimizer:
     eps2: float = bounded(1e-3, ge=0.0)
     """Adafactor's epsilon2 (torch's `eps[1]`), the floor of the parameter scale, so that
     weights near zero still move."""
+
+    moment_dtype: MomentDtype = "float32"
+    """Dtype Adam/AdamW keep their two moments in: "bfloat16" halves their memory (4 bytes a
+    parameter instead of 8); the update is still fp32 math, torch's fused kernel on each chunk
+    of moments widened to fp32 and rounded back. Checkpoints of either load into either."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and

@@ -18,7 +18,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 
 from containers.container import OptimizersContainer, Unit
 from containers.gate import FTOptimizersContainer, TorchFTGate
-from containers.optim import ShardedMuon
+from containers.optim import LeanAdam, LeanAdamW, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
 from containers.precision import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer
 from containers.state import ParamGroupRule
@@ -29,6 +29,8 @@ __all__ = [
     "Gate",
     "GateLost",
     "InBackward",
+    "LeanAdam",
+    "LeanAdamW",
     "LossScaler",
     "MasterWeights",
     "MixedPrecisionOptimizersContainer",

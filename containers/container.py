@@ -40,6 +40,7 @@ from containers.parts import Gate, Precision, StepReport, Timing, all_finite, re
 from containers.state.flat import (
     PG,
     STATE,
+    UNSAVED_KEYS,
     flatten_into,
     plan_load,
     refuse_other_layout,
@@ -379,7 +380,7 @@ class OptimizersContainer(Optimizer, Stateful):
             for group in opt.param_groups:
                 for p in group["params"]:
                     for key, value in group.items():
-                        if key != "params":
+                        if key != "params" and key not in UNSAVED_KEYS:
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
         flat.update(self.precision.state_dict(self._fqns))
         if self.flat_shards:

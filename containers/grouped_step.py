@@ -40,11 +40,12 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 from torch.optim import optimizer as torch_optimizer
-from torch.optim.adam import adam
+
+from containers.optim.lean_adam import LeanAdam, LeanAdamW, step_group
 
 __all__ = ["step_together"]
 
-_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+_ADAM = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
 
 HYPERPARAMETERS = (
     "lr",
@@ -60,7 +61,7 @@ HYPERPARAMETERS = (
     "decoupled_weight_decay",
 )
 """The group entries that torch's functional `adam` reads: groups agreeing on all of them
-step in one call."""
+(and on `moment_dtype`, the lean classes' storage) step in one call."""
 
 
 _KEY = itemgetter(*HYPERPARAMETERS)  # one C call per group: this runs on every step
@@ -112,7 +113,7 @@ def step_together(optimizers: Sequence[Optimizer]) -> None:
     buckets: dict[tuple[Any, ...], list[tuple[Optimizer, dict[str, Any]]]] = {}
     for opt in optimizers:
         groups = opt.param_groups
-        keys = [_KEY(g) for g in groups] if _groupable(opt) else None
+        keys = [(*_KEY(g), g.get("moment_dtype")) for g in groups] if _groupable(opt) else None
         if keys is None or not all(map(_mergeable, keys)):
             opt.step()
             continue
@@ -124,7 +125,7 @@ def step_together(optimizers: Sequence[Optimizer]) -> None:
 
 
 def _step_bucket(groups: list[tuple[Optimizer, dict[str, Any]]]) -> None:
-    """One functional `adam` call over `groups` (all of the same bucket)."""
+    """One functional `adam` (or `lean_adam`) call over `groups` (all of the same bucket)."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     exp_avgs: list[torch.Tensor] = []
@@ -139,13 +140,7 @@ def _step_bucket(groups: list[tuple[Optimizer, dict[str, Any]]]) -> None:
         )
     if not params:
         return
-    group = groups[0][1]
-    beta1, beta2 = group["betas"]
-    adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        foreach=group["foreach"], capturable=group["capturable"],
-        differentiable=group["differentiable"], fused=group["fused"], has_complex=has_complex,
-        decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
-        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-        eps=group["eps"], maximize=group["maximize"],
+    step_group(
+        groups[0][1], params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        has_complex=has_complex,
     )  # fmt: skip

@@ -123,6 +123,18 @@ class MasterWeights(Precision):
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         """Masters and state of fused Adam/AdamW groups go into flat buffers (`flat_adam`)."""
+        lean = [
+            g["moment_dtype"]
+            for o in optimizers
+            for g in o.param_groups
+            if g.get("moment_dtype", "float32") != "float32"
+        ]
+        if lean:
+            raise ValueError(
+                f"moment_dtype = {lean[0]!r} with master weights: not supported yet (the "
+                "mixed-precision step keeps fp32 moments); use moment_dtype = 'float32' or "
+                "the default container"
+            )
         for opt in optimizers:
             flats = [
                 FlatGroup(opt, g, [self._model_param[id(m)] for m in g["params"]])

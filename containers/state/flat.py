@@ -18,9 +18,13 @@ from torch.optim import Optimizer
 STATE = "state"
 PG = "param_groups"
 
-# Group keys that say how an optimizer runs, not what it computes: not worth a line when a
-# checkpoint written with one kernel loads into a run that chose another.
+# Group keys that say how an optimizer runs, not what it computes: they stay the optimizer's
+# own when a checkpoint written with another kernel loads.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+UNSAVED_KEYS = frozenset({"moment_dtype"})
+"""Group keys left out of the flat dict: how the optimizer stores its state (the tensors'
+dtypes say it), so runs of either policy write the same keys and load each other's."""
 
 
 def describe_keys(keys: Iterable[str], limit: int = 8) -> str:
@@ -147,7 +151,7 @@ def plan_load(
         for group in opt.param_groups:
             for p in group["params"]:
                 for key in group:
-                    if key != "params":
+                    if key != "params" and key not in UNSAVED_KEYS:
                         expected[f"{PG}.{fqns[p]}.{key}"] = None
     if not isinstance(flat.get(STATE), dict):
         refuse_other_layout(optimizers, layout, fqns, flat.keys())
@@ -248,7 +252,8 @@ def setting_changes(
         for name, was in group.items():
             key = "initial_lr" if name == "lr" and "initial_lr" in group else name
             was, now = group[key], then.get(key, group[key])
-            if name in ("params", "initial_lr", *_IMPLEMENTATION_KEYS) or _same(was, now):
+            skip = ("params", "initial_lr", *_IMPLEMENTATION_KEYS, *UNSAVED_KEYS)
+            if name in skip or _same(was, now):
                 continue
             if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
                 # The one setting that tells Adam from AdamW (their state is the same).

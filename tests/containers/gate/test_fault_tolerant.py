@@ -105,10 +105,11 @@ def _final_states(job: FTJob) -> list[dict]:
 def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_heals_identical(
     tmp_path,
 ):
-    """Two replica groups of 2 processes each (FSDP2 over the group): one group is killed,
-    the other commits on alone, the restarted group heals from it (shard by shard, not from
-    disk: no checkpoint exists before the last step) and both end bitwise identical."""
-    job = FTJob(tmp_path, STEPS, nproc=2)
+    """Two replica groups of 2 processes each (FSDP2 over the group, AdamW with bf16
+    moments): one group is killed, the other commits on alone, the restarted group heals from
+    it (shard by shard, not from disk: no checkpoint exists before the last step; its moments
+    stay bf16) and both end bitwise identical."""
+    job = FTJob(tmp_path, STEPS, ["--optimizer.moment_dtype", "bfloat16"], nproc=2)
     survivor, healed, killed_at = _kill_and_heal(job, HOLD, kill_after=2)
     assert HOLD - killed_at > 3, killed_at
     after_heal = sorted(s for s in healed if s >= HOLD)
@@ -118,7 +119,9 @@ def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_hea
         assert survivor[step]["param_checksum"] == healed[step]["param_checksum"], step
         assert survivor[step]["lr"] == healed[step]["lr"], step
         assert survivor[step]["grad_norm"] == healed[step]["grad_norm"], step
-    _final_states(job)
+    optim = _final_states(job)[1]["optim"]
+    moments = [v for k, v in optim.items() if k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert moments and {v.dtype for v in moments} == {torch.bfloat16}
 
 
 # fp16 with dynamic scaling: one overflow halves the scale (hysteresis 1), 6 clean steps in a

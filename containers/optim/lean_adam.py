@@ -1,0 +1,258 @@
+"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with their moments kept in bfloat16.
+
+Adam keeps two moments per parameter, 8 bytes in fp32; in bf16 they take 4. The update stays
+fp32 math and torch's own: each chunk of moments (`scratch`-sized, cache-resident) is widened
+into fp32 scratch, stepped there with the parameter and gradient by torch's fused kernel
+(`torch._fused_adam_` / `_fused_adamw_`, the kernel of `fused=True`), and rounded back to
+nearest. So a lean step is, bit for bit, torch's fused step on the fp32 values of the bf16
+moments followed by rounding them (tests hold this), and the parameters themselves stay fp32.
+
+Neither torch's fused nor its foreach AdamW takes bf16 moments beside fp32 parameters on a CPU
+("expected scalar type Float but found BFloat16"), and `Optimizer.load_state_dict` casts every
+state tensor to its parameter's dtype: a resume would hold the whole state in fp32 again. Here
+a load keeps (or converts to) each group's `moment_dtype`, one tensor at a time.
+
+`moment_dtype` is a group setting ("float32" or "bfloat16"), so param groups may differ; it is
+the optimizer's own storage choice, like its kernel: a load converts to it, never adopts the
+dict's. A "float32" group steps exactly as torch's class does; a lean one with the fused
+kernel, whatever its `foreach`/`fused` say (an unset `fused` becomes True, so `step` is kept
+where the fused kernel wants it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+from containers.norm import SCRATCH_NUMEL, local, scratch
+
+__all__ = ["MOMENT_DTYPES", "LeanAdam", "LeanAdamW", "lean_adam", "moment_dtype_of"]
+
+MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The `moment_dtype` names a group may take."""
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
+    """The dtype a group keeps its moments in (torch's classes: float32)."""
+    return MOMENT_DTYPES[group.get("moment_dtype", "float32")]
+
+
+def _check_moment_dtype(group: dict[str, Any]) -> None:
+    name = group.get("moment_dtype", "float32")
+    if name not in MOMENT_DTYPES:
+        raise ValueError(
+            f"moment_dtype = {name!r}: expected one of {sorted(MOMENT_DTYPES)} (the dtype "
+            "Adam's moments are kept in)"
+        )
+
+
+class _Lean:
+    """What `LeanAdam` and `LeanAdamW` add to torch's classes (a mixin placed before them)."""
+
+    def __init__(self, params: Any, *args: Any, moment_dtype: str = "float32", **kwargs: Any):
+        _check_moment_dtype({"moment_dtype": moment_dtype, **kwargs})
+        # Before torch's constructor adds the groups, so each takes the default.
+        self._moment_dtype = moment_dtype
+        super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
+        self.defaults["moment_dtype"] = moment_dtype
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group.setdefault("moment_dtype", self._moment_dtype)
+        _check_moment_dtype(param_group)
+        if param_group["moment_dtype"] != "float32" and param_group.get("fused") is None:
+            # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
+            param_group["fused"] = True
+        super().add_param_group(param_group)  # type: ignore[misc]
+
+    def _init_group(self, group: dict[str, Any], params: list, *lists: list) -> bool:
+        """Torch's `_init_group`, with a new parameter's moments created in the group's dtype
+        (one at a time: no fp32 copy of the group's state is ever made)."""
+        dtype = moment_dtype_of(group)
+        for p in group["params"]:
+            if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
+                continue
+            fused_step = group["capturable"] or group["fused"]
+            self.state[p] = {  # type: ignore[attr-defined]
+                # As torch hosts `step` (see its note [special device hosting for step]).
+                "step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
+                if fused_step
+                else torch.tensor(0.0, dtype=_get_scalar_dtype()),
+                **{
+                    name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                    for name in MOMENTS[: 3 if group["amsgrad"] else 2]
+                },
+            }
+        return super()._init_group(group, params, *lists)  # type: ignore[misc]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            lists: tuple[list, ...] = ([], [], [], [], [], [])
+            has_complex = self._init_group(group, *lists)
+            if lists[0]:
+                step_group(group, *lists, has_complex=has_complex)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's load, but each group's moments keep (or are converted to) its own
+        `moment_dtype`, one tensor at a time; torch's would cast them to the parameters'."""
+        own = [g["moment_dtype"] for g in self.param_groups]  # type: ignore[attr-defined]
+        moments = {
+            k: {n: v for n, v in st.items() if n in MOMENTS}
+            for k, st in state_dict["state"].items()
+        }
+        rest = {
+            k: {n: v for n, v in st.items() if n not in MOMENTS}
+            for k, st in state_dict["state"].items()
+        }
+        super().load_state_dict({**state_dict, "state": rest})  # type: ignore[misc]
+        saved = state_dict["param_groups"]
+        for group, name, then in zip(self.param_groups, own, saved):  # type: ignore[attr-defined]
+            group["moment_dtype"] = name
+            for p, k in zip(group["params"], then["params"]):
+                for n, v in moments.get(k, {}).items():
+                    self.state[p][n] = v.to(device=p.device, dtype=MOMENT_DTYPES[name])  # type: ignore[attr-defined]
+
+
+class LeanAdam(_Lean, torch.optim.Adam):
+    """`torch.optim.Adam` with `moment_dtype` ("float32" or "bfloat16") per group."""
+
+
+class LeanAdamW(_Lean, torch.optim.AdamW):
+    """`torch.optim.AdamW` with `moment_dtype` ("float32" or "bfloat16") per group."""
+
+
+def step_group(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    has_complex: bool = False,
+) -> None:
+    """One Adam/AdamW update of a group's collected tensors: torch's functional `adam`, or
+    `lean_adam` for a group that keeps its moments in a lower dtype."""
+    beta1, beta2 = group["betas"]
+    settings = dict(
+        amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+    )  # fmt: skip
+    if group.get("moment_dtype", "float32") != "float32":
+        lean_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **settings)
+        return
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
+        capturable=group["capturable"], differentiable=group["differentiable"],
+        fused=group["fused"], has_complex=has_complex, **settings,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def lean_adam(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    amsgrad: bool,
+    beta1: float,
+    beta2: float,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+) -> None:
+    """Adam/AdamW over moments of a lower dtype than the parameters: torch's fused kernel on
+    fp32 scratch copies of them, a chunk at a time, rounded back (see the module docstring)."""
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    settings = dict(
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+        maximize=maximize, grad_scale=None, found_inf=None,
+    )  # fmt: skip
+    n_moments = 3 if amsgrad else 2
+    chunk = SCRATCH_NUMEL // n_moments
+    moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][:n_moments]
+    batch: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) pieces
+    filled = 0
+
+    def flush() -> None:
+        nonlocal filled
+        if not batch:
+            return
+        buffer = scratch(batch[0][0].device, SCRATCH_NUMEL)
+        wide = []
+        for m in range(n_moments):
+            offset, views = m * chunk, []
+            for piece in batch:
+                views.append(buffer[offset : offset + piece[0].numel()])
+                offset += piece[0].numel()
+            torch._foreach_copy_(views, [piece[3 + m] for piece in batch])
+            wide.append(views)
+        p, g, s = ([piece[i] for piece in batch] for i in range(3))
+        kernel(p, g, wide[0], wide[1], wide[2] if amsgrad else [], s, **settings)
+        for m in range(n_moments):
+            torch._foreach_copy_([piece[3 + m] for piece in batch], wide[m])
+        batch.clear()
+        filled = 0
+
+    for i, param in enumerate(params):
+        p, g = local(param), local(grads[i])
+        ms = [local(moment[i]) for moment in moments]
+        if p.dtype != torch.float32 or not all(t.is_contiguous() for t in (p, g, *ms)):
+            _step_whole(kernel, p, g, ms, steps[i], amsgrad, settings)
+            continue
+        flat = [t.view(-1) for t in (p, g, *ms)]
+        for start in range(0, p.numel(), chunk):
+            stop = min(start + chunk, p.numel())
+            if filled + stop - start > chunk:
+                flush()
+            batch.append(
+                (
+                    flat[0][start:stop],
+                    flat[1][start:stop],
+                    steps[i],
+                    *_sliced(flat[2:], start, stop),
+                )
+            )
+            filled += stop - start
+    flush()
+
+
+def _sliced(tensors: Iterable[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+    return [t[start:stop] for t in tensors]
+
+
+def _step_whole(
+    kernel: Any,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    moments: list[torch.Tensor],
+    step: torch.Tensor,
+    amsgrad: bool,
+    settings: dict[str, Any],
+) -> None:
+    """A parameter the chunks cannot view (not contiguous, or not fp32): its moments widened
+    to the parameter's dtype whole (or stepped in place, already of its dtype)."""
+    wide = [m.to(p.dtype) for m in moments]
+    kernel([p], [g], [wide[0]], [wide[1]], [wide[2]] if amsgrad else [], [step], **settings)
+    for m, w in zip(moments, wide):
+        if w is not m:
+            m.copy_(w)

@@ -1,0 +1,244 @@
+"""LeanAdam/LeanAdamW: bf16 moments, fp32 math, torch's fused kernel; kept through loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import containers.optim.lean_adam as lean_adam
+from config import ConfigError, ParamGroup
+from config import Optimizer as OptimizerConfig
+from containers import (
+    LeanAdam,
+    LeanAdamW,
+    OptimizersContainer,
+    OptimizersInBackwardContainer,
+    ParamGroupRule,
+)
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import assert_same, full, three_parts, train
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# A tensor spanning several chunks, one not contiguous, small ones batched into one chunk.
+SHAPES = [(700, 1000), (33,), (3, 5, 7), (64, 48)]
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in SHAPES]
+    params[3] = params[3].t()  # not contiguous: widened whole
+    return [p.requires_grad_() for p in params]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (LeanAdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        (LeanAdam, {"lr": 1e-2, "weight_decay": 0.1}),
+        (LeanAdamW, {"lr": 1e-3, "amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}),
+    ],
+)
+def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
+    cls, kwargs, monkeypatch
+):
+    monkeypatch.setattr(lean_adam, "SCRATCH_NUMEL", 1 << 18)  # several chunks per tensor
+    lean_params, ref_params = _params(), _params()
+    lean = cls(lean_params, moment_dtype="bfloat16", **kwargs)
+    torch_cls = torch.optim.AdamW if cls is LeanAdamW else torch.optim.Adam
+    ref = torch_cls(ref_params, fused=True, **kwargs)
+    names = (*MOMENTS, "max_exp_avg_sq") if kwargs.get("amsgrad") else MOMENTS
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        for a, b in zip(lean_params, ref_params):
+            a.grad = torch.randn(a.shape, generator=g).to(memory_format=torch.contiguous_format)
+            b.grad = a.grad.clone()
+        lean.step()
+        ref.step()
+        for a, b in zip(lean_params, ref_params):
+            assert torch.equal(a, b), step
+            for name in names:
+                kept = lean.state[a][name]
+                assert kept.dtype == torch.bfloat16
+                assert torch.equal(kept, ref.state[b][name].bfloat16()), (step, name)
+                ref.state[b][name].copy_(kept)  # the reference goes on from the rounded values
+            assert torch.equal(lean.state[a]["step"], ref.state[b]["step"])
+
+
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+def test_a_float32_group_is_torchs_adamw_bitwise(kernel):
+    a_params, b_params = _params(), _params()
+    lean = LeanAdamW(a_params, lr=1e-2, moment_dtype="float32", **kernel)
+    ref = torch.optim.AdamW(b_params, lr=1e-2, **kernel)
+    for step in range(3):
+        for a, b in zip(a_params, b_params):
+            a.grad = torch.full_like(a, 0.1 * (step + 1)) + a.detach().sin()
+            b.grad = a.grad.clone()
+        lean.step()
+        ref.step()
+    for a, b in zip(a_params, b_params):
+        assert torch.equal(a, b)
+        assert all(lean.state[a][n].dtype == torch.float32 for n in MOMENTS)
+
+
+def _container(seed: int = 0, timing: str = "after", **lean) -> tuple[list, OptimizersContainer]:
+    parts = three_parts(seed)
+    cls = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
+    rules = [ParamGroupRule(r"bias|norm", {"weight_decay": 0.0, "moment_dtype": "float32"})]
+    kwargs = {"lr": 1e-2, "fused": True, "moment_dtype": "bfloat16", **lean}
+    return parts, cls(parts, LeanAdamW, kwargs, param_groups=rules)
+
+
+@pytest.mark.parametrize("timing", ["after", "in_backward"])
+def test_containers_step_lean_groups_as_one_lean_optimizer_per_part(timing):
+    """The grouped step (one kernel call per bucket) and the in-backward timing give what each
+    part's own LeanAdamW gives; per-group dtypes hold (biases and norms kept fp32 here)."""
+    parts, container = _container(timing=timing)
+    ref_parts = three_parts(0)
+    refs = []
+    for part in ref_parts:
+        decay = [p for n, p in part.named_parameters() if "bias" not in n and "norm" not in n]
+        rest = [p for n, p in part.named_parameters() if "bias" in n or "norm" in n]
+        groups = [{"params": decay}]
+        groups += [{"params": rest, "weight_decay": 0.0, "moment_dtype": "float32"}] if rest else []
+        refs.append(LeanAdamW(groups, lr=1e-2, fused=True, moment_dtype="bfloat16"))
+
+    class Each:
+        def zero_grad(self):
+            for o in refs:
+                o.zero_grad()
+
+        def step(self):
+            for o in refs:
+                o.step()
+
+    train(parts, container, 3)
+    train(ref_parts, Each(), 3)
+    for part, ref in zip(parts, ref_parts):
+        for (name, p), q in zip(part.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), name
+    sd = container.state_dict()
+    assert sd["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+    assert sd["state.embed.bias.exp_avg"].dtype == torch.float32
+    assert not any(k.endswith(".moment_dtype") for k in sd)  # storage, not a hyperparameter
+
+
+def test_a_lean_state_loads_without_a_copy_and_resumes_bitwise():
+    parts, container = _container()
+    train(parts, container, 3)
+    sd = container.state_dict()
+    resumed_parts, resumed = _container(seed=1)
+    for src, dst in zip(parts, resumed_parts):
+        dst.load_state_dict(src.state_dict())
+    resumed.load_state_dict(sd)
+    loaded = resumed.state_dict()
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            # The dict's own tensors, kept in their dtype: nothing was widened or copied.
+            assert loaded[key].data_ptr() == value.data_ptr(), key
+    train(parts, container, 2, start=3)
+    train(resumed_parts, resumed, 2, start=3)
+    assert_same(resumed.state_dict(), container.state_dict())
+
+
+def test_policies_convert_both_ways_on_load():
+    parts, lean = _container()
+    train(parts, lean, 2)
+    plain_parts = three_parts(0)
+    plain = OptimizersContainer(plain_parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+    train(plain_parts, plain, 2)
+
+    _, lean_fresh = _container()
+    lean_fresh.load_state_dict(plain.state_dict())  # fp32 -> bf16: rounded to nearest
+    _, plain_fresh = _container(moment_dtype="float32")
+    plain_fresh.load_state_dict(lean.state_dict())  # bf16 -> fp32: widened exactly
+    got, fp32, bf16 = lean_fresh.state_dict(), plain.state_dict(), lean.state_dict()
+    for key, value in fp32.items():
+        if key.endswith(MOMENTS) and "bias" not in key and "norm" not in key:
+            assert got[key].dtype == torch.bfloat16
+            assert torch.equal(got[key], value.bfloat16()), key
+    widened = plain_fresh.state_dict()
+    for key, value in bf16.items():
+        if key.endswith(MOMENTS):
+            assert widened[key].dtype == torch.float32
+            assert torch.equal(widened[key], value.float()), key
+
+
+def _sharded_lean(seed: int) -> tuple[list[nn.Module], OptimizersContainer]:
+    parts = three_parts(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    return parts, OptimizersContainer(
+        parts, LeanAdamW, {"lr": 1e-2, "fused": True, "moment_dtype": "bfloat16"}
+    )
+
+
+def _save_lean(path: str) -> dict:
+    parts, container = _sharded_lean(0)
+    train(parts, container, 3, rank=dist.get_rank())
+    dcp.save({"optim": container}, checkpoint_id=path)
+    return {k: full(v) for k, v in container.state_dict().items()}
+
+
+def _load_lean(path: str) -> dict:
+    _, container = _sharded_lean(1)
+    dcp.load({"optim": container}, checkpoint_id=path)
+    return {k: full(v) for k, v in container.state_dict().items()}
+
+
+def test_bf16_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(2, _save_lean, path)[0]
+    assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+    assert_same(run_ranks(3, _load_lean, path)[0], saved)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (
+            OptimizerConfig(name="SGD", moment_dtype="bfloat16"),
+            r"moment_dtype = 'bfloat16': SGD keeps its state in the parameters' dtype",
+        ),
+        (
+            OptimizerConfig(
+                param_groups=[ParamGroup(pattern="w", name="SGD")], moment_dtype="bfloat16"
+            ),
+            r"param_groups\[0\]\] moment_dtype = 'bfloat16': SGD",
+        ),
+        (
+            OptimizerConfig(moment_dtype="bfloat16", implementation="foreach"),
+            r"implementation = 'foreach': bf16 moments .* use implementation 'auto' or 'fused'",
+        ),
+        (
+            OptimizerConfig(moment_dtype="bfloat16", container="mixed_precision"),
+            r"moment_dtype = 'bfloat16' with master weights: not supported yet",
+        ),
+    ],
+)
+def test_bf16_moments_where_they_do_not_apply_are_refused_by_name(cfg, match):
+    from components.optimizer import build_optimizers, build_precision
+
+    precision = build_precision(cfg)
+    parts = [precision.cast_model(part) for part in three_parts()]
+    with pytest.raises(ConfigError, match=match):
+        build_optimizers(parts, cfg, precision=precision)
+
+
+def test_the_config_builds_lean_adamw_with_per_group_dtypes():
+    from components.optimizer import build_optimizers
+
+    cfg = OptimizerConfig(
+        moment_dtype="bfloat16", param_groups=[ParamGroup(pattern="norm", moment_dtype="float32")]
+    )
+    container = build_optimizers(three_parts(), cfg)
+    assert {type(o) for o in container} == {LeanAdamW}
+    dtypes = {g["moment_dtype"] for g in container.param_groups}
+    assert dtypes == {"bfloat16", "float32"}
+    plain = build_optimizers(three_parts(), OptimizerConfig())
+    assert {type(o) for o in plain} == {torch.optim.AdamW}  # today's class when nothing asks
