@@ -21,7 +21,6 @@ where the fused kernel wants it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -56,7 +55,7 @@ class _Lean:
     """What `LeanAdam` and `LeanAdamW` add to torch's classes (a mixin placed before them)."""
 
     def __init__(self, params: Any, *args: Any, moment_dtype: str = "float32", **kwargs: Any):
-        _check_moment_dtype({"moment_dtype": moment_dtype, **kwargs})
+        _check_moment_dtype({"moment_dtype": moment_dtype})
         # Before torch's constructor adds the groups, so each takes the default.
         self._moment_dtype = moment_dtype
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -224,20 +223,10 @@ def lean_adam(
             stop = min(start + chunk, p.numel())
             if filled + stop - start > chunk:
                 flush()
-            batch.append(
-                (
-                    flat[0][start:stop],
-                    flat[1][start:stop],
-                    steps[i],
-                    *_sliced(flat[2:], start, stop),
-                )
-            )
+            pieces = [t[start:stop] for t in flat]
+            batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
             filled += stop - start
     flush()
-
-
-def _sliced(tensors: Iterable[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
-    return [t[start:stop] for t in tensors]
 
 
 def _step_whole(
