@@ -128,8 +128,12 @@ class TorchFTGate(Gate):
         )
 
     def commit(self) -> bool:
-        # A collective inside the replica group: every rank gets the same answer.
-        return self.manager.should_commit()
+        # A collective inside the replica group: every rank gets the same answer. It waits
+        # for the group's slowest rank, which may still be configuring the quorum's process
+        # group (up to its own timeout, when a peer's address is stale): torchft's default
+        # deadline, that same timeout, expired first on the rank that had failed fast, and it
+        # crashed. A quorum's deadline covers the configure.
+        return self.manager.should_commit(timeout=getattr(self.manager, "_quorum_timeout", None))
 
 
 class FTOptimizersContainer(OptimizersContainer):

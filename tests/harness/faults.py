@@ -8,6 +8,9 @@ Each FAULT is one of:
   runs it again.
 - `overflow STEP`: after the first attempt's backward of step STEP, this replica group's
   gradients hold inf (what an fp16 overflow leaves), before the average across groups.
+- `lag STEP RANK SECONDS`: after the first attempt's backward of step STEP, rank RANK of the
+  group sleeps SECONDS before `step()`: it reaches the commit late, as a rank still
+  configuring the quorum's process group does.
 - `hold STEP FILE`: every rank waits at the start of step STEP (its quorum already asked for)
   while FILE exists: the replica group stays in the job, its manager heartbeating, and commits
   nothing more until the test removes FILE (at most 5 minutes).
@@ -59,6 +62,18 @@ def _overflow(step: int) -> Fault:
     return overflow
 
 
+def _lag(rank: int, seconds: float) -> Fault:
+    done: list[bool] = []
+
+    def lag(job: Job) -> None:
+        if not done:
+            done.append(True)
+            if job.rank == rank:
+                time.sleep(seconds)
+
+    return lag
+
+
 def _hold(path: str) -> Fault:
     def hold(job: Job) -> None:
         deadline = time.monotonic() + _HOLD_LIMIT_S
@@ -82,10 +97,14 @@ def parse(args: list[str]) -> tuple[Faults, Faults, list[str]]:
             fault, args, when = _fail(step), args[2:], before
         elif kind == "overflow":
             fault, args, when = _overflow(step), args[2:], after
+        elif kind == "lag":
+            fault, args, when = _lag(int(args[2]), float(args[3])), args[4:], after
         elif kind == "hold":
             fault, args, when = _hold(args[2]), args[3:], before
         else:
-            raise SystemExit(f"unknown fault {kind!r}: expected 'fail', 'overflow' or 'hold'")
+            raise SystemExit(
+                f"unknown fault {kind!r}: expected 'fail', 'overflow', 'lag' or 'hold'"
+            )
         when.setdefault(step, []).append(fault)
     return before, after, args
 

@@ -26,8 +26,16 @@ def read_metrics(folder: Path) -> dict[int, dict]:
 class FTJob:
     """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
 
-    def __init__(self, folder: Path, steps: int, extra: list[str] = (), nproc: int = 1) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        steps: int,
+        extra: list[str] = (),
+        nproc: int = 1,
+        min_replicas: int = 1,
+    ) -> None:
         self.folder, self.steps, self.nproc = folder, steps, nproc
+        self.min_replicas = min_replicas
         self.port = free_port()
         self.train_args = [
             "--job.config_file", "config/debug.toml",
@@ -53,15 +61,16 @@ class FTJob:
         self.killed: set[str] = set()
         self.start_lighthouse()
 
-    def start_lighthouse(self, min_replicas: int = 1) -> None:
-        """Start the lighthouse on the job's port (again, after `kill("lighthouse")`).
+    def start_lighthouse(self) -> None:
+        """Start the lighthouse on the job's port (again, after `kill("lighthouse")`), needing
+        `min_replicas` groups for a quorum.
 
         A restarted lighthouse knows no group until it hears from one: with `min_replicas`
         1 the first group to reach it forms a quorum alone and trains on while the other
         catches up (and heals); with the number of live groups, they rejoin together.
         """
         lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}"]
-        lighthouse += ["--min_replicas", str(min_replicas)]
+        lighthouse += ["--min_replicas", str(self.min_replicas)]
         lighthouse += ["--join_timeout_ms", "500", "--quorum_tick_ms", "50"]
         self._start("lighthouse", [*lighthouse, "--heartbeat_timeout_ms", "1000"])
         self.killed.discard("lighthouse")

@@ -380,18 +380,36 @@ def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_liv
     assert not _errors(job.log("replica_0"))
 
 
+def test_a_rank_late_to_the_commit_within_the_quorum_timeout_is_waited_for(tmp_path):
+    """Rank 1 of a 2-rank group reaches step 2's commit 7 s late (as a rank still configuring
+    the quorum's process group after a stale peer address does): past the 5 s process-group
+    timeout, within the 20 s quorum timeout. Rank 0 waits for it and the step commits;
+    with torchft's default commit deadline (the process-group timeout) rank 0 crashed."""
+    job = FTJob(tmp_path, 3, ["--fault_tolerance.quorum_timeout_ms", "20000"], nproc=2)
+    try:
+        job.start_replica(0, ("-m", "tests.harness.faults", "lag", "2", "1", "7"))
+        assert job.wait_exit("replica_0", 120) == 0, job.log("replica_0")[-3000:]
+    finally:
+        job.close()
+    assert sorted(job.metrics(0)) == [1, 2, 3]
+    assert job.metrics(0)[2]["step_time_s"] > 6  # the lag happened
+    assert "Traceback" not in job.log("replica_0") and "not committed" not in job.log("replica_0")
+
+
 def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_ends_in_a_save(
     tmp_path,
 ):
-    """The lighthouse is killed at step >= 3 and started again 1 s later (told to wait for
-    both groups, as its operator would: a fresh lighthouse knows none): both groups wait and
-    train on in lockstep, neither heals. Killed again for good: past the 10 s quorum timeout
-    each group saves the step it reached and exits 1 with one line, no traceback."""
+    """A lighthouse that needs both groups (as its operator runs it for a 2-group job: a
+    restarted lighthouse knows no group, and with 1 the first to reach it trains on alone) is
+    killed at step >= 3 and started again 1 s later: both groups wait and train on in
+    lockstep, neither heals. Killed again for good: past the 10 s quorum timeout each group
+    saves the step it reached and exits 1 with one line, no traceback."""
     job = FTJob(
         tmp_path,
         400,
         ["--fault_tolerance.quorum_timeout_ms", "10000", "--checkpoint.enable"],
         nproc=2,
+        min_replicas=2,
     )
     start = tmp_path / "start"
     start.touch()
@@ -405,7 +423,7 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
         down_at = max(_last(job, 0), _last(job, 1))
         time.sleep(1)
         back = [len(job.log(f"replica_{r}")) for r in (0, 1)]
-        job.start_lighthouse(min_replicas=2)
+        job.start_lighthouse()
         job.wait_for("5 more steps", lambda: min(_last(job, 0), _last(job, 1)) >= down_at + 5)
         job.kill("lighthouse")
         gone = [len(job.log(f"replica_{r}")) for r in (0, 1)]
