@@ -279,7 +279,10 @@ def build_precision(
     """The precision of the container `cfg.container` names: the job casts the model with it
     (`cast_model`) before sharding, then hands it to `build_optimizers`."""
     if cfg.container == "mixed_precision":
-        return MasterWeights(mixed_precision)
+        try:
+            return MasterWeights(mixed_precision)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     return Precision()
 
 

@@ -274,6 +274,13 @@ class MixedPrecision:
     optimizers and fp32 gradient sums step eagerly. On an AVX2 CPU slower than the eager step
     (inductor's bf16 conversions): for GPUs."""
 
+    store_param_remainders: bool = False
+    """Keep each fp32 master as its bf16 parameter plus a 16-bit remainder (Megatron's name):
+    the same master bit for bit in 2 bytes/param instead of 4. bfloat16 parameters and fused
+    Adam/AdamW only (with `[optimizer] moment_dtype = "bfloat16"`: 8 bytes/param of state in
+    all); checkpoints hold the fp32 masters either way, so runs with and without it load each
+    other's. The parameter rounds ties away from zero (torch's cast: to even)."""
+
     grad_accumulation_dtype: Literal["param_dtype", "float32"] = "param_dtype"
     """Dtype the gradients are summed in over a step's micro-batches: "param_dtype" adds each
     micro-batch's into the last in bf16/fp16 (least memory); "float32" keeps an fp32 sum per

@@ -20,18 +20,28 @@ kernel runs every element on its vector path whatever the chunking (a tensor's l
 elements otherwise take a scalar tail, which can round differently in the last place): the
 result does not depend on how params are grouped into units, chunks or optimizers, and equals
 torch's per-tensor fused step bitwise for tensors whose size is a multiple of `PAD`.
+
+Lean state: a group of `LeanAdam(W)` with `moment_dtype = "bfloat16"` keeps its moment buffers
+in bf16, widened into fp32 scratch beside the chunk's gradients and rounded back after the
+kernel (as `containers.optim.lean_adam` does). With `remainders` the group keeps no fp32
+master buffer: each master is its bf16 model parameter and a 16-bit remainder
+(`containers.precision.remainders`), joined into fp32 scratch for the kernel and split after;
+at rest a master is a stride-0 view of one NaN (so a read of it is loud, not stale), and
+`master_value` / `load_master` give and take its exact fp32 value.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.optim import Optimizer
 
 from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.optim.lean_adam import LeanAdam, LeanAdamW, moment_dtype_of
+from containers.precision import remainders as rem
+from containers.precision.flat_compiled import step_compiled
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -40,12 +50,14 @@ PAD = 64
 the fused kernel's per-thread split (one 64-byte cache line)."""
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
 
 
 def eligible(opt: Optimizer, group: dict) -> bool:
-    """Whether `group` of `opt` can step flat: torch's own Adam or AdamW with the fused
-    kernel chosen, whose update of an element reads only that element's gradient and state."""
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not group["params"]:
+    """Whether `group` of `opt` can step flat: torch's own Adam or AdamW (or their lean
+    forms) with the fused kernel chosen, whose update of an element reads only that
+    element's gradient and state."""
+    if type(opt) not in _ADAMS or not group["params"]:
         return False
     if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
         return False
@@ -68,7 +80,9 @@ class FlatGroup:
         opt: the inner optimizer (`eligible` for `group`).
         group: one of its param groups; its params are the masters.
         model: the model parameter of each master, in the group's order.
-        chunk_numel: elements cast and stepped per kernel call (rounded down to `PAD`).
+        chunk_numel: fp32 scratch elements a chunk may use (its gradients, and its masters
+            and moments where they are kept narrower), rounded down to `PAD`.
+        remainders: keep the masters as remainders of the bf16 model parameters.
     """
 
     def __init__(
@@ -76,13 +90,20 @@ class FlatGroup:
         opt: Optimizer,
         group: dict,
         model: Sequence[torch.Tensor],
+        *,
         chunk_numel: int = SCRATCH_NUMEL,
+        remainders: bool = False,
     ) -> None:
         with torch.no_grad():
-            self._build(opt, group, model, chunk_numel)
+            self._build(opt, group, model, chunk_numel, remainders)
 
     def _build(
-        self, opt: Optimizer, group: dict, model: Sequence[torch.Tensor], chunk_numel: int
+        self,
+        opt: Optimizer,
+        group: dict,
+        model: Sequence[torch.Tensor],
+        chunk_numel: int,
+        remainders: bool,
     ) -> None:
         # By position: torch's load_state_dict replaces the group dicts (an LR scheduler
         # then sets lr in the new ones).
@@ -94,19 +115,30 @@ class FlatGroup:
         for n in self.sizes:
             self.starts.append(self.starts[-1] + _padded(n))
         total, first = self.starts[-1], pieces[0]
+        moment = moment_dtype_of(group)
+        self.lean = moment != first.dtype  # moments widened into scratch for the kernel
+        self.remainders = remainders
+        # fp32 scratch regions a chunk takes: gradients, then masters and moments if narrower
+        self._regions = 1 + remainders + 2 * self.lean
+        where = first.device
         self.buffers = {
-            "master": torch.zeros(total, dtype=first.dtype, device=first.device),
-            **{k: torch.zeros(total, dtype=first.dtype, device=first.device) for k in _MOMENTS},
+            ("remainder" if remainders else "master"): torch.zeros(
+                total, dtype=torch.int16 if remainders else first.dtype, device=where
+            ),
+            **{k: torch.zeros(total, dtype=moment, device=where) for k in _MOMENTS},
             # fused kernels want float32 step counts on the parameters' device
-            "step": torch.zeros(len(pieces), dtype=torch.float32, device=first.device),
+            "step": torch.zeros(len(pieces), dtype=torch.float32, device=where),
         }
-        for piece, start, n in zip(pieces, self.starts, self.sizes):
-            self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self.live = list(zip(self.model, self.sizes))
+        for i, (piece, start, n) in enumerate(zip(pieces, self.starts, self.sizes)):
+            if remainders:
+                self.load_master(i, piece)
+            else:
+                self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
         self._low: torch.Tensor | None = None  # the compiled step's gradient/parameter buffer
-        self.chunk(chunk_numel)
+        self.chunk(chunk_numel // self._regions)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
         self.stale = True
@@ -119,7 +151,7 @@ class FlatGroup:
         self.chunks = self._plan(max(PAD, numel // PAD * PAD))
         # per chunk: the tensors whose last piece it holds; its views (see `_chunk_views`)
         self._done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
-        self._views_of: dict[int, tuple] = {}
+        self._views_of: dict[tuple, tuple] = {}
 
     def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
         """Chunks (start, stop, pieces) of at most `limit` elements of the flat buffers, cut
@@ -144,12 +176,20 @@ class FlatGroup:
 
     @torch.no_grad()
     def _rebind(self) -> None:
-        """Point every master at its slice of the master buffer and every state entry at
-        its slices (after the buffers were made or moved); values are not touched."""
-        master = self.buffers["master"]
-        for i, m in enumerate(self.masters):
-            piece = local(m)
-            piece.set_(master.untyped_storage(), self.starts[i], piece.shape, piece.stride())
+        """Point every master at its slice of the master buffer (with remainders: at one
+        NaN) and every state entry at its slices (after the buffers were made or moved);
+        values are not touched."""
+        if self.remainders:
+            device = self.buffers["remainder"].device
+            nan = torch.full((1,), float("nan"), device=device).untyped_storage()
+            for m in self.masters:
+                piece = local(m)
+                piece.set_(nan, 0, piece.shape, (0,) * piece.dim())
+        else:
+            master = self.buffers["master"]
+            for i, m in enumerate(self.masters):
+                piece = local(m)
+                piece.set_(master.untyped_storage(), self.starts[i], piece.shape, piece.stride())
         self._cast_from = [local(m) for m in self.masters]
         self._views: dict[str, list[torch.Tensor]] = {
             k: [self._slice(k, i) for i in range(len(self.masters))] for k in _MOMENTS
@@ -158,24 +198,30 @@ class FlatGroup:
         if not self.stale:
             self._install()
 
-    def _chunk_views(
-        self, c: int, work: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Chunk `c`'s pieces of the scratch buffer `work` and of the masters, kept while
-        `work` and the buffers stay where they are (the step's Python is most of its cost)."""
-        key = (work.data_ptr(), self.buffers["master"].data_ptr())
-        if self._views_of.get(c, (None,))[0] != key:
+    def _chunk_views(self, c: int, region: torch.Tensor) -> list[torch.Tensor]:
+        """Chunk `c`'s pieces of the scratch region `region` (a whole tensor's piece shaped
+        as its master), kept while `region` stays where it is (the step's Python is most of
+        its cost)."""
+        key = (c, region.dtype, region.storage_offset())
+        if self._views_of.get(key, (None,))[0] != region.data_ptr():
             start, _, pieces = self.chunks[c]
-            into, cast_from = [], []
+            views = []
             for i, lo, hi in pieces:
                 at = self.starts[i] + lo - start
-                part = work[at : at + hi - lo]
+                part = region[at : at + hi - lo]
                 whole = lo == 0 and hi == self.sizes[i]
-                master = self._cast_from[i]
-                into.append(part.view(master.shape) if whole else part)
-                cast_from.append(master if whole else master.view(-1)[lo:hi])
-            self._views_of[c] = (key, into, cast_from)
-        return self._views_of[c][1], self._views_of[c][2]
+                views.append(part.view(self._cast_from[i].shape) if whole else part)
+            self._views_of[key] = (region.data_ptr(), views)
+        return self._views_of[key][1]
+
+    def _pieces(self, c: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Chunk `c`'s pieces of `tensors` (one per tensor of the group): whole, or a flat
+        slice of a tensor that spans chunks."""
+        out = []
+        for i, lo, hi in self.chunks[c][2]:
+            whole = lo == 0 and hi == self.sizes[i]
+            out.append(tensors[i] if whole else tensors[i].view(-1)[lo:hi])
+        return out
 
     def _slice(self, name: str, i: int) -> torch.Tensor:
         start = self.starts[i]
@@ -204,6 +250,47 @@ class FlatGroup:
         self.uniform = None
         self.stale = False
         self._install()
+
+    def master_value(self, i: int) -> torch.Tensor:
+        """Master `i`'s fp32 value as a new tensor (shaped and placed as the master)."""
+        if not self.remainders:
+            return self.masters[i]
+        start, n = self.starts[i], self.sizes[i]
+        value = rem.masters_of(local(self.model[i]), self.buffers["remainder"][start : start + n])
+        return shaped_like(value, self.masters[i])
+
+    @torch.no_grad()
+    def load_master(self, i: int, value: torch.Tensor) -> None:
+        """Set master `i` to `value` (its local piece) and its model parameter to the
+        value rounded."""
+        model = local(self.model[i])
+        if not self.remainders:
+            local(self.masters[i]).copy_(value)
+            model.copy_(local(self.masters[i]))
+            return
+        start, n = self.starts[i], self.sizes[i]
+        master = value.to(torch.float32)
+        rem.store(master, model, self.buffers["remainder"][start : start + n])
+
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """With remainders: the masters as fp32 tensors for the duration (for torch's own
+        step, when the flat one cannot run), split back into parameters and remainders
+        after."""
+        if not self.remainders:
+            yield
+            return
+        with torch.no_grad():
+            values = [local(self.master_value(i)) for i in range(len(self.masters))]
+            for m, v in zip(self.masters, values):
+                local(m).set_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for i, m in enumerate(self.masters):
+                    self.load_master(i, local(m))
+                self._rebind()
 
     def move(self, device: torch.device, moved) -> None:
         """Move the buffers to `device` with `moved(tensor, device)` and rebind onto them."""
@@ -246,101 +333,52 @@ class FlatGroup:
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
         if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
-            self._step_compiled(group, decoupled, factor, grads)
+            step_compiled(self, group, decoupled, factor, grads)
             return
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_
         step = [buf["step"][0]]
-        device = buf["master"].device
-        for c, (start, stop, pieces) in enumerate(self.chunks):
-            work = scratch(device, stop - start)
-            into, cast_from = self._chunk_views(c, work)
-            src, cast_to = [], []
-            for i, lo, hi in pieces:
-                if lo == 0 and hi == self.sizes[i]:
-                    src.append(grads[i])
-                    cast_to.append(local(self.model[i]))
-                else:
-                    src.append(grads[i].view(-1)[lo:hi])
-                    cast_to.append(local(self.model[i]).view(-1)[lo:hi])
-            torch._foreach_copy_(into, src)
-            del src
+        device = buf["exp_avg"].device
+        low = [local(p) for p in self.model]
+        for c, (start, stop, _) in enumerate(self.chunks):
+            n = stop - start
+            work = scratch(device, n * self._regions)
+            into = self._chunk_views(c, work[:n])
+            torch._foreach_copy_(into, self._pieces(c, grads))
             for i in self._done[c]:
                 grads[i] = None
                 self.model[i].grad = None  # cast: the low-precision gradient can go now
             if factor != 1.0:
-                work.mul_(factor)
+                work[:n].mul_(factor)
+            cast_to = self._pieces(c, low)
+            if self.remainders:
+                master = work[n : 2 * n]
+                bits = self._chunk_views(c, master.view(torch.int32))
+                torch._foreach_copy_(bits, [t.view(torch.int16) for t in cast_to])
+                rem.join(master.view(torch.int32), buf["remainder"][start:stop])
+            else:
+                master = buf["master"][start:stop]
+            moments = [buf[k][start:stop] for k in _MOMENTS]
+            if self.lean:
+                at = (1 + self.remainders) * n  # after the gradients (and masters)
+                wide = [work[at : at + n], work[at + n : at + 2 * n]]
+                torch._foreach_copy_(wide, moments)
+                moments, narrow = wide, moments
             update(
-                [buf["master"][start:stop]], [work], [buf["exp_avg"][start:stop]],
-                [buf["exp_avg_sq"][start:stop]], [], step, lr=group["lr"], beta1=beta1,
-                beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                [master], [work[:n]], [moments[0]], [moments[1]], [], step, lr=group["lr"],
+                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                 amsgrad=False, maximize=group.get("maximize", False),
             )  # fmt: skip
-            torch._foreach_copy_(cast_to, cast_from)
-
-    def _step_compiled(
-        self, group: dict, decoupled: bool, factor: float, grads: list[torch.Tensor | None]
-    ) -> None:
-        """The step as one inductor graph over the flat buffers: the gradients gathered into
-        a flat low-precision buffer (one foreach copy), read once, and the new parameters
-        written into the same buffer, then scattered to the model (one foreach copy)."""
-        buf = self.buffers
-        if self._low is None or self._low.device != buf["master"].device:
-            self._low = torch.zeros_like(buf["master"], dtype=self._low_dtype)
-            self._low_views = [self._low[s : s + n] for s, n in zip(self.starts, self.sizes)]
-        live = [i for i, g in enumerate(grads) if g is not None]
-        torch._foreach_copy_([self._low_views[i] for i in live], [grads[i].view(-1) for i in live])
-        for p in self.model:
-            p.grad = None
-        grads.clear()
-        step = buf["step"][0].item()
-        lr, wd = float(group["lr"]), group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        hyper = torch.tensor(
-            [
-                factor * (-1.0 if group.get("maximize", False) else 1.0),
-                1.0 - lr * wd if decoupled else 1.0,  # decoupled decay: a multiply
-                0.0 if decoupled else wd,  # coupled decay: added to the gradient
-                1.0 - beta1,
-                beta2,
-                1.0 - beta2,
-                lr / (1.0 - beta1**step),
-                math.sqrt(1.0 - beta2**step),
-                group["eps"],
-            ],
-            dtype=torch.float32,
-            device=buf["master"].device,
-        )
-        _compiled_adam()(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], self._low, hyper)
-        out = [local(p).view(-1) for p in self.model]
-        torch._foreach_copy_([out[i] for i in live], [self._low_views[i] for i in live])
-
-
-def _adam(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    low: torch.Tensor,
-    h: torch.Tensor,
-) -> None:
-    """Adam/AdamW over flat buffers in one pass: `low` holds the low-precision gradients on
-    the way in and the new low-precision parameters on the way out; `h` the hyperparameters
-    (`FlatGroup._step_compiled`), a tensor so that no value recompiles. torch's fused kernel's
-    operations, though not its order of roundings: a few fp32 ulp apart from it."""
-    grad = low.float() * h[0] + master * h[2]
-    avg = exp_avg.lerp(grad, h[3])
-    avg_sq = exp_avg_sq * h[4] + grad * grad * h[5]
-    new = master * h[1] - h[6] * avg / (avg_sq.sqrt() / h[7] + h[8])
-    exp_avg.copy_(avg)
-    exp_avg_sq.copy_(avg_sq)
-    master.copy_(new)
-    low.copy_(new)
-
-
-@functools.cache
-def _compiled_adam() -> Callable[..., None]:
-    """`_adam` compiled on first use (tens of seconds once, then inductor's cache): one graph
-    for every group, whatever its size."""
-    return torch.compile(_adam, dynamic=True, fullgraph=True)
+            if self.lean:
+                torch._foreach_copy_(narrow, moments)
+            if self.remainders:
+                high = work[:n].view(torch.int32)  # the gradients are spent
+                rem.split(master.view(torch.int32), high)
+                torch._foreach_copy_(
+                    [t.view(torch.int16) for t in cast_to], self._chunk_views(c, high)
+                )
+                buf["remainder"][start:stop].copy_(master.view(torch.int32))
+            else:
+                torch._foreach_copy_(cast_to, self._pieces(c, self._cast_from))
 
 
 def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

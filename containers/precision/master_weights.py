@@ -12,6 +12,7 @@ update paths, each unscaling and clipping in the same multiply and writing the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,6 +56,14 @@ class MasterWeights(Precision):
             )
         self.scaler = LossScaler(self.settings, fp16=self.param_dtype == torch.float16)
         self.compile = self.settings.compile
+        self.remainders = self.settings.store_param_remainders
+        if self.remainders and (self.param_dtype != torch.bfloat16 or self.compile):
+            raise ValueError(
+                f"[mixed_precision] store_param_remainders = true with "
+                f"{'compile = true' if self.compile else f'param_dtype {self.param_dtype}'}: "
+                "remainders complete bfloat16 parameters in the eager flat step; use "
+                "param_dtype 'bfloat16' and compile = false, or store_param_remainders = false"
+            )
         self.offloaded = False
         # Gradients summed in fp32 over micro-batches (`containers.precision.sums`).
         self.sums = (
@@ -64,6 +73,7 @@ class MasterWeights(Precision):
         )
         self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._flat: dict[int, list[FlatGroup]] = {}  # id(inner optimizer) -> its flat groups
+        self._flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self._unscale = 1.0
         self._backing_off = False  # the last step overflowed with the scale above its floor
@@ -123,27 +133,29 @@ class MasterWeights(Precision):
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         """Masters and state of fused Adam/AdamW groups go into flat buffers (`flat_adam`)."""
-        lean = [
-            g["moment_dtype"]
-            for o in optimizers
-            for g in o.param_groups
-            if g.get("moment_dtype", "float32") != "float32"
-        ]
-        if lean:
-            raise ValueError(
-                f"moment_dtype = {lean[0]!r} with master weights: not supported yet (the "
-                "mixed-precision step keeps fp32 moments); use moment_dtype = 'float32' or "
-                "the default container"
-            )
+        if self.remainders:
+            for opt in optimizers:
+                if any(g["params"] and not eligible(opt, g) for g in opt.param_groups):
+                    raise ValueError(
+                        f"[mixed_precision] store_param_remainders = true with "
+                        f"{type(opt).__name__}: remainders need torch's fused Adam/AdamW "
+                        "(contiguous masters, no amsgrad); use AdamW with implementation "
+                        "'fused' or store_param_remainders = false"
+                    )
         for opt in optimizers:
             flats = [
-                FlatGroup(opt, g, [self._model_param[id(m)] for m in g["params"]])
+                FlatGroup(opt, g, self._model_of(g), remainders=self.remainders)
                 for g in opt.param_groups
                 if eligible(opt, g)
             ]
             if flats:
                 self._flat[id(opt)] = flats
                 opt.register_load_state_dict_post_hook(_mark_stale(flats))
+                for flat in flats:
+                    self._flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
+
+    def _model_of(self, group: dict) -> list[torch.Tensor]:
+        return [self._model_param[id(m)] for m in group["params"]]
 
     def steps_flat(self, opt: Optimizer) -> bool:
         """Whether every param group of `opt` keeps its state in flat buffers (`flat_adam`)."""
@@ -202,16 +214,19 @@ class MasterWeights(Precision):
         factor = clip * self._unscale  # unscale and clip in the same multiply
         sums = self.sums.sums if self.sums is not None else None
         eager = []
-        for opt in optimizers:
-            _stepped(opt)
-            stepped = 0
-            for flat in self._flat.get(id(opt), ()):
-                if flat.ready():
-                    flat.step(factor, self.compile, sums)  # drops its gradients, takes its sums
-                    stepped += 1
-            # What did not step flat steps eagerly (`_pairs` skips what did).
-            eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
-        step_masters(optimizers, eager, factor, self.master_dtype, sums)
+        with contextlib.ExitStack() as unready:
+            for opt in optimizers:
+                _stepped(opt)
+                stepped = 0
+                for flat in self._flat.get(id(opt), ()):
+                    if flat.ready():
+                        flat.step(factor, self.compile, sums)  # drops its gradients and sums
+                        stepped += 1
+                    else:
+                        unready.enter_context(flat.materialized())
+                # What did not step flat steps eagerly (`_pairs` skips what did).
+                eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
+            step_masters(optimizers, eager, factor, self.master_dtype, sums)
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.sums is not None:
@@ -229,10 +244,17 @@ class MasterWeights(Precision):
     # -- state: masters and scaler beside the optimizer state --------------------------------
 
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        flat: dict[str, Any] = {f"{MASTER}.{fqn_of[m]}": m for m in self._masters(fqn_of)}
+        flat: dict[str, Any] = {
+            f"{MASTER}.{fqn_of[m]}": self._master_value(m) for m in self._masters(fqn_of)
+        }
         for key, value in self.scaler.state_dict().items():
             flat[f"{SCALER}.{key}"] = value
         return flat
+
+    def _master_value(self, m: torch.Tensor) -> torch.Tensor:
+        """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""
+        found = self._flat_of.get(id(m))
+        return found[0].master_value(found[1]) if found is not None else m
 
     def _masters(self, fqn_of: Mapping[torch.Tensor, str]) -> list[torch.Tensor]:
         return [m for m in fqn_of if id(m) in self._model_param]
@@ -264,8 +286,12 @@ class MasterWeights(Precision):
     def load_state(self, taken: Any) -> None:
         masters, scaler = taken
         for m, value in masters:
-            local(m).copy_(local(value))
-            local(self._model_param[id(m)]).copy_(local(m))
+            found = self._flat_of.get(id(m))
+            if found is not None:
+                found[0].load_master(found[1], local(value))
+            else:
+                local(m).copy_(local(value))
+                local(self._model_param[id(m)]).copy_(local(m))
         self.scaler.load_state_dict(scaler)
         # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
         # from its peers' losses, which were scaled by the scale it has just received.

@@ -215,10 +215,6 @@ def test_bf16_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
             OptimizerConfig(moment_dtype="bfloat16", implementation="foreach"),
             r"implementation = 'foreach': bf16 moments .* use implementation 'auto' or 'fused'",
         ),
-        (
-            OptimizerConfig(moment_dtype="bfloat16", container="mixed_precision"),
-            r"moment_dtype = 'bfloat16' with master weights: not supported yet",
-        ),
     ],
 )
 def test_bf16_moments_where_they_do_not_apply_are_refused_by_name(cfg, match):

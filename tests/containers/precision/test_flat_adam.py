@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from config import MixedPrecision as MP
-from containers import MixedPrecisionOptimizersContainer
+from containers import LeanAdam, LeanAdamW, MixedPrecisionOptimizersContainer
 from containers.precision.flat_adam import PAD
 
 FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show
@@ -45,13 +45,24 @@ def _step(mp, model, grads, factor: float = 1.0) -> None:
     mp.precision.apply(mp.optimizers)
 
 
-@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_flat_steps_equal_torch_fused_per_tensor_bitwise_across_chunks(cls):
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adam, {}),
+        # bf16 moment buffers, widened per chunk and rounded back: the lean class's step
+        (LeanAdamW, {"moment_dtype": "bfloat16"}),
+        (LeanAdam, {"moment_dtype": "bfloat16"}),
+    ],
+)
+def test_flat_steps_equal_torch_fused_per_tensor_bitwise_across_chunks(cls, kw):
     model = _model(ALIGNED)
-    mp = _container(model, cls, chunk_numel=2 * PAD)
-    assert len(mp.precision._flat[id(mp.optimizers[0])][0].chunks) > len(ALIGNED)  # split
+    mp = _container(model, cls, chunk_numel=2 * PAD, **kw)
+    (flat,) = mp.precision._flat[id(mp.optimizers[0])]
+    assert len(flat.chunks) > len(ALIGNED)  # split
+    assert flat.buffers["exp_avg"].dtype == getattr(torch, kw.get("moment_dtype", "float32"))
     masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
-    ref = cls(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    ref = cls(masters, lr=1e-2, weight_decay=0.1, fused=True, **kw)
     for step in range(3):
         grads = _grads(ALIGNED, step)
         _step(mp, model, grads, FACTOR)
@@ -64,6 +75,7 @@ def test_flat_steps_equal_torch_fused_per_tensor_bitwise_across_chunks(cls):
         assert torch.equal(p, m.detach().bfloat16()), i
         assert torch.equal(state[f"master_weights.w{i}"], m.detach()), i
         for name, value in ref.state[m].items():
+            assert state[f"state.w{i}.{name}"].dtype == value.dtype, (i, name)
             assert torch.equal(state[f"state.w{i}.{name}"], value), (i, name)
 
 
@@ -180,3 +192,25 @@ def test_fp32_gradient_sums_step_flat_as_torch_fused_on_the_sums(compile):
     for i, m in enumerate(masters):
         assert torch.equal(state[f"master_weights.w{i}"], m.detach()), i
         assert torch.equal(state[f"state.w{i}.exp_avg_sq"], ref.state[m]["exp_avg_sq"]), i
+
+
+def test_bf16_moments_load_into_the_flat_buffers_in_their_dtype_and_resume_bitwise():
+    model = _model(ALIGNED)
+    mp = _container(model, LeanAdamW, moment_dtype="bfloat16")
+    for step in range(2):
+        _step(mp, model, _grads(ALIGNED, step))
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mp.state_dict().items()}
+    other_model = _model(ALIGNED, seed=1)
+    other = _container(other_model, LeanAdamW, moment_dtype="bfloat16")
+    (flat,) = other.precision._flat[id(other.optimizers[0])]
+    template = other.state_dict()  # DCP loads into these views in place
+    storage = flat.buffers["exp_avg"].untyped_storage()
+    assert template["state.w0.exp_avg"].untyped_storage() is storage
+    other.load_state_dict(saved)
+    for step in (2, 3):
+        _step(mp, model, _grads(ALIGNED, step))
+        _step(other, other_model, _grads(ALIGNED, step))
+    got = other.state_dict()
+    for key, a in mp.state_dict().items():
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == got[key].dtype and torch.equal(a, got[key]), key
