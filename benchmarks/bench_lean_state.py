@@ -17,25 +17,32 @@ seeds 0-2, the mean loss of steps 181-200, fp32 moments against bf16 moments.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_mp_quality import run_job, tail_mean  # noqa: E402
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh  # noqa: E402
+from components.checkpoint import ModelWrapper  # noqa: E402
 from config import MixedPrecision  # noqa: E402
 from containers import (  # noqa: E402
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
+    load_planner,
 )
 from containers.norm import SCRATCH_NUMEL, local  # noqa: E402
 
@@ -65,16 +72,18 @@ def _mixed(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
     return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
-# name -> (parameter dtype, container, baseline, goal for bytes/param)
+# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param)
 CONTENDERS = {
-    "AdamW, fp32 moments (today)": (torch.float32, _default(False), None, ""),
+    "AdamW, fp32 moments (today)": (torch.float32, _default(False), None, ("", "")),
     "AdamW, bf16 moments": (
-        torch.float32, _default(True), "AdamW, fp32 moments (today)", "<= 4.2 B/param"
+        torch.float32, _default(True), "AdamW, fp32 moments (today)", ("<= 4.2", "")
     ),
-    "mixed precision, fp32 masters + moments (today)": (torch.bfloat16, _mixed(False), None, ""),
+    "mixed precision, fp32 masters + moments (today)": (
+        torch.bfloat16, _mixed(False), None, ("", "")
+    ),
     "mixed precision, remainders + bf16 moments": (
         torch.bfloat16, _mixed(True), "mixed precision, fp32 masters + moments (today)",
-        "<= 8.5 B/param",
+        ("", "<= 8.5"),
     ),
 }  # fmt: skip
 
@@ -120,25 +129,26 @@ def step_table(width: int, layers: int, repeats: int, steps: int) -> str:
                 elapsed += (time.perf_counter() - start) if k else 0.0
             times[name].append(elapsed / steps)
     rows = []
-    for name, (_, _, baseline, goal) in CONTENDERS.items():
-        model, opt = runs[name]
-        param_bytes, kept = steady_bytes(model, opt)
-        per = (param_bytes + kept) / numel
-        base = runs[baseline or name]
-        base_per = sum(steady_bytes(*base)) / numel
-        rows.append(
-            (f"{name}: params + state B/param", f"{per:.2f}", f"{per / base_per:.2f}x", goal)
-        )
+    for name, (_, _, baseline, goals) in CONTENDERS.items():
+        param_bytes, kept = steady_bytes(*runs[name])
+        base_bytes, base_kept = steady_bytes(*runs[baseline or name])
         t, t0 = statistics.median(times[name]), statistics.median(times[baseline or name])
         rows.append(
-            (f"{name}: step ms", f"{t * 1e3:.2f}", f"{t / t0:.2f}x", "<= 1.00x" if baseline else "")
+            (
+                name,
+                f"{kept / numel:.2f} ({kept / base_kept:.2f}x) {goals[0]}".rstrip(),
+                f"{(param_bytes + kept) / numel:.2f} "
+                f"({(param_bytes + kept) / (base_bytes + base_kept):.2f}x) {goals[1]}".rstrip(),
+                f"{t * 1e3:.2f} ({t / t0:.2f}x){' <= 1.00x' if baseline else ''}",
+            )
         )
     head = (
         f"{numel / 1e6:.1f}M parameters ({layers} x Linear({width})), 1 thread, medians of "
         f"{repeats} interleaved repeats; the fp32 scratch buffer ({SCRATCH_NUMEL * 4 >> 20} MiB, "
         "fixed) and the gradients (freed by the step) apart"
     )
-    return f"{head}\n\n{markdown_table(rows)}"
+    columns = ("", "state B/param", "params + state B/param", "step ms")
+    return f"{head}\n\n{markdown_table(rows, columns)}"
 
 
 # name -> (job, the policy of today, the lean policy)
@@ -177,6 +187,60 @@ def quality_table(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# name -> (remainders + bf16 moments, through `containers.load_planner`)
+RESUMES = {
+    "fp32 masters + moments (today)": (False, False),
+    "remainders + bf16 moments, load_planner": (True, True),
+    "remainders + bf16 moments, DCP's default planner": (True, False),
+}
+
+
+def resume_child(policy: str, path: str, width: int, layers: int) -> dict[str, float]:
+    """One resume from `path` (written by the first child) in this fresh process: how far the
+    resident set grows over the steady state while loading."""
+    lean, planned = RESUMES[policy]
+    model = _model(width, layers, torch.bfloat16)
+    opt = _mixed(lean)(model)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape).bfloat16() * 1e-2
+    opt.step()
+    states = {"model": ModelWrapper([model]), "optim": opt}
+    if not Path(path, ".metadata").exists():
+        dcp.save(states, checkpoint_id=path)
+    gc.collect()
+    before = reset_peak_rss()
+    with load_planner(states) if planned else contextlib.nullcontext() as planner:
+        dcp.load(states, checkpoint_id=path, planner=planner)
+    return {
+        "growth": peak_rss() - before,
+        "largest": max(p.numel() for p in model.parameters()) * 4,  # one tensor, in fp32
+        "steady": sum(steady_bytes(model, opt)),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def resume_table(width: int, layers: int) -> str:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in RESUMES:
+            argv = ["--resume-child", policy, tmp, "--width", str(width), "--layers", str(layers)]
+            r = run_fresh(__file__, argv)
+            rows.append(
+                (
+                    policy,
+                    f"{r['steady'] / r['params']:.2f}",
+                    f"{r['growth'] / 2**20:.1f} MiB ({r['growth'] / r['params']:.2f} B/param)",
+                    f"{r['growth'] / r['largest']:.2f}",
+                )
+            )
+    head = (
+        f"resume of mixed precision, {width}x{width} x {layers}, fresh process each, resident "
+        "set growth over the steady state while DCP loads (goal: <= one fp32 tensor)"
+    )
+    columns = ("", "steady B/param", "load growth", "growth / largest fp32 tensor")
+    return f"{head}\n\n{markdown_table(rows, columns)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -190,13 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-table", action="store_true", help="the quality runs only")
     parser.add_argument("--quick", action="store_true", help="small sizes, 6 steps")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_lean_state"))
+    parser.add_argument("--resume-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.resume_child:
+        print(json.dumps(resume_child(*args.resume_child, args.width, args.layers)))
+        return 0
     args.nproc, args.local_batch_size = 2, 0
     if args.quick:
         args.width, args.layers, args.repeats, args.step_repeats = 256, 2, 2, 2
         args.seeds, args.steps, args.window = [0], 6, 3
     if not args.no_table:
         print(step_table(args.width, args.layers, args.repeats, args.step_repeats), flush=True)
+        print()
+        print(resume_table(args.width, args.layers), flush=True)
         print()
     if not args.no_quality:
         print(quality_table(args))

@@ -38,14 +38,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, run_fresh, train_peak
+from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh, train_peak
 from config import MixedPrecision
 from containers import InBackward, MixedPrecisionOptimizersContainer, norm
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _flat(n: int, parts: int, dtype: torch.dtype) -> list[nn.Module]:
@@ -117,19 +112,6 @@ def _state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     )
 
 
-def _hwm_reset() -> int:
-    """Reset the peak resident set to the current one; return the current one."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss()
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
 def _build(kind: str, args: argparse.Namespace) -> tuple[list, list, Callable[[], None], list]:
     """One contender: its parameters, their gradients, its step and its optimizers."""
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
@@ -185,13 +167,13 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, float]:
         if i == 1:  # after the first step (state allocated, kernels compiled)
             steady = sum(t.nbytes for t in [*params, *grads, *masters]) + _state_bytes(optimizers)
             fixed = sum(b.nbytes for b in norm._scratch.values())  # kept between steps
-            before = _hwm_reset()
+            before = reset_peak_rss()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     # Steady bytes (parameters, gradients, masters, state) plus what a step adds at its peak;
     # the scratch buffer, fixed in size, apart.
-    peak_extra = max(0, _hwm() - before)
+    peak_extra = max(0, peak_rss() - before)
     return {
         "step_s": statistics.median(times[1:]),
         "first_s": times[0],

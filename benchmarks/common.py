@@ -18,15 +18,36 @@ import torch.nn as nn
 HEADER = ("measure", "value", "ratio", "goal")
 
 
-def markdown_table(rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table of (measure, value, ratio, goal) rows, sized to its contents."""
-    widths = [max(len(r[i]) for r in (HEADER, *rows)) for i in range(len(HEADER))]
+def markdown_table(rows: Sequence[Sequence[str]], header: Sequence[str] = HEADER) -> str:
+    """A markdown table of rows under `header` (default: measure, value, ratio, goal), sized
+    to its contents."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(HEADER), rule, *(line(r) for r in rows)])
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def rss() -> int:
+    """This process's resident set in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak resident set to the current one (Linux); return the current one."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss()
+
+
+def peak_rss() -> int:
+    """This process's peak resident set in bytes since the last `reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def run_fresh(script: str, argv: list[str], for_memory: bool = True) -> dict[str, Any]:

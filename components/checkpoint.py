@@ -48,7 +48,7 @@ from components.resume import ConfigSettings
 from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
-from containers import OptimizersContainer
+from containers import OptimizersContainer, load_planner
 
 __all__ = ["CheckpointManager", "ModelWrapper", "TrainState", "complete_checkpoints"]
 
@@ -209,7 +209,8 @@ class CheckpointManager:
         newer = [s for s in found if s > step]
         if newer and not read_only:
             self._protect_newer(step, newer)
-        dcp.load(self.states, checkpoint_id=path)
+        with load_planner(self.states) as planner:
+            dcp.load(self.states, checkpoint_id=path, planner=planner)
         self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from config import ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
@@ -141,7 +142,7 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
     """
 
     def state_dict() -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in states.items()}
+        return {name: _picklable(obj.state_dict()) for name, obj in states.items()}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         for name, obj in states.items():
@@ -149,3 +150,19 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
         logger.info("healed from a peer replica group")
 
     manager.register_state_dict_fn("train", load_state_dict, state_dict)
+
+
+def _picklable(state: Any) -> Any:
+    """`state` with every DTensor over a view at a storage offset (the mixed-precision
+    container's state views of its flat buffers) re-made over a copy of its local piece:
+    torch pickles a DTensor as a wrapper only where its `data_ptr()` is 0, so such a view
+    is pickled as a plain tensor of its (empty) wrapper storage and fails ("invalid python
+    storage"), and torchft sends the state pickled. The copies live while a peer is served."""
+    if isinstance(state, dict):
+        return {k: _picklable(v) for k, v in state.items()}
+    if isinstance(state, DTensor) and state.data_ptr() != 0:
+        return DTensor.from_local(
+            state.to_local().clone(), state.device_mesh, state.placements,
+            shape=state.shape, stride=state.stride(), run_check=False,
+        )  # fmt: skip
+    return state

@@ -20,7 +20,12 @@ from containers.container import OptimizersContainer, Unit
 from containers.gate import FTOptimizersContainer, TorchFTGate
 from containers.optim import LeanAdam, LeanAdamW, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
-from containers.precision import LossScaler, MasterWeights, MixedPrecisionOptimizersContainer
+from containers.precision import (
+    LossScaler,
+    MasterWeights,
+    MixedPrecisionOptimizersContainer,
+    load_planner,
+)
 from containers.state import ParamGroupRule
 from containers.timing import InBackward, OptimizersInBackwardContainer
 
@@ -43,4 +48,5 @@ __all__ = [
     "Timing",
     "TorchFTGate",
     "Unit",
+    "load_planner",
 ]

@@ -10,6 +10,6 @@ step on fp32 gradient sums (`sums`).
 
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
-from containers.precision.mixed_precision import MixedPrecisionOptimizersContainer
+from containers.precision.mixed_precision import MixedPrecisionOptimizersContainer, load_planner
 
-__all__ = ["LossScaler", "MasterWeights", "MixedPrecisionOptimizersContainer"]
+__all__ = ["LossScaler", "MasterWeights", "MixedPrecisionOptimizersContainer", "load_planner"]

@@ -263,14 +263,23 @@ class FlatGroup:
     def load_master(self, i: int, value: torch.Tensor) -> None:
         """Set master `i` to `value` (its local piece) and its model parameter to the
         value rounded."""
-        model = local(self.model[i])
-        if not self.remainders:
-            local(self.masters[i]).copy_(value)
-            model.copy_(local(self.masters[i]))
+        if self.remainders:
+            self.load_piece(i, (0,) * value.dim(), value)
             return
+        local(self.masters[i]).copy_(value)
+        local(self.model[i]).copy_(local(self.masters[i]))
+
+    @torch.no_grad()
+    def load_piece(self, i: int, offsets: Sequence[int], value: torch.Tensor) -> None:
+        """With remainders: write the fp32 `value` of master `i`'s elements at `offsets`
+        (within its local piece) into its model parameter and remainder."""
+        shape = local(self.masters[i]).shape
         start, n = self.starts[i], self.sizes[i]
-        master = value.to(torch.float32)
-        rem.store(master, model, self.buffers["remainder"][start : start + n])
+        param = local(self.model[i])
+        remainder = self.buffers["remainder"][start : start + n].view(shape)
+        for dim, (at, length) in enumerate(zip(offsets, value.shape)):
+            param, remainder = param.narrow(dim, at, length), remainder.narrow(dim, at, length)
+        rem.store(value, param, remainder)
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:

@@ -13,8 +13,9 @@ update paths, each unscaling and clipping in the same multiply and writing the m
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from containers.parts import Precision
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
 from containers.precision.loss_scaler import LossScaler
+from containers.precision.remainders import Sink
 from containers.precision.sums import FullPrecisionSums, from_initial
 from containers.state.flat import describe_keys
 
@@ -76,6 +78,7 @@ class MasterWeights(Precision):
         self._flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self._unscale = 1.0
+        self._lazy = False  # state_dict gives masters kept as remainders as themselves
         self._backing_off = False  # the last step overflowed with the scale above its floor
 
     @property
@@ -254,7 +257,23 @@ class MasterWeights(Precision):
     def _master_value(self, m: torch.Tensor) -> torch.Tensor:
         """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""
         found = self._flat_of.get(id(m))
-        return found[0].master_value(found[1]) if found is not None else m
+        return found[0].master_value(found[1]) if found is not None and not self._lazy else m
+
+    @contextlib.contextmanager
+    def lazy_masters(self) -> Iterator[dict[int, Sink]]:
+        """For a DCP load with `remainders.LoadPlanner`: while open, `state_dict` gives each
+        master kept as a remainder as itself (no fp32 value is made), and the sinks given
+        write what is read of it straight into its parameter and remainder."""
+        sinks = {
+            mid: (functools.partial(flat.load_piece, i), local(flat.model[i]).data_ptr())
+            for mid, (flat, i) in self._flat_of.items()
+            if flat.remainders
+        }
+        self._lazy = True
+        try:
+            yield sinks
+        finally:
+            self._lazy = False
 
     def _masters(self, fqn_of: Mapping[torch.Tensor, str]) -> list[torch.Tensor]:
         return [m for m in fqn_of if id(m) in self._model_param]
@@ -287,6 +306,8 @@ class MasterWeights(Precision):
         masters, scaler = taken
         for m, value in masters:
             found = self._flat_of.get(id(m))
+            if found is not None and found[0].remainders and value is m:
+                continue  # read straight into its parameter and remainder (`lazy_masters`)
             if found is not None:
                 found[0].load_master(found[1], local(value))
             else:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -15,9 +16,10 @@ from containers.container import OptimizersContainer
 from containers.parts import Gate, Timing
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
+from containers.precision.remainders import LoadPlanner
 from containers.state.param_groups import ParamGroupRule
 
-__all__ = ["MixedPrecisionOptimizersContainer"]
+__all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +121,24 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
     def reload(self) -> None:
         """Move master weights and optimizer state back to the parameters' device."""
         self.precision.reload(self.optimizers)
+
+
+@contextlib.contextmanager
+def load_planner(states: Mapping[str, Any]) -> Iterator[LoadPlanner | None]:
+    """The DCP load planner for `states` (a checkpoint's Statefuls), open for one
+    `dcp.load(states, planner=...)`: one that reads masters kept as remainders straight into
+    their parameters and remainders (`remainders.LoadPlanner`), or None (DCP's default) where
+    no state keeps any."""
+    precisions = [
+        s.precision
+        for s in states.values()
+        if isinstance(getattr(s, "precision", None), MasterWeights) and s.precision.remainders
+    ]
+    if not precisions:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        sinks = {}
+        for precision in precisions:
+            sinks.update(stack.enter_context(precision.lazy_masters()))
+        yield LoadPlanner(sinks)

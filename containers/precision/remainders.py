@@ -15,9 +15,15 @@ int32 on views of fp32 scratch (products and sums stay inside int32 for every fi
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["HALF_ULP", "join", "masters_of", "split", "store"]
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, ReadItem
+
+from containers.norm import local
+
+__all__ = ["HALF_ULP", "LoadPlanner", "Sink", "join", "masters_of", "split", "store"]
 
 HALF_ULP = 0x8000
 """Half a bf16 ulp in the low bits of an fp32's bit pattern."""
@@ -26,7 +32,7 @@ HALF_ULP = 0x8000
 def join(bits: torch.Tensor, remainder: torch.Tensor) -> None:
     """`bits` (int32) holds the parameters' bf16 bits, sign-extended: make it the masters'
     fp32 bits by adding their `remainder` (int16)."""
-    bits.mul_(1 << 16).add_(remainder)
+    torch.add(remainder, bits, alpha=1 << 16, out=bits)  # one pass (a shift, then an add: two)
 
 
 def split(bits: torch.Tensor, high: torch.Tensor) -> None:
@@ -43,10 +49,82 @@ def masters_of(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+STORE_NUMEL = 1 << 18
+"""Elements `store` splits at a time (its int32 temporaries: 2 MiB, not a tensor's size)."""
+
+
 def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-    """Write an fp32 `master` into a bf16 `param` and its `remainder` (same numel)."""
-    bits = master.reshape(-1).view(torch.int32).clone()
+    """Write an fp32 `master` into a bf16 `param` and its int16 `remainder` (same numel;
+    the targets may be views, e.g. a piece of a larger tensor)."""
+    master = master.reshape(param.shape)
+    if param.dim() and param.numel() > STORE_NUMEL:
+        rows = max(1, STORE_NUMEL * param.shape[0] // param.numel())
+        for lo in range(0, param.shape[0], rows):
+            store(master[lo : lo + rows], param[lo : lo + rows], remainder[lo : lo + rows])
+        return
+    bits = master.to(torch.float32).view(torch.int32).clone()
     high = torch.empty_like(bits)
     split(bits, high)
-    param.view(-1).view(torch.int16).copy_(high)
-    remainder.view(-1).copy_(bits)
+    param.view(torch.int16).copy_(high)
+    remainder.copy_(bits)
+
+
+Sink = tuple[Callable[[Sequence[int], torch.Tensor], None], int]
+"""How a master kept as a remainder takes a piece read from a checkpoint: `write(offsets,
+fp32 piece)` (offsets within the master's local piece), and the `data_ptr` of the parameter
+that writes (which the checkpoint's model entry must then not overwrite)."""
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but masters kept as remainders are read piece by piece
+    into an fp32 buffer of that piece and written straight into their parameters and
+    remainders: a resume never holds the masters in fp32 (the state dict's template for such
+    a master is the master itself, `MasterWeights.lazy_masters`). A parameter that a
+    master writes is not read again from the model's entry: the master's rounding is the
+    one its remainder completes (a saved parameter may have rounded a tie to even).
+
+    Args:
+        sinks: id(master) -> its `Sink`.
+    """
+
+    def __init__(self, sinks: Mapping[int, Sink]) -> None:
+        super().__init__()
+        self._by_id = dict(sinks)
+        self._sinks: dict[str, Callable[[Sequence[int], torch.Tensor], None]] = {}
+        self._skip: set[str] = set()
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:  # type: ignore[override]
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        saved = metadata.state_dict_metadata if metadata is not None else {}
+        written = set()
+        for key, value in self.state_dict.items():
+            sink = self._by_id.get(id(value))
+            if sink is not None and key in saved:
+                self._sinks[key] = sink[0]
+                written.add(sink[1])
+        self._skip = {
+            key
+            for key, value in self.state_dict.items()
+            if key not in self._sinks
+            and isinstance(value, torch.Tensor)
+            and local(value).numel()
+            and local(value).data_ptr() in written
+        }
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = [r for r in plan.items if r.dest_index.fqn not in self._skip]
+        return dataclasses.replace(plan, items=items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if read_item.dest_index.fqn in self._sinks:
+            device = self.lookup_tensor(read_item.dest_index).device
+            return torch.empty(read_item.lengths, dtype=torch.float32, device=device)
+        return super().resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        sink = self._sinks.get(read_item.dest_index.fqn)
+        if sink is not None:
+            sink(read_item.dest_offsets, tensor)
+        else:
+            super().commit_tensor(read_item, tensor)

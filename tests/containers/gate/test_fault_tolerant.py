@@ -105,11 +105,16 @@ def _final_states(job: FTJob) -> list[dict]:
 def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_heals_identical(
     tmp_path,
 ):
-    """Two replica groups of 2 processes each (FSDP2 over the group, AdamW with bf16
-    moments): one group is killed, the other commits on alone, the restarted group heals from
-    it (shard by shard, not from disk: no checkpoint exists before the last step; its moments
-    stay bf16) and both end bitwise identical."""
-    job = FTJob(tmp_path, STEPS, ["--optimizer.moment_dtype", "bfloat16"], nproc=2)
+    """Two replica groups of 2 processes each (FSDP2 over the group; the lean mixed
+    precision: bf16 parameters, their masters kept as remainders, AdamW with bf16 moments):
+    one group is killed, the other commits on alone, the restarted group heals from it
+    (shard by shard, not from disk: no checkpoint exists before the last step; its moments
+    stay bf16, its masters exact) and both end bitwise identical."""
+    lean = [
+        *("--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "bfloat16"),
+        "--mixed_precision.store_param_remainders",
+    ]
+    job = FTJob(tmp_path, STEPS, lean, nproc=2)
     survivor, healed, killed_at = _kill_and_heal(job, HOLD, kill_after=2)
     assert HOLD - killed_at > 3, killed_at
     after_heal = sorted(s for s in healed if s >= HOLD)
@@ -122,6 +127,7 @@ def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_hea
     optim = _final_states(job)[1]["optim"]
     moments = [v for k, v in optim.items() if k.endswith(("exp_avg", "exp_avg_sq"))]
     assert moments and {v.dtype for v in moments} == {torch.bfloat16}
+    assert any(k.startswith("master_weights.") for k in optim)
 
 
 # fp16 with dynamic scaling: one overflow halves the scale (hysteresis 1), 6 clean steps in a
@@ -502,3 +508,39 @@ def test_a_users_own_loop_with_a_plain_lambda_lr_heals_bitwise(tmp_path):
     for step in sorted(healed):
         assert healed[step]["lr"] == survivor[step]["lr"] == pytest.approx(1e-2 * 0.7 ** (step - 1))
         assert healed[step]["params"] == survivor[step]["params"], step
+
+
+def _served_and_sent() -> tuple[dict, dict]:
+    import io
+
+    import torch.distributed as dist
+    from torch.distributed._serialization import _streaming_load, _streaming_save
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from components.ft import _picklable
+    from containers import MasterWeights
+
+    precision = MasterWeights(MixedPrecision(loss_scaling="none"))
+    parts = [precision.cast_model(p) for p in three_parts()]
+    for part in parts:
+        fully_shard(part, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    kwargs = {"lr": 1e-2, "fused": True}  # flat buffers: the state entries are views of them
+    mp = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, kwargs, precision=precision)
+    mp.zero_grad()
+    forward(parts, batch(0, dist.get_rank()).bfloat16()).float().square().mean().backward()
+    mp.step()
+    buffer = io.BytesIO()
+    _streaming_save(_picklable({"optimizer": mp.state_dict()}), buffer)  # as torchft sends it
+    buffer.seek(0)
+    sent = _streaming_load(buffer, weights_only=False)["optimizer"]
+    return {k: full(v) for k, v in mp.state_dict().items()}, {k: full(v) for k, v in sent.items()}
+
+
+def test_the_served_state_of_fsdp2_mixed_precision_pickles_as_torchft_sends_it():
+    """The flat buffers' state views are DTensors over views at a storage offset, which
+    torch cannot pickle (it takes them for plain tensors); the served state re-makes them."""
+    from tests.harness.dist import run_ranks
+
+    here, sent = run_ranks(2, _served_and_sent)[0]
+    assert_same(sent, here)
