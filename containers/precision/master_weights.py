@@ -6,7 +6,9 @@ for the global norm (non-finite gradients make it non-finite, so overflow detect
 defeated by 0 * inf); one collective, one host sync for the skip decision; then one of two
 update paths, each unscaling and clipping in the same multiply and writing the masters back:
 - fused Adam/AdamW groups keep masters and state in flat buffers (`flat_adam`): torch's fused
-  kernel chunk by chunk, or with `compile` one inductor graph over the group's buffers;
+  kernel chunk by chunk, or with `compile` one inductor graph over the group's buffers; with
+  `store_param_remainders` a master is its bf16 parameter and an int16 remainder
+  (`remainders`), and the moments may be bf16 (`LeanAdam(W)` groups);
 - every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
 """
 
