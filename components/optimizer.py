@@ -35,6 +35,7 @@ from containers import (
     InBackward,
     LeanAdam,
     LeanAdamW,
+    LeanSGD,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
@@ -135,14 +136,18 @@ def _lean_moments(cfg: OptimizerConfig) -> bool:
     return bool(dtypes - {None, "float32"})
 
 
-def _adam(plain: type[Optimizer], lean: type[Optimizer]) -> OptimizerFactory:
-    """Adam's or AdamW's factory: torch's class, or its lean twin when any group keeps bf16
-    moments (one class for every group, so a part keeps one inner optimizer)."""
+def _plain_or_lean(
+    plain: type[Optimizer],
+    lean: type[Optimizer],
+    settings: Callable[[OptimizerConfig], dict[str, Any]],
+) -> OptimizerFactory:
+    """Adam's, AdamW's or SGD's factory: torch's class, or its lean twin when any group keeps
+    bf16 state (one class for every group, so a part keeps one inner optimizer)."""
 
     def factory(cfg: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
         if not _lean_moments(cfg):
-            return plain, adam_kwargs(cfg)
-        return lean, {**adam_kwargs(cfg), "moment_dtype": cfg.moment_dtype}
+            return plain, settings(cfg)
+        return lean, {**settings(cfg), "moment_dtype": cfg.moment_dtype}
 
     return factory
 
@@ -150,9 +155,11 @@ def _adam(plain: type[Optimizer], lean: type[Optimizer]) -> OptimizerFactory:
 _LEAN: dict[type[Optimizer], type[Optimizer]] = {
     torch.optim.Adam: LeanAdam,
     torch.optim.AdamW: LeanAdamW,
+    torch.optim.SGD: LeanSGD,
 }
 for _cls, _lean_cls in _LEAN.items():
-    register_optimizer(_cls.__name__, _adam(_cls, _lean_cls))
+    _settings = momentum_kwargs if _cls is torch.optim.SGD else adam_kwargs
+    register_optimizer(_cls.__name__, _plain_or_lean(_cls, _lean_cls, _settings))
 for _cls in (
     torch.optim.Adamax,
     torch.optim.NAdam,
@@ -160,10 +167,11 @@ for _cls in (
 ):
     register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, adam_kwargs(cfg)))
 register_optimizer("Adagrad", lambda cfg: (torch.optim.Adagrad, adagrad_kwargs(cfg)))
-register_optimizer("SGD", lambda cfg: (torch.optim.SGD, momentum_kwargs(cfg)))
 # torch's Muon math with Newton-Schulz on whole matrices of sharded parameters, the work
 # spread over the ranks (torch's own gathers every matrix on every rank).
-register_optimizer("Muon", lambda cfg: (ShardedMuon, muon_kwargs(cfg)))
+register_optimizer(
+    "Muon", lambda cfg: (ShardedMuon, {**muon_kwargs(cfg), "moment_dtype": cfg.moment_dtype})
+)
 register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
 
 
@@ -240,10 +248,10 @@ def resolve_optimizer(
         if "moment_dtype" not in kwargs:
             raise ConfigError(
                 f"{where} moment_dtype = {cfg.moment_dtype!r}: {name} keeps its state in the "
-                "parameters' dtype here (bf16 moments are Adam's and AdamW's); set this "
-                "group's moment_dtype = 'float32' or use Adam/AdamW"
+                "parameters' dtype here (bf16 state is Adam's, AdamW's, SGD's and Muon's); set "
+                "this group's moment_dtype = 'float32' or use one of those"
             )
-        if cfg.implementation in ("foreach", "for-loop"):
+        if cfg.implementation in ("foreach", "for-loop") and cls in (LeanAdam, LeanAdamW):
             raise ConfigError(
                 f"[optimizer] implementation = {cfg.implementation!r}: bf16 moments "
                 f"({where} moment_dtype) step through torch's fused kernel over fp32 "

@@ -72,7 +72,7 @@ class ParamGroup:
     """Parameter-scale floor of this group (Adafactor)."""
 
     moment_dtype: MomentDtype | None = None
-    """Dtype of this group's Adam/AdamW moments."""
+    """Dtype of this group's Adam/AdamW moments or SGD/Muon momentum."""
 
 
 @dataclass(kw_only=True)
@@ -131,9 +131,10 @@ class Optimizer:
     weights near zero still move."""
 
     moment_dtype: MomentDtype = "float32"
-    """Dtype Adam/AdamW keep their two moments in: "bfloat16" halves their memory (4 bytes a
-    parameter instead of 8); the update is still fp32 math, torch's fused kernel on each chunk
-    of moments widened to fp32 and rounded back. Checkpoints of either load into either."""
+    """Dtype Adam/AdamW keep their two moments in, and SGD/Muon their momentum: "bfloat16"
+    halves their memory (Adam: 4 bytes a parameter instead of 8); the update is still fp32
+    math (Adam: torch's fused kernel on each chunk of moments widened to fp32; SGD, Muon: per
+    tensor), rounded back to nearest. Checkpoints of either load into either."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and

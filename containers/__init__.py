@@ -18,7 +18,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 
 from containers.container import OptimizersContainer, Unit
 from containers.gate import FTOptimizersContainer, TorchFTGate
-from containers.optim import LeanAdam, LeanAdamW, ShardedMuon
+from containers.optim import LeanAdam, LeanAdamW, LeanSGD, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
 from containers.precision import (
     LossScaler,
@@ -36,6 +36,7 @@ __all__ = [
     "InBackward",
     "LeanAdam",
     "LeanAdamW",
+    "LeanSGD",
     "LossScaler",
     "MasterWeights",
     "MixedPrecisionOptimizersContainer",

@@ -28,34 +28,18 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from containers.norm import SCRATCH_NUMEL, local, scratch
+from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
-__all__ = ["MOMENT_DTYPES", "LeanAdam", "LeanAdamW", "lean_adam", "moment_dtype_of"]
-
-MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""The `moment_dtype` names a group may take."""
+__all__ = ["LeanAdam", "LeanAdamW", "lean_adam", "step_group"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
-    """The dtype a group keeps its moments in (torch's classes: float32)."""
-    return MOMENT_DTYPES[group.get("moment_dtype", "float32")]
-
-
-def _check_moment_dtype(group: dict[str, Any]) -> None:
-    name = group.get("moment_dtype", "float32")
-    if name not in MOMENT_DTYPES:
-        raise ValueError(
-            f"moment_dtype = {name!r}: expected one of {sorted(MOMENT_DTYPES)} (the dtype "
-            "Adam's moments are kept in)"
-        )
 
 
 class _Lean:
     """What `LeanAdam` and `LeanAdamW` add to torch's classes (a mixin placed before them)."""
 
     def __init__(self, params: Any, *args: Any, moment_dtype: str = "float32", **kwargs: Any):
-        _check_moment_dtype({"moment_dtype": moment_dtype})
+        check_moment_dtype({"moment_dtype": moment_dtype})
         # Before torch's constructor adds the groups, so each takes the default.
         self._moment_dtype = moment_dtype
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -63,7 +47,7 @@ class _Lean:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("moment_dtype", self._moment_dtype)
-        _check_moment_dtype(param_group)
+        check_moment_dtype(param_group)
         if param_group["moment_dtype"] != "float32" and param_group.get("fused") is None:
             # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
             param_group["fused"] = True
@@ -105,22 +89,7 @@ class _Lean:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's load, but each group's moments keep (or are converted to) its own
         `moment_dtype`, one tensor at a time; torch's would cast them to the parameters'."""
-        own = [g["moment_dtype"] for g in self.param_groups]  # type: ignore[attr-defined]
-        moments = {
-            k: {n: v for n, v in st.items() if n in MOMENTS}
-            for k, st in state_dict["state"].items()
-        }
-        rest = {
-            k: {n: v for n, v in st.items() if n not in MOMENTS}
-            for k, st in state_dict["state"].items()
-        }
-        super().load_state_dict({**state_dict, "state": rest})  # type: ignore[misc]
-        saved = state_dict["param_groups"]
-        for group, name, then in zip(self.param_groups, own, saved):  # type: ignore[attr-defined]
-            group["moment_dtype"] = name
-            for p, k in zip(group["params"], then["params"]):
-                for n, v in moments.get(k, {}).items():
-                    self.state[p][n] = v.to(device=p.device, dtype=MOMENT_DTYPES[name])  # type: ignore[attr-defined]
+        load_keeping_dtypes(self, state_dict, MOMENTS, super().load_state_dict)  # type: ignore[arg-type, misc]
 
 
 class LeanAdam(_Lean, torch.optim.Adam):

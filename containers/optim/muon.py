@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from containers.norm import local
+from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
 __all__ = ["ShardedMuon", "newton_schulz"]
 
@@ -160,24 +161,36 @@ class ShardedMuon(torch.optim.Muon):
     sharded (FSDP2, TP, HSDP DTensors) or not, the work spread over the ranks sharding it.
 
     Same hyperparameters and state (`momentum_buffer`) as torch's Muon, so checkpoints move
-    between the two, plus one:
-        ns_dtype: dtype of the Newton-Schulz iterations, per param group: "bfloat16" (torch's
-            choice), "float32" (exact to rounding), or "auto" (the default): bfloat16 on
-            CUDA, float32 on CPU, where bf16 matrix products run ~65x slower than fp32 on
-            CPUs without bf16 units (AVX2 here).
+    between the two, plus two, per param group:
+        ns_dtype: dtype of the Newton-Schulz iterations: "bfloat16" (torch's choice),
+            "float32" (exact to rounding), or "auto" (the default): bfloat16 on CUDA, float32
+            on CPU, where bf16 matrix products run ~65x slower than fp32 on CPUs without bf16
+            units (AVX2 here).
+        moment_dtype: dtype the momentum is kept in ("float32" or "bfloat16": 2 bytes/param
+            instead of 4, updated in fp32 and rounded to nearest, `containers.optim.lean`).
     """
 
-    def __init__(self, params: Any, *, ns_dtype: str = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self, params: Any, *, ns_dtype: str = "auto", moment_dtype: str = "float32", **kwargs: Any
+    ) -> None:
         super().__init__(params, **kwargs)
         self.defaults["ns_dtype"] = ns_dtype
+        self.defaults["moment_dtype"] = moment_dtype
         for group in self.param_groups:
             group.setdefault("ns_dtype", ns_dtype)
+            group.setdefault("moment_dtype", moment_dtype)
+            check_moment_dtype(group)
             if group["ns_dtype"] not in ("auto", "bfloat16", "float32"):
                 raise ValueError(
                     f"ns_dtype = {group['ns_dtype']!r}: use 'auto', 'bfloat16' (torch's Muon) "
                     "or 'float32'"
                 )
         self._exchanges: dict[tuple[int, ...], _Exchange] = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's load, but each group's momentum keeps (or is converted to) its own
+        `moment_dtype`; torch's would cast it to the parameters' dtype."""
+        load_keeping_dtypes(self, state_dict, ("momentum_buffer",), super().load_state_dict)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -195,11 +208,16 @@ class ShardedMuon(torch.optim.Muon):
                     raise RuntimeError("Muon does not support sparse gradients")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    dtype = moment_dtype_of(group) if p.dtype == torch.float32 else p.dtype
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=dtype)
                 grad, buf = local(p.grad), local(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - momentum)
+                # A lean (bf16) momentum: updated in fp32 and rounded back, one tensor at a time.
+                wide = buf if buf.dtype == grad.dtype else buf.to(grad.dtype)
+                wide.lerp_(grad, 1 - momentum)
+                if wide is not buf:
+                    buf.copy_(wide)
                 params.append(p)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+                updates.append(grad.lerp(wide, momentum) if group["nesterov"] else wide)
             ortho = self._orthogonalize(params, updates, group)
             lr, decay = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho):

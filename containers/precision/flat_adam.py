@@ -39,7 +39,8 @@ import torch
 from torch.optim import Optimizer
 
 from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
-from containers.optim.lean_adam import LeanAdam, LeanAdamW, moment_dtype_of
+from containers.optim.lean import moment_dtype_of
+from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
 from containers.precision.flat_compiled import step_compiled
 

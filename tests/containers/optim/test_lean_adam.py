@@ -202,14 +202,14 @@ def test_bf16_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
     ("cfg", "match"),
     [
         (
-            OptimizerConfig(name="SGD", moment_dtype="bfloat16"),
-            r"moment_dtype = 'bfloat16': SGD keeps its state in the parameters' dtype",
+            OptimizerConfig(name="Adagrad", moment_dtype="bfloat16"),
+            r"moment_dtype = 'bfloat16': Adagrad keeps its state in the parameters' dtype",
         ),
         (
             OptimizerConfig(
-                param_groups=[ParamGroup(pattern="w", name="SGD")], moment_dtype="bfloat16"
+                param_groups=[ParamGroup(pattern="w", name="Adagrad")], moment_dtype="bfloat16"
             ),
-            r"param_groups\[0\]\] moment_dtype = 'bfloat16': SGD",
+            r"param_groups\[0\]\] moment_dtype = 'bfloat16': Adagrad",
         ),
         (
             OptimizerConfig(moment_dtype="bfloat16", implementation="foreach"),
