@@ -205,11 +205,13 @@ class CheckpointManager:
             metadata = verify(path)
         except Damaged as damage:
             raise damaged_checkpoint_error(step, damage, found) from None
-        check_matches(self.states, path, metadata)
-        newer = [s for s in found if s > step]
-        if newer and not read_only:
-            self._protect_newer(step, newer)
+        # One planner for the check and the load: the state dicts both take are its templates
+        # (masters kept as remainders are not made fp32 for either).
         with load_planner(self.states) as planner:
+            check_matches(self.states, path, metadata)
+            newer = [s for s in found if s > step]
+            if newer and not read_only:
+                self._protect_newer(step, newer)
             dcp.load(self.states, checkpoint_id=path, planner=planner)
         self._config_wins()
         seed = self.cfg.initial_load_path

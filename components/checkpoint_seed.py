@@ -24,7 +24,13 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_files import Damaged, agree_across_ranks, checkpoint_steps, verify
+from components.checkpoint_files import (
+    Damaged,
+    agree_across_ranks,
+    checkpoint_steps,
+    dtype_changes,
+    verify,
+)
 from config import ConfigError
 from containers import OptimizersContainer
 from containers.state.flat import describe_keys
@@ -208,6 +214,8 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
         if source is not None:
             fill[key] = source
     unused = _check(seed, flat, fill, model_only)
+    if converted := dtype_changes(flat, {k: seed.saved[source] for k, source in fill.items()}):
+        logger.info("%s: converted on load: %s", seed.path, converted)
     optimizer = states.get("optimizer")
     if not model_only and isinstance(optimizer, OptimizersContainer):
         try:  # AdamW's state for SGD: said in the container's words

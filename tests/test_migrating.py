@@ -211,3 +211,20 @@ def test_weights_only_by_default_and_the_runs_own_checkpoint_wins(seeded, tmp_pa
 
 def _load_each(runs: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
     return [load_job_state(dump, argv) for dump, argv in runs]
+
+
+def test_a_seed_of_fp32_moments_into_bf16_moments_is_converted_and_said_once(seeded, tmp_path):
+    dump = tmp_path / "lean"
+    argv = [*ARGS, "--job.dump_folder", str(dump), "--checkpoint.initial_load_path"]
+    argv += [str(seeded.source), "--checkpoint.initial_load_model_only", "false"]
+    ranks = run_ranks(
+        2, train_resumed, [*argv, "--optimizer.moment_dtype", "bfloat16"], timeout=240
+    )
+    assert [r["code"] for r in ranks] == [0, 0]
+    log = (dump / "train.log").read_text()
+    assert log.count("converted on load: exp_avg, exp_avg_sq float32 -> bfloat16") == 1, log
+    moments = {k: v for k, v in seeded.optim.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    for got in ranks:
+        for key, value in moments.items():
+            assert got["optim"][key].dtype == torch.bfloat16
+            assert torch.equal(got["optim"][key], value.bfloat16()), key

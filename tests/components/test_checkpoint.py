@@ -16,7 +16,7 @@ from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, full, three_parts, train
+from tests.harness.helpers import assert_same, forward, full, three_parts, train
 
 
 def _job(
@@ -267,3 +267,41 @@ def test_async_saves_are_published_as_soon_as_complete_on_two_ranks(tmp_path):
     result = run_ranks(2, _async_round_trip, str(tmp_path))[0]
     assert result["found"] == [2, 4]
     assert_same(result["two"], result["expected_two"])
+
+
+def _lean_job(folder: Path, seed: int) -> tuple[list, object, TrainState, CheckpointManager]:
+    """A mixed-precision job whose masters are kept as remainders, with bf16 moments."""
+    from config import MixedPrecision
+    from containers import LeanAdamW, MasterWeights, MixedPrecisionOptimizersContainer
+
+    precision = MasterWeights(MixedPrecision(loss_scaling="none", store_param_remainders=True))
+    parts = [precision.cast_model(p) for p in three_parts(seed)]
+    kwargs = {"lr": 1e-2, "moment_dtype": "bfloat16"}
+    optimizers = MixedPrecisionOptimizersContainer(parts, LeanAdamW, kwargs, precision=precision)
+    state = TrainState()
+    states = {"model": ModelWrapper(parts), "optimizer": optimizers, "train_state": state}
+    manager = CheckpointManager(Checkpoint(enable=True, interval=2), str(folder), states, 4)
+    return parts, optimizers, state, manager
+
+
+def test_a_resume_never_makes_masters_kept_as_remainders_fp32(tmp_path):
+    """Neither the key check nor the load takes fp32 templates of them (`load_planner`)."""
+    parts, optimizers, state, manager = _lean_job(tmp_path, 0)
+    for step in range(1, 3):
+        optimizers.zero_grad()
+        x = torch.randn(6, 10, generator=torch.Generator().manual_seed(step)).bfloat16()
+        optimizers.backward(forward(parts, x).float().square().mean())
+        optimizers.step()
+        state.step = step
+        manager.maybe_save(step)
+    manager.close()
+    expected = _snapshot(parts, optimizers)
+    parts2, optimizers2, _, manager2 = _lean_job(tmp_path, 1)
+    made = []
+    flats = {id(f): f for f, _ in optimizers2.precision._flat_of.values()}.values()
+    for flat in flats:
+        flat.master_value = lambda i: made.append(i)  # type: ignore[method-assign]
+    assert manager2.load() == 2 and not made
+    for flat in flats:
+        del flat.master_value
+    assert_same(_snapshot(parts2, optimizers2), expected)
