@@ -184,7 +184,8 @@ def main(argv: list[str]) -> int:
         if len(skipped_in_a_row) >= cfg.training.max_consecutive_skips:
             kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
             fail(
-                "steps %d-%d were all skipped for non-finite numbers ([training] "
+                "steps %d-%d were all skipped for non-finite numbers (gradients, or weights an "
+                "update would overflow; [training] "
                 "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
                 "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
                 "to resume the newest, or pick one with [checkpoint] load_step)",

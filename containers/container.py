@@ -268,7 +268,13 @@ class OptimizersContainer(Optimizer, Stateful):
             # world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
             finite = all_finite([p.grad for p in params], groups=[None] if world else [])
-        self.precision.decided(applied=finite)
+        refusal = self._refusal() if finite else None
+        self.precision.decided(applied=finite and refusal is None, overflow=not finite)
+        if refusal is not None:
+            return StepReport(
+                committed=False, skipped=refusal, nonfinite=True, grad_norm=value,
+                **self.precision.report(),
+            )  # fmt: skip
         if not finite:
             return StepReport(
                 committed=False,
@@ -280,6 +286,19 @@ class OptimizersContainer(Optimizer, Stateful):
             )
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
         return StepReport(grad_norm=value, **self.precision.report())
+
+    def _refusal(self) -> str | None:
+        """The precision's refusal of this step's update (`Precision.refusal`), agreed by
+        the world: ranks hold different shards and stages, and must skip alike."""
+        if not self.precision.may_refuse:
+            return None
+        why = self.precision.refusal(self.optimizers)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            found = torch.tensor(float(why is not None), device=self._params[0].device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            if found and why is None:
+                why = "another rank's update could overflow its float16 weights"
+        return why
 
     def _measure(self, params: list[torch.Tensor], exact: bool = False) -> tuple[Any, float, bool]:
         """The global norm, its value and whether the step may apply. The norm is the
@@ -307,7 +326,8 @@ class OptimizersContainer(Optimizer, Stateful):
         """Step one unit now, unless its gradients are non-finite, and drop its gradients
         (timings that apply inside backward)."""
         grads = [p.grad for p in unit.params if p.grad is not None]
-        if self.skip_nonfinite and not all_finite(grads):
+        refused = self.precision.may_refuse and self.precision.refusal(unit.optimizers)
+        if (self.skip_nonfinite and not all_finite(grads)) or refused:
             self._skipped_units += 1
         else:
             with inner_steps():

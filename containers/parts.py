@@ -144,14 +144,17 @@ class Precision:
     A precision answers four kinds of question, in this order of a run's life:
     composition (`in_backward_conflict`, `fsdp1_conflict`, `must_skip_nonfinite`); build
     (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`, `grad_norm`,
-    `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers' (`state_dict`,
-    `take_state`, `load_state`). This class is the plain answer to each; `MasterWeights`
-    (`containers.precision`) is the other.
+    `refusal`, `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers'
+    (`state_dict`, `take_state`, `load_state`). This class is the plain answer to each;
+    `MasterWeights` (`containers.precision`) is the other.
     """
 
     must_skip_nonfinite = False
     """Whether steps with non-finite gradients must be skipped even where the container
     would apply them (loss scaling finds its overflows this way)."""
+
+    may_refuse = False
+    """Whether `refusal` can ever answer (the container agrees on it across ranks then)."""
 
     def in_backward_conflict(self) -> str | None:
         return None
@@ -202,8 +205,14 @@ class Precision:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
 
-    def decided(self, applied: bool) -> None:
-        """Told whether the step's gradients were applied (False: they were non-finite)."""
+    def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
+        """Why `optimizers`' coming update must not apply though its gradients are finite
+        (e.g. it could overflow fp16 weights); None: it may."""
+        return None
+
+    def decided(self, applied: bool, overflow: bool | None = None) -> None:
+        """Told whether the step's gradients were applied and whether they overflowed (by
+        default: the step was skipped for non-finite gradients exactly when not applied)."""
 
     @torch.no_grad()
     def apply(

@@ -120,10 +120,10 @@ def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoi
     assert _hashes(folder) == before
 
 
-def test_fp16_weights_that_overflow_never_reach_a_checkpoint_and_the_stop_line_is_true(tmp_path):
-    """fp16 at lr 1e30: step 1's update overflows the fp16 weights. Whether the step is
-    refused when applied or its save is refused (`step-1 not saved`), no checkpoint holds
-    inf, and the stop line says what is kept."""
+def test_a_step_that_would_overflow_fp16_weights_is_skipped_and_the_stop_line_is_true(tmp_path):
+    """fp16 at lr 1e30: step 1's update would overflow the fp16 weights. It is skipped before
+    anything changes, as a non-finite gradient is (the weights stay finite, so no save is
+    refused), every later one too, and the stop line says what is kept."""
     dump = tmp_path / "run"
     args = [*BASE, "--job.config_file", "config/mixed_precision.toml", "--job.dump_folder"]
     args += [str(dump), "--mixed_precision.param_dtype", "float16"]
@@ -133,9 +133,12 @@ def test_fp16_weights_that_overflow_never_reach_a_checkpoint_and_the_stop_line_i
     result = launch(2, args, torchrun=False)
     out = result.stdout
     assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
-    *refused, stop = _lines(out, "ERROR")
-    assert all(re.search(r"step-1 not saved: inf or NaN in \d+ tensor shards", r) for r in refused)
-    assert len(refused) <= 1 and "were all skipped" in stop, out[-3000:]
+    (stop,) = _lines(out, "ERROR")
+    skips = [w for w in _lines(out, "WARNING") if "skipped" in w]
+    assert [re.search(r"step (\d+) skipped", w)[1] for w in skips] == ["1", "2", "3"], out[-3000:]
+    assert all("could overflow the float16 weights (AdamW at lr " in w for w in skips), skips
+    assert all(re.search(r"up to [\d.]+e\+(29|30) > 65504", w) for w in skips), skips
+    assert "steps 1-3 were all skipped" in stop, out[-3000:]
     assert f"kept in {dump / 'checkpoint'} (all finite): none (" in stop
     assert not complete_checkpoints(dump / "checkpoint")
 

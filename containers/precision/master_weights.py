@@ -31,6 +31,7 @@ from containers.parts import Precision
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
 from containers.precision.loss_scaler import LossScaler
+from containers.precision.overflow import overflow_refusal
 from containers.precision.remainders import Sink
 from containers.precision.sums import FullPrecisionSums, from_initial
 from containers.state.flat import describe_keys
@@ -197,9 +198,26 @@ class MasterWeights(Precision):
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact) * self._unscale
 
-    def decided(self, applied: bool) -> None:
-        self._backing_off = not applied and self.scaler.can_back_off
-        self.scaler.update(overflow=not applied)
+    @property
+    def may_refuse(self) -> bool:  # type: ignore[override]
+        return self.param_dtype == torch.float16
+
+    def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
+        """fp16 weights: a step of Adam/AdamW that could overflow them (`overflow`)."""
+        if not self.may_refuse:
+            return None
+        groups = []
+        for opt in optimizers:
+            for group in opt.param_groups:
+                weights = [self._model_param[id(m)] for m in group["params"]]
+                groups.append((opt, group, [local(w) for w in weights if w.grad is not None]))
+        return overflow_refusal(groups, torch.finfo(self.param_dtype).max)
+
+    def decided(self, applied: bool, overflow: bool | None = None) -> None:
+        overflow = not applied if overflow is None else overflow
+        self._backing_off = overflow and self.scaler.can_back_off
+        if applied or overflow:  # a refused step tells the scale nothing
+            self.scaler.update(overflow=overflow)
         if not applied:
             for p in self._model_param.values():
                 p.grad = None
