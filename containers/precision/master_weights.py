@@ -140,14 +140,7 @@ class MasterWeights(Precision):
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         """Masters and state of fused Adam/AdamW groups go into flat buffers (`flat_adam`)."""
         if self.remainders:
-            for opt in optimizers:
-                if any(g["params"] and not eligible(opt, g) for g in opt.param_groups):
-                    raise ValueError(
-                        f"[mixed_precision] store_param_remainders = true with "
-                        f"{type(opt).__name__}: remainders need torch's fused Adam/AdamW "
-                        "(contiguous masters, no amsgrad); use AdamW with implementation "
-                        "'fused' or store_param_remainders = false"
-                    )
+            self._check_remainders(optimizers)
         for opt in optimizers:
             flats = [
                 FlatGroup(opt, g, self._model_of(g), remainders=self.remainders)
@@ -159,6 +152,39 @@ class MasterWeights(Precision):
                 opt.register_load_state_dict_post_hook(_mark_stale(flats))
                 for flat in flats:
                     self._flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
+
+    def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
+        """Remainders complete the masters of fused Adam/AdamW groups (the flat step); other
+        optimizers' groups (Muon beside AdamW) keep fp32 masters, said once. Refused: an
+        Adam/AdamW group that cannot step flat, or no group that can."""
+        others, flat = set(), False
+        for opt in optimizers:
+            for group in opt.param_groups:
+                if not group["params"]:
+                    continue
+                if eligible(opt, group):
+                    flat = True
+                elif isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                    raise ValueError(
+                        f"[mixed_precision] store_param_remainders = true with a "
+                        f"{type(opt).__name__} group that is not fused (or uses amsgrad): "
+                        "remainders complete the masters in torch's fused step; use "
+                        "implementation 'fused' or store_param_remainders = false"
+                    )
+                else:
+                    others.add(type(opt).__name__)
+        if not flat:
+            raise ValueError(
+                f"[mixed_precision] store_param_remainders = true with only "
+                f"{', '.join(sorted(others))}: remainders complete the masters of fused "
+                "Adam/AdamW groups; use AdamW or store_param_remainders = false"
+            )
+        if others:
+            logger.info(
+                "[mixed_precision] store_param_remainders: the %s groups keep fp32 masters "
+                "(remainders complete those of fused Adam/AdamW groups)",
+                ", ".join(sorted(others)),
+            )
 
     def _model_of(self, group: dict) -> list[torch.Tensor]:
         return [self._model_param[id(m)] for m in group["params"]]

@@ -200,21 +200,53 @@ def test_remainders_and_bf16_moments_saved_on_2_fsdp2_ranks_load_on_3_element_fo
 
 
 @pytest.mark.parametrize(
-    ("settings", "cls", "match"),
+    ("settings", "cls", "kwargs", "match"),
     [
-        ({"param_dtype": "float16"}, torch.optim.AdamW, "param_dtype torch.float16"),
-        ({"compile": True}, torch.optim.AdamW, "compile = true"),
-        ({}, torch.optim.SGD, "store_param_remainders = true with SGD"),
+        ({"param_dtype": "float16"}, torch.optim.AdamW, {}, "param_dtype torch.float16"),
+        ({"compile": True}, torch.optim.AdamW, {}, "compile = true"),
+        ({}, torch.optim.SGD, {}, "store_param_remainders = true with only SGD"),
+        ({}, torch.optim.AdamW, {"fused": False}, "AdamW group that is not fused"),
     ],
 )
-def test_remainders_where_they_cannot_complete_a_master_are_refused_by_name(settings, cls, match):
+def test_remainders_where_they_cannot_complete_a_master_are_refused_by_name(
+    settings, cls, kwargs, match
+):
     dtype = getattr(torch, settings.get("param_dtype", "bfloat16"))
     model = nn.Linear(4, 4).to(dtype)
     with pytest.raises(ValueError, match=match):
         MixedPrecisionOptimizersContainer(
-            [model], cls, {"lr": 0.1},
+            [model], cls, {"lr": 0.1, **kwargs},
             settings=MP(loss_scaling="none", store_param_remainders=True, **settings),
         )  # fmt: skip
+
+
+def test_muon_groups_keep_fp32_masters_beside_remainders_of_adamw_groups(caplog):
+    from containers import ParamGroupRule, ShardedMuon
+
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.LayerNorm(8)).to(torch.bfloat16)
+    rules = [ParamGroupRule(r"^0\.weight$", {"lr": 0.02}, ShardedMuon, {"lr": 0.02})]
+    with caplog.at_level("INFO"):
+        mp = MixedPrecisionOptimizersContainer(
+            [model], torch.optim.AdamW, {"lr": 1e-2, "fused": True}, param_groups=rules,
+            settings=MP(loss_scaling="none", store_param_remainders=True),
+        )  # fmt: skip
+    assert "the ShardedMuon groups keep fp32 masters" in caplog.text
+    flats = [f for opt in mp for f in mp.precision._flat.get(id(opt), [])]
+    assert flats and all(f.remainders for f in flats)
+    for step in range(2):
+        mp.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).bfloat16()
+        model(x).float().square().mean().backward()
+        mp.step()
+    assert mp.last_step_committed
+    state = mp.state_dict()
+    masters = [k for k in state if k.startswith("master_weights.")]
+    assert sorted(masters) == [
+        "master_weights.0.weight",
+        "master_weights.1.bias",
+        "master_weights.1.weight",
+    ]
+    assert all(bool(state[k].isfinite().all()) for k in masters)
 
 
 def test_the_config_builds_remainders_with_bf16_moments_and_refuses_fp16_by_name():
