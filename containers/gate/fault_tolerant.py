@@ -7,6 +7,8 @@ whether the step commits, and applies (hooks included, once) only if it does.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from torchft import Manager
 
 __all__ = ["FTOptimizersContainer", "TorchFTGate"]
+
+logger = logging.getLogger(__name__)
 
 
 class TorchFTGate(Gate):
@@ -102,7 +106,23 @@ class TorchFTGate(Gate):
 
     def _wait_quorum(self) -> None:
         """Wait for the step's quorum; `GateLost` when torchft found none in time (the
-        lighthouse gone past the quorum timeout): nothing of the step has changed yet."""
+        lighthouse gone past the quorum timeout): nothing of the step has changed yet. A
+        quorum still missing after the connect timeout is said in one line then: a lighthouse
+        gone mid-run is reported as soon as one that never answered would be, and still
+        waited for (a restarted one is carried on with)."""
+        future = getattr(self.manager, "_quorum_future", None)
+        connect = getattr(self.manager, "_connect_timeout", None)
+        if future is not None and connect is not None:
+            concurrent.futures.wait([future], timeout=connect.total_seconds())
+            if not future.done():
+                quorum = getattr(self.manager, "_quorum_timeout", None)
+                logger.warning(
+                    "torchft: no quorum of replica groups after %g s (the lighthouse "
+                    "unreachable, or groups still joining); waiting up to the quorum timeout"
+                    "%s",
+                    connect.total_seconds(),
+                    f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
+                )
         try:
             self.manager.wait_quorum()
         except Exception as e:
