@@ -376,7 +376,8 @@ def build_optimizers(
         raise
     except ValueError as e:
         # The containers check model against config (patterns, ownership, compositions).
-        raise ConfigError(f"[optimizer] {e}") from e
+        # A message that names its own section (e.g. [mixed_precision]) keeps it alone.
+        raise ConfigError(str(e) if str(e).startswith("[") else f"[optimizer] {e}") from e
 
 
 def _build_default(
