@@ -10,14 +10,14 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
     norm.py          the global gradient norm over the job's mesh; local-shard helpers
     grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
     precision/       MasterWeights (mixed precision) and its update paths
-    gate/            TorchFTGate (torchft)
+    gate/            TorchFTGate (torchft), DiLoCoGate
     timing/          InBackward
     state/           the flat FQN state format, initial state, param-group rules, FSDP1 slices
     optim/           optimizers the project adds (ShardedMuon)
 """
 
 from containers.container import OptimizersContainer, Unit
-from containers.gate import FTOptimizersContainer, TorchFTGate
+from containers.gate import DiLoCoGate, FTOptimizersContainer, TorchFTGate
 from containers.optim import LeanAdam, LeanAdamW, LeanSGD, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
 from containers.precision import (
@@ -30,6 +30,7 @@ from containers.state import ParamGroupRule
 from containers.timing import InBackward, OptimizersInBackwardContainer
 
 __all__ = [
+    "DiLoCoGate",
     "FTOptimizersContainer",
     "Gate",
     "GateLost",

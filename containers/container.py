@@ -169,6 +169,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self.timing.attach(self)
+        self.gate.attach(self)
 
     # -- what the trainer asks -----------------------------------------------------------
 
@@ -285,6 +286,7 @@ class OptimizersContainer(Optimizer, Stateful):
                 **self.precision.report(),
             )
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
+        self.gate.after_apply()
         return StepReport(grad_norm=value, **self.precision.report())
 
     def _refusal(self) -> str | None:
@@ -403,6 +405,7 @@ class OptimizersContainer(Optimizer, Stateful):
                         if key != "params" and key not in UNSAVED_KEYS:
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
         flat.update(self.precision.state_dict(self._fqns))
+        flat.update(self.gate.state_dict(self._fqns))
         if self.flat_shards:
             flat = self.flat_shards.export(flat)
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -431,6 +434,7 @@ class OptimizersContainer(Optimizer, Stateful):
         if self.flat_shards:
             state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
         taken = self.precision.take_state(state_dict, self._fqns)
+        gate_taken = self.gate.take_state(state_dict, self._fqns)
         layout, created = [], {}
         for opt in self.optimizers:
             states, news = self._states(opt, materialize=False)
@@ -446,6 +450,7 @@ class OptimizersContainer(Optimizer, Stateful):
                 opt.load_state_dict(backup)
             raise
         self.precision.load_state(taken)
+        self.gate.load_state(gate_taken)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -245,6 +245,10 @@ class Precision:
     def load_state(self, taken: Any) -> None:
         """Apply what `take_state` took, once the optimizer state has loaded."""
 
+    def written(self, params: Sequence[torch.Tensor]) -> None:
+        """The inner optimizers' `params` were written outside a step (a gate's outer
+        step): make the model's own parameters agree (fp32: they are the model's)."""
+
 
 class GateLost(RuntimeError):
     """The gate can no longer decide whether steps commit (torchft: no quorum within its
@@ -272,6 +276,23 @@ class Gate:
 
     def commit(self) -> bool:
         return True
+
+    def attach(self, container: OptimizersContainer) -> None:
+        """Called once the container's inner optimizers exist."""
+
+    def after_apply(self) -> None:
+        """A committed step has applied (DiLoCo's outer step follows every `sync_steps`)."""
+
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
+        """This gate's own flat entries beside the optimizer state (e.g. `outer.*`)."""
+        return {}
+
+    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
+        """Remove this gate's entries from `flat` and validate them; change nothing."""
+        return None
+
+    def load_state(self, taken: Any) -> None:
+        """Apply what `take_state` took, once the optimizer state has loaded."""
 
 
 class Timing:

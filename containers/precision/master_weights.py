@@ -364,6 +364,15 @@ class MasterWeights(Precision):
         # from its peers' losses, which were scaled by the scale it has just received.
         self._unscale = 1.0 / self.scaler.scale
 
+    @torch.no_grad()
+    def written(self, params: Sequence[torch.Tensor]) -> None:
+        for m in params:
+            found = self._flat_of.get(id(m))
+            if found is not None and found[0].remainders:
+                continue  # its parameter and remainder were written, not the master
+            if id(m) in self._model_param:
+                local(self._model_param[id(m)]).copy_(local(m))
+
     # -- offload ---------------------------------------------------------------------------
 
     def _move(self, optimizers: Sequence[Optimizer], device: torch.device) -> None:

@@ -1,0 +1,191 @@
+"""`DiLoCoGate`: DiLoCo across torchft replica groups, its outer state container state.
+
+Each replica group takes its inner steps alone (no gradient average, every step commits);
+every `sync_steps` applied steps the groups agree on a quorum, average their pseudo-gradients
+(global weights - local weights, in one flat collective) and an outer optimizer (default
+torchtitan's: SGD, lr 0.7, momentum 0.9, Nesterov) steps the global weights on the average;
+the local weights start the next inner period from them. A sync that does not commit (a peer
+failed mid-way) drops the inner period: the local weights go back to the global ones.
+
+The global weights, the outer optimizer's state and the steps done are container state in the
+flat format (`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`),
+DTensors placed as their parameters, so they reshard within a replica group and load into a
+fresh container as a template, and a whole-job restart in the middle of an inner period goes
+on as if it never stopped. Under mixed precision the outer step runs on the fp32 masters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim import Optimizer
+
+from containers.norm import local, shaped_like
+from containers.parts import Gate, GateLost
+from containers.state.flat import describe_keys, flatten_into
+from containers.state.initial import derive
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+    from containers.container import OptimizersContainer
+
+__all__ = ["OUTER", "DiLoCoGate"]
+
+OUTER = "outer"
+"""Prefix of the gate's entries in the flat state dict."""
+
+
+class DiLoCoGate(Gate):
+    """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`.
+
+    Args:
+        manager: the replica group's `torchft.Manager`.
+        sync_steps: applied inner steps between two outer steps.
+        outer_cls: the outer optimizer (any `torch.optim` one).
+        outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
+    """
+
+    refusal = "not committed by torchft"
+
+    def __init__(
+        self,
+        manager: Manager,
+        *,
+        sync_steps: int,
+        outer_cls: type[Optimizer] = torch.optim.SGD,
+        outer_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if sync_steps < 1:
+            raise ValueError(f"sync_steps = {sync_steps}: use 1 or more inner steps per sync")
+        self.manager = manager
+        self.sync_steps = sync_steps
+        self.outer_cls = outer_cls
+        self.outer_kwargs = (
+            dict(outer_kwargs)
+            if outer_kwargs is not None
+            else {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+        )
+        self.inner_steps = 0
+        self.outer_steps = 0
+
+    def in_backward_conflict(self) -> str | None:
+        return (
+            "DiLoCo's outer step follows the whole inner step; use the step after backward "
+            "(early_step_in_backward = false) or every-step averaging"
+        )
+
+    def fsdp1_conflict(self) -> str | None:
+        return "DiLoCo's global weights are kept as DTensors like their parameters; use FSDP2"
+
+    def attach(self, container: OptimizersContainer) -> None:
+        if getattr(container.precision, "remainders", False):
+            raise ValueError(
+                "DiLoCo with [mixed_precision] store_param_remainders: the outer step writes "
+                "the fp32 masters, which remainders keep only within the flat step; not "
+                "supported yet (use store_param_remainders = false)"
+            )
+        self.container = container
+        # What the inner optimizers step: the parameters, or their fp32 masters.
+        self.params = [p for group in container.param_groups for p in group["params"]]
+        with torch.no_grad():
+            self.global_ = [p.detach().clone() for p in self.params]
+        self.outer = self.outer_cls(self.global_, **self.outer_kwargs)
+
+    def on_zero_grad(self) -> None:
+        # A peer may read this group's state while it heals: not during forward and backward,
+        # where FSDP2 swaps the sharded parameters for unsharded ones (see `TorchFTGate`).
+        self.manager.disallow_state_dict_read()
+
+    def after_apply(self) -> None:
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_steps == 0:
+            self._sync()
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        self.manager.allow_state_dict_read()
+        self.manager.start_quorum()
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:
+            raise GateLost(
+                f"torchft found no quorum of replica groups for DiLoCo's outer step "
+                f"({type(e).__name__}): the lighthouse is gone or unreachable"
+            ) from None
+        # The pseudo-gradient, which the outer optimizer descends: global - local.
+        pieces = [local(g) - local(p) for g, p in zip(self.global_, self.params)]
+        flat = torch.cat([x.reshape(-1) for x in pieces])
+        self.manager.allreduce(flat).wait()
+        if self.manager.should_commit():
+            offset = 0
+            for g, x in zip(self.global_, pieces):
+                g.grad = shaped_like(flat[offset : offset + x.numel()], g)
+                offset += x.numel()
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+            self.outer_steps += 1
+        for p, g in zip(self.params, self.global_):
+            local(p).copy_(local(g))
+        self.container.precision.written(self.params)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _outer_states(self, materialize: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
+        """Each global weight's outer state, or the outer optimizer's start state (so the
+        dict is a template before the first outer step too)."""
+        fresh = [g for g in self.global_ if not self.outer.state.get(g)]
+        derived = derive(self.outer, fresh, materialize).states if fresh else {}
+        return {g: self.outer.state.get(g) or derived.get(g, {}) for g in self.global_}
+
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
+        flat: dict[str, Any] = {
+            f"{OUTER}.inner_steps": self.inner_steps,
+            f"{OUTER}.outer_steps": self.outer_steps,
+        }
+        states = self._outer_states()
+        for p, g in zip(self.params, self.global_):
+            flat[f"{OUTER}.global.{fqn_of[p]}"] = g
+            flatten_into(flat, f"{OUTER}.state.{fqn_of[p]}", states[g])
+        return flat
+
+    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
+        taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{OUTER}.")]}
+        expected = {f"{OUTER}.inner_steps", f"{OUTER}.outer_steps"}
+        expected |= {f"{OUTER}.global.{fqn_of[p]}" for p in self.params}
+        if taken.get(f"{OUTER}.outer_steps", 0):
+            names = self._outer_states(materialize=False)
+            expected |= {
+                f"{OUTER}.state.{fqn_of[p]}.{name}"
+                for p, g in zip(self.params, self.global_)
+                for name in names[g]
+            }
+        missing = sorted(expected - taken.keys())
+        if missing:
+            raise ValueError(
+                f"DiLoCo state: missing keys {describe_keys(missing)} (a checkpoint of "
+                "every-step averaging? start DiLoCo in another dump folder)"
+            )
+        return taken, fqn_of
+
+    @torch.no_grad()
+    def load_state(self, taken: Any) -> None:
+        flat, fqn_of = taken
+        self.inner_steps = int(flat[f"{OUTER}.inner_steps"])
+        self.outer_steps = int(flat[f"{OUTER}.outer_steps"])
+        self.outer.state.clear()  # before the first outer step: torch's start
+        for p, g in zip(self.params, self.global_):
+            value = flat[f"{OUTER}.global.{fqn_of[p]}"]
+            if value is not g:
+                local(g).copy_(local(value))
+        if not self.outer_steps:
+            return
+        names = self._outer_states(materialize=False)
+        for p, g in zip(self.params, self.global_):
+            state = {}
+            for name in names[g]:
+                value = flat[f"{OUTER}.state.{fqn_of[p]}.{name}"]
+                state[name] = value.clone() if isinstance(value, torch.Tensor) else value
+            self.outer.state[g] = state

@@ -1,0 +1,78 @@
+"""DiLoCoGate: local inner steps, an outer step every `sync_steps`, outer state in the flat dict."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from components.checkpoint import ModelWrapper
+from containers import DiLoCoGate, OptimizersContainer
+from tests.containers.gate.test_fault_tolerant import manager  # noqa: F401 (a fixture)
+from tests.harness.helpers import assert_same, full, three_parts, train
+
+KW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def _params(parts) -> list[torch.Tensor]:
+    return [full(p) for part in parts for p in part.parameters()]
+
+
+def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_lands(manager):  # noqa: F811
+    """One replica group with a real lighthouse (the average of one group is its own
+    pseudo-gradient): the weights are the reference DiLoCo's, written out by hand, at
+    every step, and they move between syncs."""
+    parts, ref_parts = three_parts(), three_parts()
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=3))
+    ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
+    weights = [p for g in ref.param_groups for p in g["params"]]
+    global_ = [p.detach().clone() for p in weights]
+    outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
+    before = _params(parts)
+    for step in range(7):
+        train(parts, opt, 1, start=step)
+        train(ref_parts, ref, 1, start=step)
+        if (step + 1) % 3 == 0:
+            for g, w in zip(global_, weights):
+                g.grad = g.detach() - w.detach()
+            outer.step()
+            with torch.no_grad():
+                for w, g in zip(weights, global_):
+                    w.copy_(g)
+        now = _params(parts)
+        assert all(torch.equal(a, b) for a, b in zip(now, _params(ref_parts))), step
+        assert not all(torch.equal(a, b) for a, b in zip(now, before)), step
+        before = now
+    state = opt.state_dict()
+    assert state["outer.inner_steps"] == 7 and state["outer.outer_steps"] == 2
+    assert torch.equal(
+        state["outer.state.head.weight.momentum_buffer"],
+        outer.state[global_[-2]]["momentum_buffer"],
+    )
+
+
+def _run(manager, parts, steps: range, path=None, load=None):  # noqa: F811
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=3))
+    states = {"model": ModelWrapper(parts), "optim": opt}
+    if load is not None:
+        dcp.load(states, checkpoint_id=load)
+    train(parts, opt, len(steps), start=steps.start)
+    if path is not None:
+        dcp.save(states, checkpoint_id=path)
+    return opt
+
+
+def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp_path):  # noqa: F811
+    """Saved after 4 inner steps (one sync done, one inner step into the next period), loaded
+    into a fresh container as a template (outer momentum included), 3 more steps: the same
+    weights and state as 7 steps without a stop."""
+    straight = three_parts()
+    whole = _run(manager, straight, range(7))
+    path = str(tmp_path / "ckpt")
+    _run(manager, three_parts(), range(4), path=path)
+    resumed_parts = three_parts(seed=1)
+    resumed = _run(manager, resumed_parts, range(4, 7), load=path)
+    assert_same(
+        {k: full(v) for k, v in resumed.state_dict().items()},
+        {k: full(v) for k, v in whole.state_dict().items()},
+    )
+    assert all(torch.equal(a, b) for a, b in zip(_params(resumed_parts), _params(straight)))
