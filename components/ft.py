@@ -12,13 +12,24 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from components.optimizer import resolve_optimizer
 from config import ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
+from config import Optimizer as OptimizerConfig
+from containers import DiLoCoGate, TorchFTGate
+from containers.parts import Gate
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["build_ft_manager", "check_ft_config", "manager_port", "math_settings", "serve_state"]
+__all__ = [
+    "build_ft_manager",
+    "build_gate",
+    "check_ft_config",
+    "manager_port",
+    "math_settings",
+    "serve_state",
+]
 
 logger = logging.getLogger(__name__)
 _MANAGER_PORT_BASE = 29_600
@@ -51,6 +62,23 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
         mp.pop("compile")
         sections["mixed_precision"] = mp
     return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
+
+
+def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
+    """The gate of a torchft replica group (None without torchft): gradients averaged at
+    every step (`TorchFTGate`, groups of another math config refused), or DiLoCo's outer
+    step every `sync_steps` (`DiLoCoGate`, its outer optimizer from the registry)."""
+    if manager is None:
+        return None
+    ft = cfg.fault_tolerance
+    if ft.semi_sync_method == "diloco":
+        outer = OptimizerConfig(
+            name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
+            momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
+        )  # fmt: skip
+        cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
+        return DiLoCoGate(manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs)
+    return TorchFTGate(manager, agree_on=math_settings(cfg), name=f"replica_{ft.replica_id}")
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:

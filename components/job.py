@@ -20,7 +20,7 @@ from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
 from components.checkpoint_files import checkpoint_steps
 from components.checkpoint_seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
-from components.ft import build_ft_manager, check_ft_config, math_settings, serve_state
+from components.ft import build_ft_manager, build_gate, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
@@ -30,7 +30,7 @@ from components.run_lock import RunLocks, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import Comm as CommConfig
 from config import JobConfig, accumulation_steps
-from containers import OptimizersContainer, TorchFTGate
+from containers import OptimizersContainer
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -217,9 +217,7 @@ def _build_locked(
         model_parts,
         cfg.optimizer,
         precision=precision,
-        gate=None
-        if ft_manager is None
-        else TorchFTGate(ft_manager, agree_on=math_settings(cfg), name=f"replica_{ft.replica_id}"),
+        gate=build_gate(cfg, ft_manager),
         max_norm=cfg.training.max_norm,
         mesh=mesh,
         gradient_accumulation_steps=backward_passes(

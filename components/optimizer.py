@@ -31,6 +31,7 @@ from config import ConfigError, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
 from containers import (
+    DiLoCoGate,
     Gate,
     InBackward,
     LeanAdam,
@@ -419,7 +420,7 @@ def _build_fault_tolerant(
     gate: Gate | None,
     **parts: Any,
 ) -> OptimizersContainer:
-    if not isinstance(gate, TorchFTGate):
+    if not isinstance(gate, TorchFTGate | DiLoCoGate):
         raise ConfigError(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (the job builder then makes one)"

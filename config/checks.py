@@ -142,6 +142,16 @@ def cross_check(cfg: JobConfig) -> None:
             f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
             f"{ft.group_size}; raise group_size or lower replica_id"
         )
+    if ft.semi_sync_method == "diloco" and not ft.enable:
+        problems.append(
+            "[fault_tolerance] semi_sync_method = 'diloco': DiLoCo syncs replica groups "
+            "through torchft; set [fault_tolerance] enable = true"
+        )
+    if ft.semi_sync_method == "diloco" and ft.num_fragments != 1:
+        problems.append(
+            f"[fault_tolerance] num_fragments = {ft.num_fragments}: streaming DiLoCo (fragments "
+            "synced in turn) is not built yet; use num_fragments = 1"
+        )
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
         problems.append(

@@ -232,6 +232,30 @@ class FaultTolerance:
     """Longest wait to reach the lighthouse at start-up (past it: one line, exit 2) and to
     reach a peer's manager when healing."""
 
+    semi_sync_method: Literal["none", "diloco"] = "none"
+    """How replica groups meet: "none" averages gradients every step; "diloco" lets each
+    group take `sync_steps` inner steps alone, then averages their pseudo-gradients (global -
+    local weights) and takes one outer optimizer step on the global weights (torchtitan's
+    name). The outer state (global weights, outer momentum, inner steps done) is checkpointed."""
+
+    sync_steps: int = bounded(100, ge=1)
+    """DiLoCo: inner steps between two outer steps (communication falls by this factor)."""
+
+    num_fragments: int = bounded(1, ge=1)
+    """DiLoCo: fragments of the model synced in turn (streaming DiLoCo); 1 only, so far."""
+
+    outer_optimizer: str = "SGD"
+    """DiLoCo: the outer optimizer (a registered `[optimizer] name`)."""
+
+    outer_lr: float = bounded(0.7, gt=0.0)
+    """DiLoCo: the outer learning rate (torchtitan's 0.7)."""
+
+    outer_momentum: float = bounded(0.9, ge=0.0, lt=1.0)
+    """DiLoCo: the outer momentum (torchtitan's 0.9)."""
+
+    outer_nesterov: bool = True
+    """DiLoCo: Nesterov momentum in the outer step (torchtitan's choice)."""
+
 
 @dataclass(kw_only=True)
 class MixedPrecision:

@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 from components.checkpoint import ModelWrapper
 from containers import DiLoCoGate, OptimizersContainer
 from tests.containers.gate.test_fault_tolerant import manager  # noqa: F401 (a fixture)
+from tests.harness.ftjob import FTJob
 from tests.harness.helpers import assert_same, full, three_parts, train
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
@@ -76,3 +77,24 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
         {k: full(v) for k, v in whole.state_dict().items()},
     )
     assert all(torch.equal(a, b) for a, b in zip(_params(resumed_parts), _params(straight)))
+
+
+def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path):
+    """Two groups through train.py with a real lighthouse (which waits for both): each reads
+    its own data, so their weights differ after every inner step and are the same after
+    every outer step; no step is uncommitted."""
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    job = FTJob(tmp_path, 12, args, min_replicas=2)
+    try:
+        for r in (0, 1):
+            job.start_replica(r)
+        codes = [job.wait_exit(f"replica_{r}", 180) for r in (0, 1)]
+    finally:
+        job.close()
+    assert codes == [0, 0], job.tails()
+    ours, theirs = job.metrics(0), job.metrics(1)
+    assert sorted(ours) == sorted(theirs) == list(range(1, 13))
+    for step in ours:
+        same = ours[step]["param_checksum"] == theirs[step]["param_checksum"]
+        assert same == (step % 4 == 0), (step, ours[step], theirs[step])
+    assert "not committed" not in job.log("replica_0") + job.log("replica_1")
