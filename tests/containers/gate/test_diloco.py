@@ -98,3 +98,42 @@ def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path):
         same = ours[step]["param_checksum"] == theirs[step]["param_checksum"]
         assert same == (step % 4 == 0), (step, ours[step], theirs[step])
     assert "not committed" not in job.log("replica_0") + job.log("replica_1")
+
+
+def _two_groups(job: FTJob, script: tuple[str, ...] = ("train.py",)) -> None:
+    for r in (0, 1):
+        job.start_replica(r, script)
+
+
+def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitwise(tmp_path):
+    """Both groups save at step 6 (one sync done, two inner steps into the next period) and
+    are killed while held at step 7; restarted, they resume from step-6 and reach the same
+    weights at steps 8 (a sync), 10 and 12 as a run that never stopped."""
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
+    (tmp_path / "straight").mkdir(), (tmp_path / "stopped").mkdir()
+    straight = FTJob(tmp_path / "straight", 12, args, min_replicas=2)
+    try:
+        _two_groups(straight)
+        assert [straight.wait_exit(f"replica_{r}") for r in (0, 1)] == [0, 0], straight.tails()
+    finally:
+        straight.close()
+    job = FTJob(tmp_path / "stopped", 12, args, min_replicas=2)
+    hold = tmp_path / "hold"
+    hold.touch()
+    try:
+        _two_groups(job, ("-m", "tests.harness.faults", "hold", "7", str(hold)))
+        saved = [job.folder / f"replica_{r}" / "checkpoint" / "step-6" for r in (0, 1)]
+        job.wait_for("step-6 on both", lambda: all(s.is_dir() for s in saved))
+        for r in (0, 1):
+            job.kill(f"replica_{r}")
+        _two_groups(job)
+        assert [job.wait_exit(f"replica_{r}") for r in (0, 1)] == [0, 0], job.tails()
+    finally:
+        job.close()
+    for r in (0, 1):
+        assert f"resumed from {saved[r]}" in job.log(f"replica_{r}")
+        before, after = straight.metrics(r), job.metrics(r)
+        for step in (8, 10, 12):
+            assert after[step]["param_checksum"] == before[step]["param_checksum"], (r, step)
+    assert job.metrics(0)[8]["param_checksum"] == job.metrics(1)[8]["param_checksum"]
