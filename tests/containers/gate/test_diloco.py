@@ -137,3 +137,29 @@ def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitw
         for step in (8, 10, 12):
             assert after[step]["param_checksum"] == before[step]["param_checksum"], (r, step)
     assert job.metrics(0)[8]["param_checksum"] == job.metrics(1)[8]["param_checksum"]
+
+
+def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sync(tmp_path):
+    """Group 1 is killed at step 6 (two inner steps into the second period); group 0 goes
+    on alone and waits at its sync at step 8. Restarted with nothing on disk, group 1 reaches
+    its own first sync, heals there from group 0 (weights, outer state, schedule, step) and
+    both end bitwise equal."""
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    job = FTJob(tmp_path, 12, args, min_replicas=2)
+    hold = tmp_path / "hold"
+    hold.touch()
+    try:
+        job.start_replica(0)
+        job.start_replica(1, ("-m", "tests.harness.faults", "hold", "6", str(hold)))
+        job.wait_for("group 1 at step 5", lambda: max(job.metrics(1), default=0) >= 5)
+        job.kill("replica_1")
+        restarted_at = len(job.log("replica_1"))
+        job.start_replica(1)
+        codes = [job.wait_exit(f"replica_{r}") for r in (0, 1)]
+    finally:
+        job.close()
+    assert codes == [0, 0], job.tails()
+    assert "healed from a peer" in job.log("replica_1")[restarted_at:]
+    ours, theirs = job.metrics(0), job.metrics(1)
+    assert ours[12]["param_checksum"] == theirs[12]["param_checksum"]
+    assert ours[10]["param_checksum"] != theirs[10]["param_checksum"]  # inner steps: apart
