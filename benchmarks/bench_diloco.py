@@ -36,14 +36,7 @@ def run(folder: Path, steps: int, extra: list[str]) -> tuple[float, float]:
     """(mean loss of the last 20 steps over both groups, the groups' wall seconds)."""
     folder.mkdir()
     job = FTJob(folder, steps, ["--metrics.log_freq", "1", *extra], min_replicas=2)
-    try:
-        for r in (0, 1):
-            job.start_replica(r)
-        codes = [job.wait_exit(f"replica_{r}", 1200) for r in (0, 1)]
-    finally:
-        job.close()
-    if codes != [0, 0]:
-        raise RuntimeError(f"{folder.name}: exit codes {codes}:{job.tails()}")
+    job.run_both(timeout=1200)
     losses = [job.metrics(r)[s]["loss"] for r in (0, 1) for s in range(steps - 19, steps + 1)]
     seconds = max(sum(m["step_time_s"] for m in job.metrics(r).values()) for r in (0, 1))
     return statistics.fmean(losses), seconds

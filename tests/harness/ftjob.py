@@ -127,6 +127,18 @@ class FTJob:
         """The end of every process's log (a stop is often explained by another's)."""
         return "".join(f"\n--- {name}:\n{self.log(name)[-chars:]}" for name in self.procs)
 
+    def run_both(self, script: tuple[str, ...] = ("train.py",), timeout: float = 180.0) -> None:
+        """Start replica groups 0 and 1 with `script`, wait for both to end, then close the
+        job; raise with every log's tail unless both exited 0."""
+        try:
+            for r in (0, 1):
+                self.start_replica(r, script)
+            codes = [self.wait_exit(f"replica_{r}", timeout) for r in (0, 1)]
+        finally:
+            self.close()
+        if codes != [0, 0]:
+            raise RuntimeError(f"replica groups exited {codes}:{self.tails()}")
+
     def wait_exit(self, name: str, timeout: float = 180.0) -> int:
         return self.procs[name].wait(timeout=timeout)
 

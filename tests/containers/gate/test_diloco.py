@@ -85,13 +85,7 @@ def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path):
     every outer step; no step is uncommitted."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
     job = FTJob(tmp_path, 12, args, min_replicas=2)
-    try:
-        for r in (0, 1):
-            job.start_replica(r)
-        codes = [job.wait_exit(f"replica_{r}", 180) for r in (0, 1)]
-    finally:
-        job.close()
-    assert codes == [0, 0], job.tails()
+    job.run_both()
     ours, theirs = job.metrics(0), job.metrics(1)
     assert sorted(ours) == sorted(theirs) == list(range(1, 13))
     for step in ours:
@@ -113,11 +107,7 @@ def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitw
     args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
     (tmp_path / "straight").mkdir(), (tmp_path / "stopped").mkdir()
     straight = FTJob(tmp_path / "straight", 12, args, min_replicas=2)
-    try:
-        _two_groups(straight)
-        assert [straight.wait_exit(f"replica_{r}") for r in (0, 1)] == [0, 0], straight.tails()
-    finally:
-        straight.close()
+    straight.run_both()
     job = FTJob(tmp_path / "stopped", 12, args, min_replicas=2)
     hold = tmp_path / "hold"
     hold.touch()
