@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -79,12 +80,21 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
     assert all(torch.equal(a, b) for a, b in zip(_params(resumed_parts), _params(straight)))
 
 
-def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "nproc"),
+    [
+        ([], 1),
+        # the outer step on the fp32 masters of FSDP2 shards, inner moments in bf16
+        (["--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "bfloat16"], 2),
+    ],
+    ids=["fp32", "mixed_precision_fsdp2_bf16_moments"],
+)
+def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
     its own data, so their weights differ after every inner step and are the same after
     every outer step; no step is uncommitted."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
-    job = FTJob(tmp_path, 12, args, min_replicas=2)
+    job = FTJob(tmp_path, 12, [*args, *layout], nproc=nproc, min_replicas=2)
     job.run_both()
     ours, theirs = job.metrics(0), job.metrics(1)
     assert sorted(ours) == sorted(theirs) == list(range(1, 13))
