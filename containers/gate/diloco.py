@@ -42,7 +42,8 @@ class DiLoCoGate(Gate):
     """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`.
 
     Args:
-        manager: the replica group's `torchft.Manager`.
+        manager: the replica group's `torchft.Manager`; None: the gate only holds and loads
+            its state (an offline load, e.g. to inspect or convert a checkpoint).
         sync_steps: applied inner steps between two outer steps.
         outer_cls: the outer optimizer (any `torch.optim` one).
         outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
@@ -52,7 +53,7 @@ class DiLoCoGate(Gate):
 
     def __init__(
         self,
-        manager: Manager,
+        manager: Manager | None,
         *,
         sync_steps: int,
         outer_cls: type[Optimizer] = torch.optim.SGD,
@@ -97,7 +98,8 @@ class DiLoCoGate(Gate):
     def on_zero_grad(self) -> None:
         # A peer may read this group's state while it heals: not during forward and backward,
         # where FSDP2 swaps the sharded parameters for unsharded ones (see `TorchFTGate`).
-        self.manager.disallow_state_dict_read()
+        if self.manager is not None:
+            self.manager.disallow_state_dict_read()
 
     def after_apply(self) -> None:
         self.inner_steps += 1
@@ -106,6 +108,8 @@ class DiLoCoGate(Gate):
 
     @torch.no_grad()
     def _sync(self) -> None:
+        if self.manager is None:
+            raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
         self.manager.allow_state_dict_read()
         self.manager.start_quorum()
         try:
@@ -115,15 +119,26 @@ class DiLoCoGate(Gate):
                 f"torchft found no quorum of replica groups for DiLoCo's outer step "
                 f"({type(e).__name__}): the lighthouse is gone or unreachable"
             ) from None
-        # The pseudo-gradient, which the outer optimizer descends: global - local.
-        pieces = [local(g) - local(p) for g, p in zip(self.global_, self.params)]
-        flat = torch.cat([x.reshape(-1) for x in pieces])
+        flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients()])
         self.manager.allreduce(flat).wait()
-        if self.manager.should_commit():
+        self.outer_step(flat if self.manager.should_commit() else None)
+
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """This group's pseudo-gradients (local pieces), which the outer optimizer descends:
+        global - local weights."""
+        return [local(g) - local(p) for g, p in zip(self.global_, self.params)]
+
+    @torch.no_grad()
+    def outer_step(self, averaged: torch.Tensor | None) -> None:
+        """Step the global weights on the `averaged` pseudo-gradients (flat, in the order of
+        `pseudo_gradients`; None: the sync did not commit, no step) and restart the local
+        weights from them."""
+        if averaged is not None:
             offset = 0
-            for g, x in zip(self.global_, pieces):
-                g.grad = shaped_like(flat[offset : offset + x.numel()], g)
-                offset += x.numel()
+            for g in self.global_:
+                n = local(g).numel()
+                g.grad = shaped_like(averaged[offset : offset + n], g)
+                offset += n
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
             self.outer_steps += 1

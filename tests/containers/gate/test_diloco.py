@@ -163,3 +163,44 @@ def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sy
     ours, theirs = job.metrics(0), job.metrics(1)
     assert ours[12]["param_checksum"] == theirs[12]["param_checksum"]
     assert ours[10]["param_checksum"] != theirs[10]["param_checksum"]  # inner steps: apart
+
+
+def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCoGate]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    parts = three_parts(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    gate = DiLoCoGate(None, sync_steps=10**9)  # state only: the outer step is called by hand
+    return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate), gate
+
+
+def _save_outer(path: str) -> dict:
+    import torch.distributed as dist
+
+    parts, opt, gate = _sharded(0)
+    for step in range(3):
+        train(parts, opt, 1, start=step, rank=dist.get_rank())
+        # One replica group's sync (its average is its own pseudo-gradients).
+        gate.outer_step(torch.cat([x.reshape(-1) for x in gate.pseudo_gradients()]))
+    train(parts, opt, 1, start=3, rank=dist.get_rank())  # into the next inner period
+    dcp.save({"optim": opt}, checkpoint_id=path)
+    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
+
+
+def _load_outer(path: str) -> dict:
+    _, opt, _ = _sharded(1)
+    dcp.load({"optim": opt}, checkpoint_id=path)
+    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
+
+
+def test_the_outer_state_saved_on_2_fsdp2_ranks_loads_on_1_element_for_element(tmp_path):
+    from tests.harness.dist import run_ranks
+
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(2, _save_outer, path)[0]
+    assert saved["outer.outer_steps"] == 3 and "outer.state.head.weight.momentum_buffer" in saved
+    assert_same(run_ranks(1, _load_outer, path)[0], saved)
