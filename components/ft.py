@@ -77,7 +77,10 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
             momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
         )  # fmt: skip
         cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
-        return DiLoCoGate(manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs)
+        return DiLoCoGate(
+            manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
+            num_fragments=ft.num_fragments, fragment_update_alpha=ft.fragment_update_alpha,
+        )  # fmt: skip
     return TorchFTGate(manager, agree_on=math_settings(cfg), name=f"replica_{ft.replica_id}")
 
 

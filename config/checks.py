@@ -147,10 +147,16 @@ def cross_check(cfg: JobConfig) -> None:
             "[fault_tolerance] semi_sync_method = 'diloco': DiLoCo syncs replica groups "
             "through torchft; set [fault_tolerance] enable = true"
         )
-    if ft.semi_sync_method == "diloco" and ft.num_fragments != 1:
+    if ft.semi_sync_method == "diloco" and ft.num_fragments > ft.sync_steps:
         problems.append(
-            f"[fault_tolerance] num_fragments = {ft.num_fragments}: streaming DiLoCo (fragments "
-            "synced in turn) is not built yet; use num_fragments = 1"
+            f"[fault_tolerance] num_fragments = {ft.num_fragments}: more than sync_steps = "
+            f"{ft.sync_steps} (each fragment syncs on a step of its own); use at most "
+            f"{ft.sync_steps}"
+        )
+    if ft.semi_sync_method == "diloco" and ft.fragment_sync_delay:
+        problems.append(
+            f"[fault_tolerance] fragment_sync_delay = {ft.fragment_sync_delay}: overlapping a "
+            "fragment's average with later inner steps is not built yet; use 0"
         )
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:

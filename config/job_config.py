@@ -242,7 +242,16 @@ class FaultTolerance:
     """DiLoCo: inner steps between two outer steps (communication falls by this factor)."""
 
     num_fragments: int = bounded(1, ge=1)
-    """DiLoCo: fragments of the model synced in turn (streaming DiLoCo); 1 only, so far."""
+    """DiLoCo: the parameters cut into this many fragments of about equal size, synced in
+    turn `sync_steps / num_fragments` steps apart (streaming DiLoCo: each sync moves a
+    fragment's bytes); at most `sync_steps`."""
+
+    fragment_sync_delay: int = bounded(0, ge=0)
+    """DiLoCo: inner steps a fragment's average may take to arrive (overlapped); 0 only, so
+    far (the sync waits for it)."""
+
+    fragment_update_alpha: float = bounded(0.0, ge=0.0, le=1.0)
+    """DiLoCo: after a sync, local = alpha x local + (1 - alpha) x global (0: the global)."""
 
     outer_optimizer: str = "SGD"
     """DiLoCo: the outer optimizer (a registered `[optimizer] name`)."""

@@ -16,6 +16,7 @@ on as if it never stopped. Under mixed precision the outer step runs on the fp32
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from containers.container import OptimizersContainer
 
-__all__ = ["OUTER", "DiLoCoGate"]
+__all__ = ["OUTER", "DiLoCoGate", "fragments"]
 
 OUTER = "outer"
 """Prefix of the gate's entries in the flat state dict."""
@@ -44,9 +45,14 @@ class DiLoCoGate(Gate):
     Args:
         manager: the replica group's `torchft.Manager`; None: the gate only holds and loads
             its state (an offline load, e.g. to inspect or convert a checkpoint).
-        sync_steps: applied inner steps between two outer steps.
+        sync_steps: applied inner steps between two outer steps of a fragment.
         outer_cls: the outer optimizer (any `torch.optim` one).
         outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
+        num_fragments: streaming DiLoCo: the parameters cut into this many fragments of about
+            equal size, synced in turn, `sync_steps / num_fragments` steps apart (fragment i
+            at steps t with t % sync_steps == (i + 1) * sync_steps // num_fragments %
+            sync_steps), so each sync moves 1/num_fragments of the bytes.
+        fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
     """
 
     refusal = "not committed by torchft"
@@ -58,9 +64,23 @@ class DiLoCoGate(Gate):
         sync_steps: int,
         outer_cls: type[Optimizer] = torch.optim.SGD,
         outer_kwargs: Mapping[str, Any] | None = None,
+        num_fragments: int = 1,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         if sync_steps < 1:
             raise ValueError(f"sync_steps = {sync_steps}: use 1 or more inner steps per sync")
+        if not 1 <= num_fragments <= sync_steps:
+            raise ValueError(
+                f"num_fragments = {num_fragments}: use 1 to sync_steps ({sync_steps}) fragments "
+                "(each syncs once per sync_steps, on a step of its own)"
+            )
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(
+                f"fragment_update_alpha = {fragment_update_alpha}: use a weight in [0, 1] of "
+                "the local weights against the global ones after a sync"
+            )
+        self.num_fragments = num_fragments
+        self.alpha = fragment_update_alpha
         self.manager = manager
         self.sync_steps = sync_steps
         self.outer_cls = outer_cls
@@ -94,6 +114,13 @@ class DiLoCoGate(Gate):
         with torch.no_grad():
             self.global_ = [p.detach().clone() for p in self.params]
         self.outer = self.outer_cls(self.global_, **self.outer_kwargs)
+        if len(self.params) < self.num_fragments:
+            raise ValueError(
+                f"num_fragments = {self.num_fragments}: more fragments than the "
+                f"{len(self.params)} parameters this rank steps; use fewer"
+            )
+        self.fragments = fragments([p.numel() for p in self.params], self.num_fragments)
+        self.fragment_of = {i: f for f, members in enumerate(self.fragments) for i in members}
 
     def on_zero_grad(self) -> None:
         # A peer may read this group's state while it heals: not during forward and backward,
@@ -101,13 +128,22 @@ class DiLoCoGate(Gate):
         if self.manager is not None:
             self.manager.disallow_state_dict_read()
 
+    def due(self, step: int) -> int | None:
+        """The fragment that syncs after inner step `step` (from 1), if one does."""
+        k, n = self.sync_steps, self.num_fragments
+        for f in range(n):
+            if step % k == (f + 1) * k // n % k:
+                return f
+        return None
+
     def after_apply(self) -> None:
         self.inner_steps += 1
-        if self.inner_steps % self.sync_steps == 0:
-            self._sync()
+        fragment = self.due(self.inner_steps)
+        if fragment is not None:
+            self._sync(self.fragments[fragment])
 
     @torch.no_grad()
-    def _sync(self) -> None:
+    def _sync(self, members: list[int]) -> None:
         if self.manager is None:
             raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
         self.manager.allow_state_dict_read()
@@ -119,32 +155,37 @@ class DiLoCoGate(Gate):
                 f"torchft found no quorum of replica groups for DiLoCo's outer step "
                 f"({type(e).__name__}): the lighthouse is gone or unreachable"
             ) from None
-        flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients()])
+        flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(members)])
         self.manager.allreduce(flat).wait()
-        self.outer_step(flat if self.manager.should_commit() else None)
+        self.outer_step(members, flat if self.manager.should_commit() else None)
 
-    def pseudo_gradients(self) -> list[torch.Tensor]:
-        """This group's pseudo-gradients (local pieces), which the outer optimizer descends:
-        global - local weights."""
-        return [local(g) - local(p) for g, p in zip(self.global_, self.params)]
+    def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
+        """The pseudo-gradients (local pieces) of the parameters `members` (indices), which
+        the outer optimizer descends: global - local weights."""
+        return [local(self.global_[i]) - local(self.params[i]) for i in members]
 
     @torch.no_grad()
-    def outer_step(self, averaged: torch.Tensor | None) -> None:
-        """Step the global weights on the `averaged` pseudo-gradients (flat, in the order of
-        `pseudo_gradients`; None: the sync did not commit, no step) and restart the local
-        weights from them."""
+    def outer_step(self, members: list[int], averaged: torch.Tensor | None) -> None:
+        """Step the global weights `members` on their `averaged` pseudo-gradients (flat, in
+        the order of `pseudo_gradients`; None: the sync did not commit, no step) and restart
+        their local weights from them (mixed by `fragment_update_alpha`)."""
         if averaged is not None:
             offset = 0
-            for g in self.global_:
+            for i in members:
+                g = self.global_[i]
                 n = local(g).numel()
                 g.grad = shaped_like(averaged[offset : offset + n], g)
                 offset += n
-            self.outer.step()
+            self.outer.step()  # (the other fragments have no gradient: untouched)
             self.outer.zero_grad(set_to_none=True)
             self.outer_steps += 1
-        for p, g in zip(self.params, self.global_):
-            local(p).copy_(local(g))
-        self.container.precision.written(self.params)
+        for i in members:
+            piece, target = local(self.params[i]), local(self.global_[i])
+            if self.alpha:
+                piece.lerp_(target, 1.0 - self.alpha)
+            else:
+                piece.copy_(target)
+        self.container.precision.written([self.params[i] for i in members])
 
     # -- state -----------------------------------------------------------------------------
 
@@ -161,7 +202,8 @@ class DiLoCoGate(Gate):
             f"{OUTER}.outer_steps": self.outer_steps,
         }
         states = self._outer_states()
-        for p, g in zip(self.params, self.global_):
+        for i, (p, g) in enumerate(zip(self.params, self.global_)):
+            flat[f"{OUTER}.fragment.{fqn_of[p]}"] = self.fragment_of[i]
             flat[f"{OUTER}.global.{fqn_of[p]}"] = g
             flatten_into(flat, f"{OUTER}.state.{fqn_of[p]}", states[g])
         return flat
@@ -170,6 +212,7 @@ class DiLoCoGate(Gate):
         taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{OUTER}.")]}
         expected = {f"{OUTER}.inner_steps", f"{OUTER}.outer_steps"}
         expected |= {f"{OUTER}.global.{fqn_of[p]}" for p in self.params}
+        expected |= {f"{OUTER}.fragment.{fqn_of[p]}" for p in self.params}
         if taken.get(f"{OUTER}.outer_steps", 0):
             names = self._outer_states(materialize=False)
             expected |= {
@@ -182,6 +225,17 @@ class DiLoCoGate(Gate):
             raise ValueError(
                 f"DiLoCo state: missing keys {describe_keys(missing)} (a checkpoint of "
                 "every-step averaging? start DiLoCo in another dump folder)"
+            )
+        moved = [
+            fqn_of[p]
+            for i, p in enumerate(self.params)
+            if int(taken[f"{OUTER}.fragment.{fqn_of[p]}"]) != self.fragment_of[i]
+        ]
+        if moved:
+            raise ValueError(
+                f"DiLoCo state: parameters {describe_keys(moved)} were in other fragments "
+                f"(the checkpoint's num_fragments differs from {self.num_fragments}): their "
+                "sync schedule would break; resume with the checkpoint's num_fragments"
             )
         return taken, fqn_of
 
@@ -204,3 +258,17 @@ class DiLoCoGate(Gate):
                 value = flat[f"{OUTER}.state.{fqn_of[p]}.{name}"]
                 state[name] = value.clone() if isinstance(value, torch.Tensor) else value
             self.outer.state[g] = state
+
+
+def fragments(sizes: list[int], n: int) -> list[list[int]]:
+    """`n` runs of consecutive indices of `sizes` (parameter numels, in the container's order;
+    at least `n`) of about equal total size: the same cut on every rank and replica group
+    (global sizes)."""
+    total, cuts, acc = sum(sizes), [], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        need, left = n - 1 - len(cuts), len(sizes) - i - 1
+        if need and (acc >= total * (len(cuts) + 1) / n or left == need):
+            cuts.append(i + 1)
+    bounds = [0, *cuts, len(sizes)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]

@@ -185,7 +185,8 @@ def _save_outer(path: str) -> dict:
     for step in range(3):
         train(parts, opt, 1, start=step, rank=dist.get_rank())
         # One replica group's sync (its average is its own pseudo-gradients).
-        gate.outer_step(torch.cat([x.reshape(-1) for x in gate.pseudo_gradients()]))
+        (members,) = gate.fragments
+        gate.outer_step(members, torch.cat([x.reshape(-1) for x in gate.pseudo_gradients(members)]))
     train(parts, opt, 1, start=3, rank=dist.get_rank())  # into the next inner period
     dcp.save({"optim": opt}, checkpoint_id=path)
     return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
@@ -204,3 +205,76 @@ def test_the_outer_state_saved_on_2_fsdp2_ranks_loads_on_1_element_for_element(t
     saved = run_ranks(2, _save_outer, path)[0]
     assert saved["outer.outer_steps"] == 3 and "outer.state.head.weight.momentum_buffer" in saved
     assert_same(run_ranks(1, _load_outer, path)[0], saved)
+
+
+def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager):  # noqa: F811
+    """Two fragments, sync_steps 4, fragment_update_alpha 0.5, one replica group with a real
+    lighthouse: the first fragment syncs after steps 2, 6, the second after 4, 8, each with
+    the outer step on its own global weights only, the local ones mixed half and half."""
+    parts, ref_parts = three_parts(), three_parts()
+    gate = DiLoCoGate(manager, sync_steps=4, num_fragments=2, fragment_update_alpha=0.5)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
+    ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
+    weights = [p for g in ref.param_groups for p in g["params"]]
+    global_ = [p.detach().clone() for p in weights]
+    outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
+    first, second = gate.fragments
+    assert first and second and sorted(first + second) == list(range(len(weights)))
+    for step in range(1, 9):
+        train(parts, opt, 1, start=step)
+        train(ref_parts, ref, 1, start=step)
+        members = {2: first, 6: first, 4: second, 8: second}.get(step)
+        if members is not None:
+            for i in members:
+                global_[i].grad = global_[i].detach() - weights[i].detach()
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for i in members:
+                    weights[i].lerp_(global_[i], 0.5)
+        assert all(torch.equal(a, b) for a, b in zip(_params(parts), _params(ref_parts))), step
+    assert opt.state_dict()["outer.outer_steps"] == 4
+
+
+def test_two_groups_stream_two_fragments_each_agreeing_after_its_own_sync(tmp_path):
+    """Through train.py, 12 steps, sync_steps 4, 2 fragments: the fragment synced after step
+    12 is the same in both groups' last checkpoints; the other, synced after step 10, is not
+    (two inner steps since)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    args += ["--fault_tolerance.num_fragments", "2", "--checkpoint.enable"]
+    job = FTJob(tmp_path, 12, args, min_replicas=2)
+    job.run_both()
+    saved = []
+    for r in (0, 1):
+        dcp_to_torch_save(
+            tmp_path / f"replica_{r}" / "checkpoint" / "step-12", tmp_path / f"{r}.pt"
+        )
+        saved.append(torch.load(tmp_path / f"{r}.pt", weights_only=False))
+    fragment = {
+        k.removeprefix("outer.fragment."): v
+        for k, v in saved[0]["optimizer"].items()
+        if k.startswith("outer.fragment.")
+    }
+    assert set(fragment.values()) == {0, 1}
+    for fqn, f in fragment.items():
+        same = torch.equal(saved[0]["model"][fqn], saved[1]["model"][fqn])
+        assert same == (f == 1), (fqn, f)
+
+
+def test_a_checkpoint_of_other_fragments_is_refused_by_name_and_changes_nothing(manager):  # noqa: F811
+    parts = three_parts()
+    two = OptimizersContainer(
+        parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=4, num_fragments=2)
+    )
+    train(parts, two, 1)
+    saved = two.state_dict()
+    other_parts = three_parts(seed=1)
+    one = OptimizersContainer(
+        other_parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=4)
+    )
+    before = {k: full(v) for k, v in one.state_dict().items()}
+    with pytest.raises(ValueError, match=r"were in other fragments .* num_fragments differs"):
+        one.load_state_dict(saved)
+    assert_same({k: full(v) for k, v in one.state_dict().items()}, before)
