@@ -64,6 +64,13 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
     return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
 
 
+_DILOCO_MATH = (
+    "sync_steps", "num_fragments", "fragment_update_alpha", "outer_optimizer", "outer_lr",
+    "outer_momentum", "outer_nesterov",
+)  # fmt: skip
+"""The `[fault_tolerance]` keys that shape DiLoCo's math: replica groups must share them."""
+
+
 def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     """The gate of a torchft replica group (None without torchft): gradients averaged at
     every step (`TorchFTGate`, groups of another math config refused), or DiLoCo's outer
@@ -77,9 +84,11 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
             momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
         )  # fmt: skip
         cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
+        diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
         return DiLoCoGate(
             manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
             num_fragments=ft.num_fragments, fragment_update_alpha=ft.fragment_update_alpha,
+            agree_on={**math_settings(cfg), **diloco}, name=f"replica_{ft.replica_id}",
         )  # fmt: skip
     return TorchFTGate(manager, agree_on=math_settings(cfg), name=f"replica_{ft.replica_id}")
 

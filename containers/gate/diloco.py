@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from containers.gate.agreement import SettingsAgreement
 from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost
 from containers.state.flat import describe_keys, flatten_into
@@ -53,6 +54,10 @@ class DiLoCoGate(Gate):
             at steps t with t % sync_steps == (i + 1) * sync_steps // num_fragments %
             sync_steps), so each sync moves 1/num_fragments of the bytes.
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
+        agree_on: settings every replica group must share, compared at each new quorum
+            before the average (`SettingsAgreement`; a group that differs is refused with a
+            `ConfigError` naming the keys); None: not compared.
+        name: this group's name in those messages.
     """
 
     refusal = "not committed by torchft"
@@ -66,6 +71,8 @@ class DiLoCoGate(Gate):
         outer_kwargs: Mapping[str, Any] | None = None,
         num_fragments: int = 1,
         fragment_update_alpha: float = 0.0,
+        agree_on: Mapping[str, Any] | None = None,
+        name: str = "",
     ) -> None:
         if sync_steps < 1:
             raise ValueError(f"sync_steps = {sync_steps}: use 1 or more inner steps per sync")
@@ -81,6 +88,7 @@ class DiLoCoGate(Gate):
             )
         self.num_fragments = num_fragments
         self.alpha = fragment_update_alpha
+        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
         self.manager = manager
         self.sync_steps = sync_steps
         self.outer_cls = outer_cls
@@ -156,7 +164,13 @@ class DiLoCoGate(Gate):
                 f"({type(e).__name__}): the lighthouse is gone or unreachable"
             ) from None
         flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(members)])
-        self.manager.allreduce(flat).wait()
+        # A group of another config is refused here (it raises; the others leave it out).
+        left = self.agreement.check(self.manager) if self.agreement is not None else None
+        if left is None:
+            self.manager.allreduce(flat).wait()
+        elif left > 1:  # retried at the next sync, without the refused groups
+            self.manager.report_error(RuntimeError("a replica group was refused"))
+        # (left == 1: alone, its pseudo-gradients are the average)
         self.outer_step(members, flat if self.manager.should_commit() else None)
 
     def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
