@@ -139,6 +139,27 @@ class FTJob:
         if codes != [0, 0]:
             raise RuntimeError(f"replica groups exited {codes}:{self.tails()}")
 
+    def join_late(self, at: int, extra: list[str]) -> tuple[int, int]:
+        """Group 0 runs and is held at step `at` (once it committed step `at` - 1) until group
+        1, started with `extra` arguments, has begun training; then both run to the end.
+        Returns their exit codes (the job closed)."""
+        hold = self.folder / "hold"
+        hold.touch()
+        try:
+            self.start_replica(0, ("-m", "tests.harness.faults", "hold", str(at), str(hold)))
+            self.wait_for(
+                f"group 0 at step {at - 1}", lambda: max(self.metrics(0), default=0) == at - 1
+            )
+            self.args += extra
+            self.start_replica(1)
+            self.wait_for(
+                "group 1", lambda: "micro-batches/step, from step 0" in self.log("replica_1")
+            )
+            hold.unlink()
+            return self.wait_exit("replica_0"), self.wait_exit("replica_1")
+        finally:
+            self.close()
+
     def wait_exit(self, name: str, timeout: float = 180.0) -> int:
         return self.procs[name].wait(timeout=timeout)
 

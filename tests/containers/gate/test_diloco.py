@@ -286,23 +286,11 @@ def test_a_group_with_another_outer_lr_is_refused_at_its_first_sync_the_live_one
     """Group 0 syncs alone at step 4 and is held at step 8 until group 1 is up; group 1
     starts with another outer lr: at the sync they share it is refused in one line naming
     the key (exit 2, nothing committed or saved), and group 0 trains on alone to the end."""
-    from tests.containers.gate.test_fault_tolerant import _errors, _up
+    from tests.containers.gate.test_fault_tolerant import _errors
 
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
     job = FTJob(tmp_path, 12, args)
-    hold = tmp_path / "hold"
-    hold.touch()
-    try:
-        job.start_replica(0, ("-m", "tests.harness.faults", "hold", "8", str(hold)))
-        job.wait_for("group 0 at step 7", lambda: max(job.metrics(0), default=0) == 7)
-        job.args += ["--fault_tolerance.outer_lr", "0.5"]
-        job.start_replica(1)
-        job.wait_for("group 1", lambda: _up(job, 1))
-        hold.unlink()
-        assert job.wait_exit("replica_1") == 2, job.log("replica_1")[-3000:]
-        assert job.wait_exit("replica_0") == 0, job.log("replica_0")[-3000:]
-    finally:
-        job.close()
+    assert job.join_late(8, ["--fault_tolerance.outer_lr", "0.5"]) == (0, 2), job.tails()
     [line] = _errors(job.log("replica_1"))
     assert "error: replica group replica_1 refused before it committed anything" in line
     assert "[fault_tolerance] outer_lr = 0.5 (replica_0: 0.7)" in line, line
