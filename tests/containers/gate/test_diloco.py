@@ -86,8 +86,11 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
         ([], 1),
         # the outer step on the fp32 masters of FSDP2 shards, inner moments in bf16
         (["--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "bfloat16"], 2),
+        # each pipeline stage syncs its own parameters, in the same quorum
+        (["--parallelism.pipeline_parallel_degree", "2"], 2),
+        (["--parallelism.tensor_parallel_degree", "2"], 2),
     ],
-    ids=["fp32", "mixed_precision_fsdp2_bf16_moments"],
+    ids=["fp32", "mixed_precision_fsdp2_bf16_moments", "pp2", "tp2"],
 )
 def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
