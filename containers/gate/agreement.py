@@ -84,8 +84,8 @@ class SettingsAgreement:
                 f"replica group {self.name} refused before it committed anything: its config "
                 f"differs from replica group {ref['name']}'s (at step {ref['step']}) in "
                 f"{_differences(self.settings, ref['settings'], ref['name'])}; replica groups "
-                f"average their gradients, so they must train the same math: start it with "
-                f"{ref['name']}'s values"
+                f"average their (pseudo-)gradients, so they must train the same math: start "
+                f"it with {ref['name']}'s values"
             )
         if getattr(manager, "_group_rank", 0) == 0:
             for group in refused:
