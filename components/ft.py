@@ -78,6 +78,7 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     if manager is None:
         return None
     ft = cfg.fault_tolerance
+    agree_on, name = math_settings(cfg), f"replica_{ft.replica_id}"
     if ft.semi_sync_method == "diloco":
         outer = OptimizerConfig(
             name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
@@ -88,9 +89,9 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
         return DiLoCoGate(
             manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
             num_fragments=ft.num_fragments, fragment_update_alpha=ft.fragment_update_alpha,
-            agree_on={**math_settings(cfg), **diloco}, name=f"replica_{ft.replica_id}",
+            agree_on={**agree_on, **diloco}, name=name,
         )  # fmt: skip
-    return TorchFTGate(manager, agree_on=math_settings(cfg), name=f"replica_{ft.replica_id}")
+    return TorchFTGate(manager, agree_on=agree_on, name=name)
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:

@@ -328,8 +328,9 @@ class OptimizersContainer(Optimizer, Stateful):
         """Step one unit now, unless its gradients are non-finite, and drop its gradients
         (timings that apply inside backward)."""
         grads = [p.grad for p in unit.params if p.grad is not None]
-        refused = self.precision.may_refuse and self.precision.refusal(unit.optimizers)
-        if (self.skip_nonfinite and not all_finite(grads)) or refused:
+        nonfinite = self.skip_nonfinite and not all_finite(grads)
+        # (the refusal reads the weights: only for a unit whose gradients could apply)
+        if nonfinite or (self.precision.may_refuse and self.precision.refusal(unit.optimizers)):
             self._skipped_units += 1
         else:
             with inner_steps():

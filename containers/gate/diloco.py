@@ -24,6 +24,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.gate.agreement import SettingsAgreement
+from containers.gate.fault_tolerant import wait_quorum
 from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost
 from containers.state.flat import describe_keys, flatten_into
@@ -119,14 +120,14 @@ class DiLoCoGate(Gate):
         self.container = container
         # What the inner optimizers step: the parameters, or their fp32 masters.
         self.params = [p for group in container.param_groups for p in group["params"]]
-        with torch.no_grad():
-            self.global_ = [p.detach().clone() for p in self.params]
-        self.outer = self.outer_cls(self.global_, **self.outer_kwargs)
         if len(self.params) < self.num_fragments:
             raise ValueError(
                 f"num_fragments = {self.num_fragments}: more fragments than the "
                 f"{len(self.params)} parameters this rank steps; use fewer"
             )
+        with torch.no_grad():
+            self.global_ = [p.detach().clone() for p in self.params]
+        self.outer = self.outer_cls(self.global_, **self.outer_kwargs)
         self.fragments = fragments([p.numel() for p in self.params], self.num_fragments)
         self.fragment_of = {i: f for f, members in enumerate(self.fragments) for i in members}
 
@@ -156,13 +157,7 @@ class DiLoCoGate(Gate):
             raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
         self.manager.allow_state_dict_read()
         self.manager.start_quorum()
-        try:
-            self.manager.wait_quorum()
-        except Exception as e:
-            raise GateLost(
-                f"torchft found no quorum of replica groups for DiLoCo's outer step "
-                f"({type(e).__name__}): the lighthouse is gone or unreachable"
-            ) from None
+        wait_quorum(self.manager)
         flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(members)])
         # A group of another config is refused here (it raises; the others leave it out).
         left = self.agreement.check(self.manager) if self.agreement is not None else None

@@ -26,7 +26,7 @@ from containers.state.param_groups import ParamGroupRule
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["FTOptimizersContainer", "TorchFTGate"]
+__all__ = ["FTOptimizersContainer", "TorchFTGate", "wait_quorum"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class TorchFTGate(Gate):
         """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
-        self._wait_quorum()
+        wait_quorum(self.manager)
         if self.manager.errored() is not None:
             return  # the step commits nowhere (e.g. the quorum's process group did not start)
         if self.agreement is not None and (left := self.agreement.check(self.manager)):
@@ -104,36 +104,6 @@ class TorchFTGate(Gate):
             p.grad = shaped_like(flat[offset : offset + n], p.grad)
             offset += n
 
-    def _wait_quorum(self) -> None:
-        """Wait for the step's quorum; `GateLost` when torchft found none in time (the
-        lighthouse gone past the quorum timeout): nothing of the step has changed yet. A
-        quorum still missing after the connect timeout is said in one line then: a lighthouse
-        gone mid-run is reported as soon as one that never answered would be, and still
-        waited for (a restarted one is carried on with)."""
-        future = getattr(self.manager, "_quorum_future", None)
-        connect = getattr(self.manager, "_connect_timeout", None)
-        if future is not None and connect is not None:
-            concurrent.futures.wait([future], timeout=connect.total_seconds())
-            if not future.done():
-                quorum = getattr(self.manager, "_quorum_timeout", None)
-                logger.warning(
-                    "torchft: no quorum of replica groups after %g s (the lighthouse "
-                    "unreachable, or groups still joining); waiting up to the quorum timeout"
-                    "%s",
-                    connect.total_seconds(),
-                    f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
-                )
-        try:
-            self.manager.wait_quorum()
-        except Exception as e:
-            timeout = getattr(self.manager, "_quorum_timeout", None)
-            within = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
-            # torchft's own text is a gRPC status dump; its type says enough.
-            raise GateLost(
-                f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
-                "the lighthouse is gone or unreachable"
-            ) from None
-
     def _alone(self) -> bool:
         """Whether this group is the quorum's only replica group, stepping: the average over
         one group is its own gradients, bit for bit, so the collective (a flat copy, a gloo
@@ -154,6 +124,37 @@ class TorchFTGate(Gate):
         # deadline, that same timeout, expired first on the rank that had failed fast, and it
         # crashed. A quorum's deadline covers the configure.
         return self.manager.should_commit(timeout=getattr(self.manager, "_quorum_timeout", None))
+
+
+def wait_quorum(manager: Manager) -> None:
+    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync);
+    `GateLost` when torchft found none in time (the lighthouse gone past the quorum timeout):
+    nothing of the step has changed yet. A quorum still missing after the connect timeout is
+    said in one line then: a lighthouse gone mid-run is reported as soon as one that never
+    answered would be, and still waited for (a restarted one is carried on with)."""
+    future = getattr(manager, "_quorum_future", None)
+    connect = getattr(manager, "_connect_timeout", None)
+    if future is not None and connect is not None:
+        concurrent.futures.wait([future], timeout=connect.total_seconds())
+        if not future.done():
+            quorum = getattr(manager, "_quorum_timeout", None)
+            logger.warning(
+                "torchft: no quorum of replica groups after %g s (the lighthouse "
+                "unreachable, or groups still joining); waiting up to the quorum timeout"
+                "%s",
+                connect.total_seconds(),
+                f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
+            )
+    try:
+        manager.wait_quorum()
+    except Exception as e:
+        timeout = getattr(manager, "_quorum_timeout", None)
+        within = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+        # torchft's own text is a gRPC status dump; its type says enough.
+        raise GateLost(
+            f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
+            "the lighthouse is gone or unreachable"
+        ) from None
 
 
 class FTOptimizersContainer(OptimizersContainer):

@@ -235,7 +235,7 @@ class MasterWeights(Precision):
         groups = []
         for opt in optimizers:
             for group in opt.param_groups:
-                weights = [self._model_param[id(m)] for m in group["params"]]
+                weights = self._model_of(group)
                 groups.append((opt, group, [local(w) for w in weights if w.grad is not None]))
         return overflow_refusal(groups, torch.finfo(self.param_dtype).max)
 
