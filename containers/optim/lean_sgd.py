@@ -53,10 +53,11 @@ class LeanSGD(torch.optim.SGD):
                 dampening=group["dampening"], nesterov=group["nesterov"],
                 maximize=group["maximize"],
             )  # fmt: skip
-            if not any(group is g for g in lean):
+            if not any(group is g for g in lean):  # as torch's `SGD.step` runs it
                 sgd(
                     params, grads, buffers, has_sparse_grad=sparse, foreach=group["foreach"],
-                    fused=group["fused"], **settings,
+                    fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                    found_inf=getattr(self, "found_inf", None), **settings,
                 )  # fmt: skip
                 if group["momentum"]:
                     for p, buf in zip(params, buffers):
