@@ -104,3 +104,24 @@ def test_the_config_builds_lean_sgd_per_group_and_dcp_resumes_it_in_its_dtypes(t
         want = torch.float32 if "norm" in key else torch.bfloat16
         assert saved[key].dtype == got[key].dtype == want, key
         assert torch.equal(saved[key], got[key]), key
+
+
+def test_a_float32_group_beside_a_lean_one_steps_as_torchs_sgd_with_a_grad_scale():
+    """GradScaler's fused path sets `grad_scale` / `found_inf` on the optimizer: the float32
+    group takes them as torch's SGD does (its fused kernel unscales the gradients)."""
+    lean_params, ref_params = _params(), _params()
+    kw = {"lr": 0.1, "momentum": 0.9, "fused": True}
+    lean = LeanSGD(
+        [{"params": lean_params[:1], "moment_dtype": "bfloat16"}, {"params": lean_params[1:]}],
+        **kw,
+    )
+    ref = torch.optim.SGD(ref_params[1:], **kw)
+    for opt in (lean, ref):
+        opt.grad_scale = torch.tensor(4.0)
+        opt.found_inf = torch.tensor(0.0)
+    for p, q in zip(lean_params, ref_params):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 4
+        q.grad = p.grad.clone()
+    lean.step()
+    ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(lean_params[1:], ref_params[1:]))
