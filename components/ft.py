@@ -65,8 +65,8 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
 
 
 _DILOCO_MATH = (
-    "sync_steps", "num_fragments", "fragment_update_alpha", "outer_optimizer", "outer_lr",
-    "outer_momentum", "outer_nesterov",
+    "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
+    "outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov",
 )  # fmt: skip
 """The `[fault_tolerance]` keys that shape DiLoCo's math: replica groups must share them."""
 
@@ -83,12 +83,14 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
         outer = OptimizerConfig(
             name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
             momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
+            moment_dtype=cfg.optimizer.moment_dtype,  # lean state: the outer momentum too
         )  # fmt: skip
         cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
         diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
         return DiLoCoGate(
             manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
-            num_fragments=ft.num_fragments, fragment_update_alpha=ft.fragment_update_alpha,
+            num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
+            fragment_update_alpha=ft.fragment_update_alpha,
             agree_on={**agree_on, **diloco}, name=name,
         )  # fmt: skip
     return TorchFTGate(manager, agree_on=agree_on, name=name)
@@ -156,6 +158,9 @@ def build_ft_manager(
             port=manager_port(cfg),
             # Every replica initializes from the same seed, so step 0 needs no weight sync.
             init_sync=False,
+            # DiLoCo (as torchft's own requires): a healing group takes its peer's state at
+            # the sync's quorum, before it computes its pseudo-gradients.
+            use_async_quorum=cfg.semi_sync_method != "diloco",
             # torchft's manager gives up a quorum at the first failed call to the lighthouse
             # (and then never answers: the group waits out the quorum timeout, then dies).
             # Retried, it reconnects every _QUORUM_RETRY_MS and carries on with a lighthouse

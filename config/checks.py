@@ -153,10 +153,16 @@ def cross_check(cfg: JobConfig) -> None:
             f"{ft.sync_steps} (each fragment syncs on a step of its own); use at most "
             f"{ft.sync_steps}"
         )
-    if ft.semi_sync_method == "diloco" and ft.fragment_sync_delay:
+    spacing = ft.sync_steps // ft.num_fragments
+    if (
+        ft.semi_sync_method == "diloco"
+        and ft.num_fragments <= ft.sync_steps
+        and (ft.fragment_sync_delay >= spacing)
+    ):
         problems.append(
-            f"[fault_tolerance] fragment_sync_delay = {ft.fragment_sync_delay}: overlapping a "
-            "fragment's average with later inner steps is not built yet; use 0"
+            f"[fault_tolerance] fragment_sync_delay = {ft.fragment_sync_delay}: a fragment's "
+            f"average must land before the next fragment's is taken (sync_steps // "
+            f"num_fragments = {spacing} steps apart); use at most {spacing - 1}"
         )
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:

@@ -247,8 +247,9 @@ class FaultTolerance:
     fragment's bytes); at most `sync_steps`."""
 
     fragment_sync_delay: int = bounded(0, ge=0)
-    """DiLoCo: inner steps a fragment's average may take to arrive (overlapped); 0 only, so
-    far (the sync waits for it)."""
+    """DiLoCo: inner steps between a fragment's average (its pseudo-gradients taken then) and
+    its outer step, which lands on the local weights of that later step, mixed by
+    `fragment_update_alpha` (streaming DiLoCo's tau); below `sync_steps / num_fragments`."""
 
     fragment_update_alpha: float = bounded(0.0, ge=0.0, le=1.0)
     """DiLoCo: after a sync, local = alpha x local + (1 - alpha) x global (0: the global)."""

@@ -457,6 +457,9 @@ class OptimizersContainer(Optimizer, Stateful):
 
     def check_checkpoint_keys(self, keys: Collection[str]) -> None:
         """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
-        another layout than this container's (e.g. AdamW's for SGD), before anything loads."""
+        another layout than this container's (e.g. AdamW's for SGD), before anything loads;
+        else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
+        when taken at some steps: DiLoCo's average waiting to land)."""
         layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
+        self.gate.fit_template(keys, self._fqns)

@@ -17,7 +17,7 @@ composition when it is built (`refuse_impossible`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -286,6 +286,10 @@ class Gate:
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
         """This gate's own flat entries beside the optimizer state (e.g. `outer.*`)."""
         return {}
+
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
+        """Make `state_dict()` a template for a checkpoint with these flat keys, where this
+        gate's entries depend on when it was taken (DiLoCo's average waiting to land)."""
 
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
         """Remove this gate's entries from `flat` and validate them; change nothing."""

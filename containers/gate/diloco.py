@@ -5,11 +5,15 @@ every `sync_steps` applied steps the groups agree on a quorum, average their pse
 (global weights - local weights, in one flat collective) and an outer optimizer (default
 torchtitan's: SGD, lr 0.7, momentum 0.9, Nesterov) steps the global weights on the average;
 the local weights start the next inner period from them. A sync that does not commit (a peer
-failed mid-way) drops the inner period: the local weights go back to the global ones.
+failed mid-way) drops the inner period: the local weights go back to the global ones. With
+`fragment_sync_delay` d, a fragment's pseudo-gradients are taken and averaged d inner steps
+before its outer step lands (streaming DiLoCo's tau): the steps between count towards the
+local weights that the new global ones are mixed with (`fragment_update_alpha`).
 
 The global weights, the outer optimizer's state and the steps done are container state in the
-flat format (`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`),
-DTensors placed as their parameters, so they reshard within a replica group and load into a
+flat format (`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`,
+`.in_flight` and, while a delayed average waits to land, `outer.pending.<fqn>`), DTensors placed
+as their parameters, so they reshard within a replica group and load into a
 fresh container as a template, and a whole-job restart in the middle of an inner period goes
 on as if it never stopped. Under mixed precision the outer step runs on the fp32 masters.
 """
@@ -17,7 +21,7 @@ on as if it never stopped. Under mixed precision the outer step runs on the fp32
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +58,8 @@ class DiLoCoGate(Gate):
             equal size, synced in turn, `sync_steps / num_fragments` steps apart (fragment i
             at steps t with t % sync_steps == (i + 1) * sync_steps // num_fragments %
             sync_steps), so each sync moves 1/num_fragments of the bytes.
+        fragment_sync_delay: inner steps between a fragment's average and its outer step
+            (below sync_steps // num_fragments, so it lands before the next one is taken).
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
         agree_on: settings every replica group must share, compared at each new quorum
             before the average (`SettingsAgreement`; a group that differs is refused with a
@@ -71,6 +77,7 @@ class DiLoCoGate(Gate):
         outer_cls: type[Optimizer] = torch.optim.SGD,
         outer_kwargs: Mapping[str, Any] | None = None,
         num_fragments: int = 1,
+        fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
         agree_on: Mapping[str, Any] | None = None,
         name: str = "",
@@ -82,12 +89,26 @@ class DiLoCoGate(Gate):
                 f"num_fragments = {num_fragments}: use 1 to sync_steps ({sync_steps}) fragments "
                 "(each syncs once per sync_steps, on a step of its own)"
             )
+        if not 0 <= fragment_sync_delay < sync_steps // num_fragments:
+            raise ValueError(
+                f"fragment_sync_delay = {fragment_sync_delay}: use 0 to "
+                f"{sync_steps // num_fragments - 1} (a fragment's average lands before the "
+                "next fragment's is taken)"
+            )
+        if manager is not None and getattr(manager, "_use_async_quorum", False):
+            raise ValueError(
+                "DiLoCo needs a torchft Manager with use_async_quorum=False (as torchft's "
+                "own DiLoCo): a healing group takes its peer's state at the sync's quorum, "
+                "before its pseudo-gradients (components.ft.build_ft_manager does so for "
+                "semi_sync_method = 'diloco')"
+            )
         if not 0.0 <= fragment_update_alpha <= 1.0:
             raise ValueError(
                 f"fragment_update_alpha = {fragment_update_alpha}: use a weight in [0, 1] of "
                 "the local weights against the global ones after a sync"
             )
         self.num_fragments = num_fragments
+        self.delay = fragment_sync_delay
         self.alpha = fragment_update_alpha
         self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
         self.manager = manager
@@ -100,6 +121,10 @@ class DiLoCoGate(Gate):
         )
         self.inner_steps = 0
         self.outer_steps = 0
+        # The fragment whose average has committed and waits to land (-1: none), and that
+        # average by parameter index (or, before a load, templates of it).
+        self.in_flight = -1
+        self.pending: dict[int, torch.Tensor] = {}
 
     def in_backward_conflict(self) -> str | None:
         return (
@@ -147,17 +172,23 @@ class DiLoCoGate(Gate):
 
     def after_apply(self) -> None:
         self.inner_steps += 1
+        if self.due(self.inner_steps + self.delay) is not None:
+            self._average()
         fragment = self.due(self.inner_steps)
         if fragment is not None:
-            self._sync(self.fragments[fragment])
+            self._land(fragment)
 
     @torch.no_grad()
-    def _sync(self, members: list[int]) -> None:
+    def _average(self) -> None:
+        """Average the pseudo-gradients of the fragment due `delay` steps from now; they
+        land then if the average commits."""
         if self.manager is None:
             raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
         self.manager.allow_state_dict_read()
-        self.manager.start_quorum()
-        wait_quorum(self.manager)
+        wait_quorum(self.manager, start=True)
+        # (after a heal, the schedule is the peer's)
+        fragment = self.due(self.inner_steps + self.delay)
+        members = self.fragments[fragment]
         flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(members)])
         # A group of another config is refused here (it raises; the others leave it out).
         left = self.agreement.check(self.manager) if self.agreement is not None else None
@@ -166,7 +197,13 @@ class DiLoCoGate(Gate):
         elif left > 1:  # retried at the next sync, without the refused groups
             self.manager.report_error(RuntimeError("a replica group was refused"))
         # (left == 1: alone, its pseudo-gradients are the average)
-        self.outer_step(members, flat if self.manager.should_commit() else None)
+        if self.manager.should_commit():
+            self.in_flight = fragment
+            sizes = [local(self.global_[i]).numel() for i in members]
+            self.pending = {
+                i: shaped_like(piece, self.global_[i])
+                for i, piece in zip(members, flat.split(sizes))
+            }
 
     def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
         """The pseudo-gradients (local pieces) of the parameters `members` (indices), which
@@ -174,23 +211,22 @@ class DiLoCoGate(Gate):
         return [local(self.global_[i]) - local(self.params[i]) for i in members]
 
     @torch.no_grad()
-    def outer_step(self, members: list[int], averaged: torch.Tensor | None) -> None:
-        """Step the global weights `members` on their `averaged` pseudo-gradients (flat, in
-        the order of `pseudo_gradients`; None: the sync did not commit, no step) and restart
-        their local weights from them (mixed by `fragment_update_alpha`)."""
-        if averaged is not None:
-            offset = 0
+    def _land(self, fragment: int) -> None:
+        """Step the global weights of `fragment` on their average, if it committed, and
+        restart its local weights from them (mixed by `fragment_update_alpha`); else the
+        inner period is dropped: local weights back to the global ones."""
+        members = self.fragments[fragment]
+        landed = self.in_flight == fragment
+        if landed:
             for i in members:
-                g = self.global_[i]
-                n = local(g).numel()
-                g.grad = shaped_like(averaged[offset : offset + n], g)
-                offset += n
+                self.global_[i].grad = self.pending[i]
             self.outer.step()  # (the other fragments have no gradient: untouched)
             self.outer.zero_grad(set_to_none=True)
             self.outer_steps += 1
+        self.in_flight, self.pending = -1, {}
         for i in members:
             piece, target = local(self.params[i]), local(self.global_[i])
-            if self.alpha:
+            if landed and self.alpha:
                 piece.lerp_(target, 1.0 - self.alpha)
             else:
                 piece.copy_(target)
@@ -209,7 +245,10 @@ class DiLoCoGate(Gate):
         flat: dict[str, Any] = {
             f"{OUTER}.inner_steps": self.inner_steps,
             f"{OUTER}.outer_steps": self.outer_steps,
+            f"{OUTER}.in_flight": self.in_flight,
         }
+        for i, average in self.pending.items():
+            flat[f"{OUTER}.pending.{fqn_of[self.params[i]]}"] = average
         states = self._outer_states()
         for i, (p, g) in enumerate(zip(self.params, self.global_)):
             flat[f"{OUTER}.fragment.{fqn_of[p]}"] = self.fragment_of[i]
@@ -217,9 +256,19 @@ class DiLoCoGate(Gate):
             flatten_into(flat, f"{OUTER}.state.{fqn_of[p]}", states[g])
         return flat
 
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
+        """Hold a template of each average that a checkpoint with `keys` has waiting to
+        land, so that `state_dict()` has its entries for DCP to load into."""
+        if self.in_flight < 0:
+            self.pending = {
+                i: torch.zeros_like(g)
+                for i, (p, g) in enumerate(zip(self.params, self.global_))
+                if f"{OUTER}.pending.{fqn_of[p]}" in keys
+            }
+
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
         taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{OUTER}.")]}
-        expected = {f"{OUTER}.inner_steps", f"{OUTER}.outer_steps"}
+        expected = {f"{OUTER}.inner_steps", f"{OUTER}.outer_steps", f"{OUTER}.in_flight"}
         expected |= {f"{OUTER}.global.{fqn_of[p]}" for p in self.params}
         expected |= {f"{OUTER}.fragment.{fqn_of[p]}" for p in self.params}
         if taken.get(f"{OUTER}.outer_steps", 0):
@@ -235,6 +284,22 @@ class DiLoCoGate(Gate):
                 f"DiLoCo state: missing keys {describe_keys(missing)} (a checkpoint of "
                 "every-step averaging? start DiLoCo in another dump folder)"
             )
+        in_flight = int(taken[f"{OUTER}.in_flight"])
+        if not -1 <= in_flight < self.num_fragments:
+            raise ValueError(
+                f"DiLoCo state: outer.in_flight = {in_flight}: not a fragment of "
+                f"{self.num_fragments}; resume with the checkpoint's num_fragments"
+            )
+        if in_flight >= 0:
+            members = self.fragments[in_flight]
+            pending = {f"{OUTER}.pending.{fqn_of[self.params[i]]}" for i in members}
+            if missing := sorted(pending - taken.keys()):
+                raise ValueError(
+                    f"DiLoCo state: fragment {in_flight}'s average waits to land but "
+                    f"{describe_keys(missing)} did not load: fit the template to the "
+                    "checkpoint first (container.check_checkpoint_keys(its keys), as the "
+                    "checkpoint manager does)"
+                )
         moved = [
             fqn_of[p]
             for i, p in enumerate(self.params)
@@ -253,6 +318,13 @@ class DiLoCoGate(Gate):
         flat, fqn_of = taken
         self.inner_steps = int(flat[f"{OUTER}.inner_steps"])
         self.outer_steps = int(flat[f"{OUTER}.outer_steps"])
+        self.in_flight = int(flat[f"{OUTER}.in_flight"])
+        templates, self.pending = self.pending, {}
+        if self.in_flight >= 0:
+            for i in self.fragments[self.in_flight]:
+                value = flat[f"{OUTER}.pending.{fqn_of[self.params[i]]}"]
+                # (a template of ours holds it already; a peer's or a caller's is copied)
+                self.pending[i] = value if value is templates.get(i) else value.clone()
         self.outer.state.clear()  # before the first outer step: torch's start
         for p, g in zip(self.params, self.global_):
             value = flat[f"{OUTER}.global.{fqn_of[p]}"]

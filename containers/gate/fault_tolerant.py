@@ -7,8 +7,8 @@ whether the step commits, and applies (hooks included, once) only if it does.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -126,35 +126,43 @@ class TorchFTGate(Gate):
         return self.manager.should_commit(timeout=getattr(self.manager, "_quorum_timeout", None))
 
 
-def wait_quorum(manager: Manager) -> None:
-    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync);
+def wait_quorum(manager: Manager, start: bool = False) -> None:
+    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync; `start`:
+    start it too, as a synchronous-quorum manager, DiLoCo's, waits inside `start_quorum`);
     `GateLost` when torchft found none in time (the lighthouse gone past the quorum timeout):
     nothing of the step has changed yet. A quorum still missing after the connect timeout is
     said in one line then: a lighthouse gone mid-run is reported as soon as one that never
     answered would be, and still waited for (a restarted one is carried on with)."""
-    future = getattr(manager, "_quorum_future", None)
     connect = getattr(manager, "_connect_timeout", None)
-    if future is not None and connect is not None:
-        concurrent.futures.wait([future], timeout=connect.total_seconds())
-        if not future.done():
-            quorum = getattr(manager, "_quorum_timeout", None)
-            logger.warning(
-                "torchft: no quorum of replica groups after %g s (the lighthouse "
-                "unreachable, or groups still joining); waiting up to the quorum timeout"
-                "%s",
+    quorum = getattr(manager, "_quorum_timeout", None)
+    warn = None
+    if connect is not None:
+        warn = threading.Timer(
+            connect.total_seconds(),
+            logger.warning,
+            (
+                "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, "
+                "or groups still joining); waiting up to the quorum timeout%s",
                 connect.total_seconds(),
                 f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
-            )
+            ),
+        )
+        warn.daemon = True
+        warn.start()
     try:
+        if start:
+            manager.start_quorum()
         manager.wait_quorum()
     except Exception as e:
-        timeout = getattr(manager, "_quorum_timeout", None)
-        within = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+        within = f" within {quorum.total_seconds():g} s" if quorum is not None else ""
         # torchft's own text is a gRPC status dump; its type says enough.
         raise GateLost(
             f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
             "the lighthouse is gone or unreachable"
         ) from None
+    finally:
+        if warn is not None:
+            warn.cancel()
 
 
 class FTOptimizersContainer(OptimizersContainer):

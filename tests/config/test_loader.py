@@ -397,6 +397,17 @@ CLI_ERRORS = [
     (["--optimizer.param_groups=[]"], r"\[optimizer\] param_groups cannot be set on the command"),
     # Cross-field check.
     (["--mixed_precision.min_scale=1e6"], r"\[mixed_precision\] initial_scale = 65536\.0"),
+    (
+        [
+            "--fault_tolerance.enable",
+            "--fault_tolerance.semi_sync_method=diloco",
+            "--fault_tolerance.sync_steps=4",
+            "--fault_tolerance.num_fragments=2",
+            "--fault_tolerance.fragment_sync_delay=2",
+        ],
+        r"fragment_sync_delay = 2: a fragment's average must land before the next .*"
+        r"use at most 1",
+    ),
     # Missing or unreadable file.
     (["--job.config_file", "/nonexistent/job.toml"], r"config_file = '/nonexistent/job\.toml'"),
     (["--job.config_file", "/"], r"\[job\] config_file = '/': cannot read it"),

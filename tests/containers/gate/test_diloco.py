@@ -8,18 +8,26 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
 from containers import DiLoCoGate, OptimizersContainer
-from tests.containers.gate.test_fault_tolerant import manager  # noqa: F401 (a fixture)
+from containers.norm import shaped_like
+from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import assert_same, full, three_parts, train
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
+@pytest.fixture
+def manager(tmp_path, monkeypatch):
+    """One replica group's synchronous-quorum manager (DiLoCo's), a real lighthouse."""
+    with one_group(tmp_path, monkeypatch, semi_sync_method="diloco") as ft_manager:
+        yield ft_manager
+
+
 def _params(parts) -> list[torch.Tensor]:
     return [full(p) for part in parts for p in part.parameters()]
 
 
-def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_lands(manager):  # noqa: F811
+def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_lands(manager):
     """One replica group with a real lighthouse (the average of one group is its own
     pseudo-gradient): the weights are the reference DiLoCo's, written out by hand, at
     every step, and they move between syncs."""
@@ -52,10 +60,13 @@ def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_land
     )
 
 
-def _run(manager, parts, steps: range, path=None, load=None):  # noqa: F811
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=3))
+def _run(manager, parts, steps: range, path=None, load=None, delay=0):
+    gate = DiLoCoGate(manager, sync_steps=3, fragment_sync_delay=delay)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
     states = {"model": ModelWrapper(parts), "optim": opt}
-    if load is not None:
+    if load is not None:  # as the checkpoint manager loads: the template fitted to the keys
+        keys = dcp.FileSystemReader(load).read_metadata().state_dict_metadata
+        opt.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
         dcp.load(states, checkpoint_id=load)
     train(parts, opt, len(steps), start=steps.start)
     if path is not None:
@@ -63,16 +74,19 @@ def _run(manager, parts, steps: range, path=None, load=None):  # noqa: F811
     return opt
 
 
-def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp_path):  # noqa: F811
-    """Saved after 4 inner steps (one sync done, one inner step into the next period), loaded
-    into a fresh container as a template (outer momentum included), 3 more steps: the same
-    weights and state as 7 steps without a stop."""
+@pytest.mark.parametrize(("delay", "stop"), [(0, 4), (1, 5)], ids=["delay0", "delay1_in_flight"])
+def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp_path, delay, stop):
+    """Saved one inner step into the second period (delay 0), or with the second average
+    taken and waiting to land (delay 1: averaged after step 5, lands after 6), loaded into a
+    fresh container as a template (outer momentum included), on to step 8: the same weights
+    and state as 8 steps without a stop."""
     straight = three_parts()
-    whole = _run(manager, straight, range(7))
+    whole = _run(manager, straight, range(8), delay=delay)
     path = str(tmp_path / "ckpt")
-    _run(manager, three_parts(), range(4), path=path)
+    saved = _run(manager, three_parts(), range(stop), path=path, delay=delay)
+    assert saved.state_dict()["outer.in_flight"] == (0 if delay else -1)
     resumed_parts = three_parts(seed=1)
-    resumed = _run(manager, resumed_parts, range(4, 7), load=path)
+    resumed = _run(manager, resumed_parts, range(stop, 8), load=path, delay=delay)
     assert_same(
         {k: full(v) for k, v in resumed.state_dict().items()},
         {k: full(v) for k, v in whole.state_dict().items()},
@@ -83,14 +97,15 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
 @pytest.mark.parametrize(
     ("layout", "nproc"),
     [
-        ([], 1),
+        # an average taken a step before it lands
+        (["--fault_tolerance.fragment_sync_delay", "1"], 1),
         # the outer step on the fp32 masters of FSDP2 shards, inner moments in bf16
         (["--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "bfloat16"], 2),
         # each pipeline stage syncs its own parameters, in the same quorum
         (["--parallelism.pipeline_parallel_degree", "2"], 2),
         (["--parallelism.tensor_parallel_degree", "2"], 2),
     ],
-    ids=["fp32", "mixed_precision_fsdp2_bf16_moments", "pp2", "tp2"],
+    ids=["fp32_delay1", "mixed_precision_fsdp2_bf16_moments", "pp2", "tp2"],
 )
 def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
@@ -113,10 +128,12 @@ def _two_groups(job: FTJob, script: tuple[str, ...] = ("train.py",)) -> None:
 
 
 def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitwise(tmp_path):
-    """Both groups save at step 6 (one sync done, two inner steps into the next period) and
-    are killed while held at step 7; restarted, they resume from step-6 and reach the same
-    weights at steps 8 (a sync), 10 and 12 as a run that never stopped."""
+    """fragment_sync_delay 2: averages after steps 2, 6, 10 land after 4, 8, 12. Both groups
+    save at step 6 (an average waiting to land) and are killed while held at step 7;
+    restarted, they resume from step-6 and reach the same weights at steps 8 (a sync), 10 and
+    12 as a run that never stopped."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    args += ["--fault_tolerance.fragment_sync_delay", "2"]
     args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
     (tmp_path / "straight").mkdir(), (tmp_path / "stopped").mkdir()
     straight = FTJob(tmp_path / "straight", 12, args, min_replicas=2)
@@ -143,11 +160,13 @@ def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitw
 
 
 def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sync(tmp_path):
-    """Group 1 is killed at step 6 (two inner steps into the second period); group 0 goes
-    on alone and waits at its sync at step 8. Restarted with nothing on disk, group 1 reaches
-    its own first sync, heals there from group 0 (weights, outer state, schedule, step) and
-    both end bitwise equal."""
+    """fragment_sync_delay 1: averages after steps 3, 7, 11 land after 4, 8, 12. Group 1 is
+    killed at step 6; group 0 goes on alone and waits at its average after step 7.
+    Restarted with nothing on disk, group 1 reaches its own first average, heals there from
+    group 0 (weights, outer state, schedule, step), averages with it and both end bitwise
+    equal."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    args += ["--fault_tolerance.fragment_sync_delay", "1"]
     job = FTJob(tmp_path, 12, args, min_replicas=2)
     hold = tmp_path / "hold"
     hold.touch()
@@ -181,22 +200,36 @@ def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCoGate]:
     return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate), gate
 
 
+def _average_alone(gate: DiLoCoGate) -> None:
+    """One replica group's average of its one fragment (its own pseudo-gradients), as
+    `DiLoCoGate._average` keeps it when committed: waiting to land."""
+    (members,) = gate.fragments
+    gate.in_flight = 0
+    averages = zip(members, gate.pseudo_gradients(members))
+    gate.pending = {i: shaped_like(x, gate.global_[i]) for i, x in averages}
+
+
 def _save_outer(path: str) -> dict:
     import torch.distributed as dist
 
     parts, opt, gate = _sharded(0)
     for step in range(3):
         train(parts, opt, 1, start=step, rank=dist.get_rank())
-        # One replica group's sync (its average is its own pseudo-gradients).
-        (members,) = gate.fragments
-        gate.outer_step(members, torch.cat([x.reshape(-1) for x in gate.pseudo_gradients(members)]))
-    train(parts, opt, 1, start=3, rank=dist.get_rank())  # into the next inner period
+        _average_alone(gate)
+        gate._land(0)
+    _average_alone(gate)  # the next average, saved while it waits to land
+    train(parts, opt, 1, start=3, rank=dist.get_rank())
     dcp.save({"optim": opt}, checkpoint_id=path)
     return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
 
 
 def _load_outer(path: str) -> dict:
-    _, opt, _ = _sharded(1)
+    _, opt, gate = _sharded(1)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    with pytest.raises(ValueError, match=r"fragment 0's average waits to land but .*pending"):
+        dcp.load({"optim": opt}, checkpoint_id=path)  # a template without the average
+    assert gate.in_flight == -1 and gate.outer_steps == 0  # the failed load changed nothing
+    opt.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
     dcp.load({"optim": opt}, checkpoint_id=path)
     return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
 
@@ -207,15 +240,21 @@ def test_the_outer_state_saved_on_2_fsdp2_ranks_loads_on_1_element_for_element(t
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _save_outer, path)[0]
     assert saved["outer.outer_steps"] == 3 and "outer.state.head.weight.momentum_buffer" in saved
+    assert saved["outer.in_flight"] == 0 and "outer.pending.head.weight" in saved
     assert_same(run_ranks(1, _load_outer, path)[0], saved)
 
 
-def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager):  # noqa: F811
+@pytest.mark.parametrize("delay", [0, 1])
+def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager, delay):
     """Two fragments, sync_steps 4, fragment_update_alpha 0.5, one replica group with a real
-    lighthouse: the first fragment syncs after steps 2, 6, the second after 4, 8, each with
-    the outer step on its own global weights only, the local ones mixed half and half."""
+    lighthouse: the first fragment lands after steps 2, 6, the second after 4, 8, each with
+    the outer step on its own global weights only, the local ones mixed half and half; with
+    fragment_sync_delay 1 its pseudo-gradients are those of the step before."""
     parts, ref_parts = three_parts(), three_parts()
-    gate = DiLoCoGate(manager, sync_steps=4, num_fragments=2, fragment_update_alpha=0.5)
+    gate = DiLoCoGate(
+        manager, sync_steps=4, num_fragments=2, fragment_sync_delay=delay,
+        fragment_update_alpha=0.5,
+    )  # fmt: skip
     opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
     ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
     weights = [p for g in ref.param_groups for p in g["params"]]
@@ -223,17 +262,17 @@ def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager):  # no
     outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
     first, second = gate.fragments
     assert first and second and sorted(first + second) == list(range(len(weights)))
+    lands = {2: first, 6: first, 4: second, 8: second}
     for step in range(1, 9):
         train(parts, opt, 1, start=step)
         train(ref_parts, ref, 1, start=step)
-        members = {2: first, 6: first, 4: second, 8: second}.get(step)
-        if members is not None:
-            for i in members:
-                global_[i].grad = global_[i].detach() - weights[i].detach()
+        for i in lands.get(step + delay, []):
+            global_[i].grad = global_[i].detach() - weights[i].detach()
+        if step in lands:
             outer.step()
             outer.zero_grad(set_to_none=True)
             with torch.no_grad():
-                for i in members:
+                for i in lands[step]:
                     weights[i].lerp_(global_[i], 0.5)
         assert all(torch.equal(a, b) for a, b in zip(_params(parts), _params(ref_parts))), step
     assert opt.state_dict()["outer.outer_steps"] == 4
@@ -266,7 +305,7 @@ def test_two_groups_stream_two_fragments_each_agreeing_after_its_own_sync(tmp_pa
         assert same == (f == 1), (fqn, f)
 
 
-def test_a_checkpoint_of_other_fragments_is_refused_by_name_and_changes_nothing(manager):  # noqa: F811
+def test_a_checkpoint_of_other_fragments_is_refused_by_name_and_changes_nothing(manager):
     parts = three_parts()
     two = OptimizersContainer(
         parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=4, num_fragments=2)
@@ -299,3 +338,23 @@ def test_a_group_with_another_outer_lr_is_refused_at_its_first_sync_the_live_one
     assert "[fault_tolerance] outer_lr = 0.5 (replica_0: 0.7)" in line, line
     assert not list((tmp_path / "replica_1").glob("checkpoint/step-*"))
     assert sorted(job.metrics(0)) == list(range(1, 13))
+
+
+def test_the_outer_momentum_follows_the_lean_moment_dtype_and_the_global_weights_stay_fp32(
+    manager,
+):
+    """`[optimizer] moment_dtype = "bfloat16"`: the outer Nesterov momentum is kept in bf16
+    too (torch's SGD on the widened buffer, rounded back), the global weights in fp32."""
+    from components.ft import build_gate
+    from config import load_job_config
+
+    args = ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"]
+    args += ["--fault_tolerance.sync_steps", "2", "--optimizer.moment_dtype", "bfloat16"]
+    gate = build_gate(load_job_config(args), manager)
+    parts = three_parts()
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
+    train(parts, opt, 2)
+    state = opt.state_dict()
+    assert state["outer.outer_steps"] == 1
+    assert state["outer.state.head.weight.momentum_buffer"].dtype == torch.bfloat16
+    assert state["outer.global.head.weight"].dtype == torch.float32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -177,9 +178,10 @@ def test_mixed_precision_overflow_on_one_group_skips_on_both_and_a_killed_group_
     assert final[0]["optim"]["loss_scaler.scale"] == survivor[MP_STEPS]["loss_scale"]
 
 
-@pytest.fixture
-def manager(tmp_path, monkeypatch):
-    """One replica group (this process) with a real lighthouse and a real torchft Manager."""
+@contextlib.contextmanager
+def one_group(tmp_path, monkeypatch, **settings):
+    """One replica group (this process) with a real lighthouse and a real torchft Manager
+    (built as train.py builds it, from `[fault_tolerance]` `settings`)."""
     job = FTJob(tmp_path, 1)
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -189,11 +191,20 @@ def manager(tmp_path, monkeypatch):
         lighthouse=f"http://127.0.0.1:{job.port}",
         manager_port=free_port(),
         process_group_timeout_ms=5000,
+        **settings,
     )
     ft_manager = build_ft_manager(cfg, 0, 1, torch.device("cpu"))
-    yield ft_manager
-    ft_manager.shutdown(wait=False)
-    job.close()
+    try:
+        yield ft_manager
+    finally:
+        ft_manager.shutdown(wait=False)
+        job.close()
+
+
+@pytest.fixture
+def manager(tmp_path, monkeypatch):
+    with one_group(tmp_path, monkeypatch) as ft_manager:
+        yield ft_manager
 
 
 def test_hooks_fire_once_per_committed_step_and_an_uncommitted_step_changes_nothing(manager):
