@@ -9,6 +9,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
                      after-backward defaults, StepReport, refuse_impossible
     norm.py          the global gradient norm over the job's mesh; local-shard helpers
     grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
+    ema.py           ShadowWeights: an EMA of the stepped weights, state of the container
     precision/       MasterWeights (mixed precision) and its update paths
     gate/            TorchFTGate (torchft), DiLoCoGate
     timing/          InBackward
@@ -17,6 +18,7 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 """
 
 from containers.container import OptimizersContainer, Unit
+from containers.ema import ShadowWeights
 from containers.gate import DiLoCoGate, FTOptimizersContainer, TorchFTGate
 from containers.optim import LeanAdam, LeanAdamW, LeanSGD, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
@@ -45,6 +47,7 @@ __all__ = [
     "OptimizersInBackwardContainer",
     "ParamGroupRule",
     "Precision",
+    "ShadowWeights",
     "ShardedMuon",
     "StepReport",
     "Timing",

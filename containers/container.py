@@ -20,6 +20,7 @@ multiply by a scalar factor, no host sync), so the one check catches it too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
+from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm
 from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
 from containers.state.flat import (
@@ -88,6 +90,8 @@ class OptimizersContainer(Optimizer, Stateful):
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
             norm counts every gradient element once over it (`containers.norm`). None:
             one stage over the world.
+        ema: an exponential moving average of the weights it steps, kept and updated as
+            part of the step (`containers.ema`; `ema_weights()` swaps it in).
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class OptimizersContainer(Optimizer, Stateful):
         max_norm: float | None = None,
         skip_nonfinite: bool = True,
         mesh: DeviceMesh | None = None,
+        ema: ShadowWeights | None = None,
     ) -> None:
         self.model_parts = list(model_parts)
         if not self.model_parts or not all(isinstance(m, nn.Module) for m in self.model_parts):
@@ -121,8 +126,9 @@ class OptimizersContainer(Optimizer, Stateful):
         # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
         refuse_impossible(
-            self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards)
-        )
+            self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards),
+            ema=ema is not None,
+        )  # fmt: skip
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
         self.flat_shards.name({p: fqn for named in named_units for fqn, p in named})
@@ -156,6 +162,12 @@ class OptimizersContainer(Optimizer, Stateful):
                 self.optimizers.append(opt)
             self.units.append(unit)
         self._params = [p for unit in self.units for p in unit.params]  # read on every step
+        # The model's parameter of each stepped tensor (itself, or the one its master is of).
+        self._model_param = {
+            id(s): p
+            for named, stepped in zip(named_units, stepped_units)
+            for (_, p), (_, s) in zip(named, stepped)
+        }
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
@@ -170,6 +182,9 @@ class OptimizersContainer(Optimizer, Stateful):
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self.timing.attach(self)
         self.gate.attach(self)
+        self.ema = ema
+        if ema is not None:
+            ema.attach([p for g in self.param_groups for p in g["params"]])
 
     # -- what the trainer asks -----------------------------------------------------------
 
@@ -247,7 +262,9 @@ class OptimizersContainer(Optimizer, Stateful):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:
                 self._with_hooks(lambda: self.timing.finish(self))
-                self.last_report = self._report_units()
+                self.last_report = report = self._report_units()
+                if self.ema is not None and (report.committed or report.partial):
+                    self.ema.count()  # (each unit updated it as it applied)
             else:
                 self.last_report = self._step_after_backward()
         return loss
@@ -287,6 +304,9 @@ class OptimizersContainer(Optimizer, Stateful):
             )
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
         self.gate.after_apply()
+        if self.ema is not None:
+            self.ema.update()
+            self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
 
     def _refusal(self) -> str | None:
@@ -335,6 +355,9 @@ class OptimizersContainer(Optimizer, Stateful):
         else:
             with inner_steps():
                 self.precision.apply(unit.optimizers)
+            if self.ema is not None:
+                groups = [g for opt in unit.optimizers for g in opt.param_groups]
+                self.ema.update([p for g in groups for p in g["params"]])
         for p in unit.params:
             p.grad = None
 
@@ -407,6 +430,8 @@ class OptimizersContainer(Optimizer, Stateful):
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
         flat.update(self.precision.state_dict(self._fqns))
         flat.update(self.gate.state_dict(self._fqns))
+        if self.ema is not None:
+            flat.update(self.ema.state_dict(self._fqns))
         if self.flat_shards:
             flat = self.flat_shards.export(flat)
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -436,6 +461,7 @@ class OptimizersContainer(Optimizer, Stateful):
             state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
         taken = self.precision.take_state(state_dict, self._fqns)
         gate_taken = self.gate.take_state(state_dict, self._fqns)
+        ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
         layout, created = [], {}
         for opt in self.optimizers:
             states, news = self._states(opt, materialize=False)
@@ -452,6 +478,8 @@ class OptimizersContainer(Optimizer, Stateful):
             raise
         self.precision.load_state(taken)
         self.gate.load_state(gate_taken)
+        if self.ema is not None:
+            self.ema.load_state(ema_taken)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -459,7 +487,24 @@ class OptimizersContainer(Optimizer, Stateful):
         """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
         another layout than this container's (e.g. AdamW's for SGD), before anything loads;
         else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
-        when taken at some steps: DiLoCo's average waiting to land)."""
+        when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
+        checkpoint has none)."""
         layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
         self.gate.fit_template(keys, self._fqns)
+        if self.ema is not None:
+            self.ema.fit_template(keys)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Inside the block the model parts hold the EMA of their weights (in their dtype:
+        the fp32 average rounded to bf16 parameters under mixed precision); after it, their
+        own weights again, bitwise. Evaluate, or export, with the averaged weights."""
+        if self.ema is None:
+            raise ValueError(
+                f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "
+                "with ema=ShadowWeights(decay) ([ema] enable = true)"
+            )
+        targets = [self._model_param[id(p)] for p in self.ema.params]
+        with self.ema.swapped_into(targets):
+            yield

@@ -162,6 +162,10 @@ class Precision:
     def fsdp1_conflict(self) -> str | None:
         return None
 
+    def ema_conflict(self) -> str | None:
+        """Why an EMA of the stepped weights cannot be kept with this precision, if so."""
+        return None
+
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Give `model` the parameter dtype this precision expects (before it is sharded)."""
         return model
@@ -322,10 +326,22 @@ class Timing:
 
 
 def refuse_impossible(
-    precision: Precision, gate: Gate, timing: Timing, max_norm: float | None, fsdp1: bool
+    precision: Precision,
+    gate: Gate,
+    timing: Timing,
+    max_norm: float | None,
+    fsdp1: bool,
+    ema: bool = False,
 ) -> None:
-    """The one place where parts that cannot work together (or on FSDP1 model parts) are
-    refused, with the reason: raise ValueError."""
+    """The one place where parts that cannot work together (or on FSDP1 model parts, or
+    with an EMA of the weights) are refused, with the reason: raise ValueError."""
+    if ema and fsdp1:
+        raise ValueError(
+            "an EMA of the weights over FSDP1 (FullyShardedDataParallel) model parts: its "
+            "flat-parameter slices are not kept as averages yet; use FSDP2"
+        )
+    if ema and (reason := precision.ema_conflict()):
+        raise ValueError(f"an EMA of the weights with {type(precision).__name__}: {reason}")
     if fsdp1:
         for part, obj in (("precision", precision), ("gate", gate), ("timing", timing)):
             reason = obj.fsdp1_conflict()

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
+from containers.ema import ShadowWeights
 from containers.gate.agreement import SettingsAgreement
 from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost, Precision
@@ -191,6 +192,7 @@ class FTOptimizersContainer(OptimizersContainer):
         precision: Precision | None = None,
         max_norm: float | None = None,
         mesh: DeviceMesh | None = None,
+        ema: ShadowWeights | None = None,
     ) -> None:
         super().__init__(
             model_parts,
@@ -201,5 +203,6 @@ class FTOptimizersContainer(OptimizersContainer):
             gate=TorchFTGate(ft_manager),
             max_norm=max_norm,
             mesh=mesh,
+            ema=ema,
         )
         self.ft_manager = ft_manager

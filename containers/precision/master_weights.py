@@ -88,6 +88,14 @@ class MasterWeights(Precision):
     def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
         return self.scaler.mode != "none"
 
+    def ema_conflict(self) -> str | None:
+        if self.remainders:
+            return (
+                "store_param_remainders keeps the fp32 masters only within the flat step, and "
+                "the EMA averages them; use store_param_remainders = false"
+            )
+        return None
+
     def in_backward_conflict(self) -> str | None:
         if self.sums is not None:
             return (

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from config import MixedPrecision as MixedPrecisionConfig
 from containers.container import OptimizersContainer
+from containers.ema import ShadowWeights
 from containers.parts import Gate, Timing
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
@@ -61,6 +62,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         gate: Gate | None = None,
         timing: Timing | None = None,
         mesh: DeviceMesh | None = None,
+        ema: ShadowWeights | None = None,
     ) -> None:
         self.precision: MasterWeights = precision or MasterWeights(settings)
         if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
@@ -79,6 +81,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             timing=timing,
             max_norm=max_norm,
             mesh=mesh,
+            ema=ema,
         )
         # The masters exist: what none took (other pipeline stages' parameters) can go.
         self.precision._initial.clear()

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer, Unit
+from containers.ema import ShadowWeights
 from containers.parts import Named, Precision, Timing
 from containers.state.param_groups import ParamGroupRule
 
@@ -167,6 +168,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         precision: Precision | None = None,
         gate: Gate | None = None,
         mesh: DeviceMesh | None = None,
+        ema: ShadowWeights | None = None,
     ) -> None:
         super().__init__(
             model_parts,
@@ -177,6 +179,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             gate=gate,
             timing=InBackward(gradient_accumulation_steps),
             mesh=mesh,
+            ema=ema,
         )
 
     @property

@@ -1,0 +1,172 @@
+"""`ShadowWeights`: an exponential moving average of the weights the container steps.
+
+The average is container state beside the optimizer's: `ema.<fqn>` for each parameter it
+steps (the fp32 masters under mixed precision), DTensors placed as their parameters, and
+`ema.steps`, the applied steps it has seen, in the flat format, so it reshards and loads into
+a fresh container as a template like every other state. It is updated as part of the step,
+after the update applied (and after a DiLoCo outer step), in one foreach pass; inside
+backward, unit by unit, for the in-backward timing. Steps that do not apply (skipped for
+non-finite numbers, not committed by torchft) do not count and do not update it.
+
+At applied step n (from 1): n <= start_step: the average is the weights; then every
+`update_every_n_steps`-th step it moves towards them: ema = decay * ema + (1 - decay) * w
+(torch's `lerp` with weight 1 - decay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Collection, Iterator, Sequence
+
+import torch
+
+from containers.norm import local
+from containers.state.flat import describe_keys
+
+__all__ = ["EMA", "ShadowWeights"]
+
+EMA = "ema"
+"""Prefix of the average's entries in the flat state dict."""
+
+logger = logging.getLogger(__name__)
+
+
+class ShadowWeights:
+    """The exponential moving average of the weights a container steps.
+
+    Args:
+        decay: the weight of the average against the weights at each update, in [0, 1).
+        update_every_n_steps: update at every n-th applied step (from `start_step`).
+        start_step: applied steps during which the average is the weights themselves.
+    """
+
+    def __init__(self, decay: float, *, update_every_n_steps: int = 1, start_step: int = 0) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(
+                f"decay = {decay}: use a weight in [0, 1) of the average against the weights"
+            )
+        if update_every_n_steps < 1:
+            raise ValueError(f"update_every_n_steps = {update_every_n_steps}: use 1 or more steps")
+        if start_step < 0:
+            raise ValueError(f"start_step = {start_step}: use 0 or more applied steps")
+        self.decay = decay
+        self.every = update_every_n_steps
+        self.start_step = start_step
+        self.steps = 0
+        self.params: list[torch.Tensor] = []
+        self.shadow: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        # A checkpoint without the average: it starts from the loaded weights, read at its
+        # first use (the model's weights may load after the optimizer state).
+        self._from_weights = False
+        self._absent = False  # (fitted to a checkpoint without it: not in the template)
+
+    @torch.no_grad()
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
+        """Shadow `params` (what the container steps), starting from their values."""
+        self.params = list(params)
+        self.shadow = [p.detach().clone() for p in self.params]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    # -- the step --------------------------------------------------------------------------
+
+    def _weight(self, n: int) -> float | None:
+        """The lerp weight of applied step `n`: 1.0 (a copy), 1 - decay, or None (no update)."""
+        if n <= self.start_step:
+            return 1.0
+        if (n - self.start_step) % self.every == 0:
+            return 1.0 - self.decay
+        return None
+
+    @torch.no_grad()
+    def update(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """Fold `params` (default: all) into the average for the step about to be counted
+        (`count()` counts it: once per applied step, after every unit's update)."""
+        self._settle()
+        weight = self._weight(self.steps + 1)
+        if weight is None:
+            return
+        index = range(len(self.params)) if params is None else [self._index[id(p)] for p in params]
+        shadow = [local(self.shadow[i]) for i in index]
+        weights = [local(self.params[i]) for i in index]
+        if weight == 1.0:
+            torch._foreach_copy_(shadow, weights)
+        else:
+            torch._foreach_lerp_(shadow, weights, weight)
+
+    def averages(self) -> list[torch.Tensor]:
+        """The average of each parameter of `params`, in order (live tensors)."""
+        self._settle()
+        return self.shadow
+
+    def count(self) -> None:
+        """One more applied step."""
+        self.steps += 1
+
+    def _settle(self) -> None:
+        if self._from_weights:
+            self._from_weights = False
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [local(s) for s in self.shadow], [local(p) for p in self.params]
+                )
+
+    # -- swap ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def swapped_into(self, targets: Sequence[torch.Tensor]) -> Iterator[None]:
+        """`targets` (the model's parameters of `params`, in order) hold the average (in
+        their dtype) inside the block, and their own values again, bitwise, after it."""
+        self._settle()
+        pieces = [local(t) for t in targets]
+        with torch.no_grad():
+            kept = [p.clone() for p in pieces]
+            for piece, s in zip(pieces, self.shadow):
+                piece.copy_(local(s))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(pieces, kept)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, object]:
+        if self._absent:
+            return {}
+        self._settle()
+        flat: dict[str, object] = {f"{EMA}.steps": self.steps}
+        for p, s in zip(self.params, self.shadow):
+            flat[f"{EMA}.{fqn_of[p]}"] = s
+        return flat
+
+    def fit_template(self, keys: Collection[str]) -> None:
+        """A checkpoint with these keys and no average: leave it out of the load template."""
+        self._absent = not any(k.startswith(f"{EMA}.") for k in keys)
+
+    def take_state(self, flat: dict[str, object], fqn_of: dict[torch.Tensor, str]) -> object:
+        taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{EMA}.")]}
+        if not taken:
+            return None  # (`load_state` starts the average from the loaded weights)
+        expected = {f"{EMA}.steps"} | {f"{EMA}.{fqn_of[p]}" for p in self.params}
+        if missing := sorted(expected - taken.keys()):
+            raise ValueError(
+                f"EMA state: missing keys {describe_keys(missing)} (a checkpoint of other "
+                "parameters? start in another dump folder)"
+            )
+        return taken, fqn_of
+
+    @torch.no_grad()
+    def load_state(self, taken: object) -> None:
+        self._absent = False
+        if taken is None:
+            logger.info("the checkpoint holds no EMA (ema.*): it starts from the loaded weights")
+            self._from_weights = True
+            return
+        flat, fqn_of = taken
+        self.steps = int(flat[f"{EMA}.steps"])
+        for p, s in zip(self.params, self.shadow):
+            value = flat[f"{EMA}.{fqn_of[p]}"]
+            if value is not s:
+                local(s).copy_(local(value))
