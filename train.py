@@ -157,6 +157,12 @@ def main(argv: list[str]) -> int:
         extra = report.metrics()
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)
+        if cfg.ema.eval_every and state.step % cfg.ema.eval_every == 0:
+            extra |= job.evaluate()
+            logger.info(
+                "step %5d  held-out loss %.4f, with the EMA weights %.4f",
+                state.step, extra["eval_loss"], extra["ema_eval_loss"],
+            )  # fmt: skip
         elapsed = time.perf_counter() - start
         metrics.log(
             state.step,
@@ -200,7 +206,8 @@ def main(argv: list[str]) -> int:
 
     # -- close ------------------------------------------------------------------------------
     if cfg.checkpoint.export_model and state.step >= steps:
-        job.checkpoint.export_model(job.model_parts, state.step)
+        with job.export_weights():  # the EMA's, where [ema] export
+            job.checkpoint.export_model(job.model_parts, state.step)
     metrics.close()
     job.close()
     stop.close()

@@ -6,6 +6,8 @@ checkpoint holds and the way a container is composed exist once.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,13 @@ from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
 from components.checkpoint_files import checkpoint_steps
 from components.checkpoint_seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
+from components.ema import build_ema
 from components.ft import build_ft_manager, build_gate, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
 from components.parallelize import mixed_precision_policy
-from components.pipeline import ForwardBackward, backward_passes, build_forward_backward
+from components.pipeline import Evaluate, ForwardBackward, backward_passes, build_passes
 from components.run_lock import RunLocks, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import Comm as CommConfig
@@ -52,6 +55,7 @@ class Job:
     model_parts: list[nn.Module]
     """This rank's parts: all of them, or its pipeline stages."""
     forward_backward: ForwardBackward
+    evaluate_fn: Evaluate
     optimizers: OptimizersContainer
     lr_schedulers: LRSchedulersContainer
     dataloader: Dataloader
@@ -66,6 +70,9 @@ class Job:
     """The replica group's store when this process started it (torchft serves peers from it)."""
     run_lock: RunLocks | None = None
     """This run's hold on its dump and checkpoint folders (rank 0; None on the other ranks)."""
+    eval_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The held-out micro-batch of `evaluate` (`[ema] eval_every`): the first of another
+    seed's window order, the same at every evaluation."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -80,6 +87,27 @@ class Job:
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for part in self.model_parts for p in part.parameters()]
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss of the trained weights (`eval_loss`) and of their EMA
+        (`ema_eval_loss`), the mean over the ranks that hold it."""
+        if self.eval_batch is None:
+            raise ValueError("this job has no eval batch: set [ema] eval_every")
+        inputs, labels = (t.to(self.device) for t in self.eval_batch)
+        trained = self.evaluate_fn(inputs, labels)
+        with self.optimizers.ema_weights():
+            averaged = self.evaluate_fn(inputs, labels)
+        both = torch.stack([trained, averaged]).float()
+        if self.world_size > 1:
+            dist.all_reduce(both)
+            both /= self.loss_ranks
+        eval_loss, ema_eval_loss = both.tolist()
+        return {"eval_loss": eval_loss, "ema_eval_loss": ema_eval_loss}
+
+    def export_weights(self) -> contextlib.AbstractContextManager[None]:
+        """What `[checkpoint] export_model` writes from: the averaged weights swapped in
+        (`[ema] export`), or the trained ones as they are."""
+        return self.optimizers.ema_weights() if self.cfg.ema.export else contextlib.nullcontext()
 
     def close(self) -> None:
         """Finish checkpoints in flight, end torchft and the process group, free the folder."""
@@ -223,11 +251,12 @@ def _build_locked(
         gradient_accumulation_steps=backward_passes(
             dims, cfg.parallelism, cfg.training.local_batch_size, accum
         ),
+        ema=build_ema(cfg.ema),
     )
     if world_size > 1:
         train_timeout_after_first_step(optimizers, cfg.comm)
     loss_fn = spec.build_loss_fn(cfg.training)
-    forward_backward = build_forward_backward(
+    forward_backward, evaluate_fn = build_passes(
         parts=model_parts,
         stages=stages,
         num_parts=cfg.model.num_parts,
@@ -241,6 +270,10 @@ def _build_locked(
     )
     lr_schedulers = spec.build_lr_schedulers_fn(optimizers, cfg.lr_scheduler, cfg.training.steps)
     dataloader = spec.build_dataloader_fn(cfg.training, dp_rank, dp_world_size)
+    eval_batch = None
+    if cfg.ema.eval_every:
+        held_out = dataclasses.replace(cfg.training, seed=cfg.training.seed + 1)
+        eval_batch = next(iter(spec.build_dataloader_fn(held_out, dp_rank, dp_world_size)))
     train_state = TrainState()
     states: dict[str, Any] = {
         "model": ModelWrapper(model_parts),
@@ -262,6 +295,7 @@ def _build_locked(
         mesh=mesh,
         model_parts=model_parts,
         forward_backward=forward_backward,
+        evaluate_fn=evaluate_fn,
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         dataloader=dataloader,
@@ -274,4 +308,5 @@ def _build_locked(
         ft_manager=ft_manager,
         store=store,
         run_lock=run_lock,
+        eval_batch=eval_batch,
     )

@@ -42,6 +42,7 @@ from containers import (
     OptimizersContainer,
     ParamGroupRule,
     Precision,
+    ShadowWeights,
     ShardedMuon,
     Timing,
     TorchFTGate,
@@ -79,6 +80,7 @@ class ContainerFactory(Protocol):
         timing: Timing | None,
         max_norm: float | None,
         mesh: DeviceMesh | None,
+        ema: ShadowWeights | None,
         **runtime: Any,
     ) -> OptimizersContainer: ...
 
@@ -96,6 +98,7 @@ class OptimizersBuilder(Protocol):
         max_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
         mesh: DeviceMesh | None = None,
+        ema: ShadowWeights | None = None,
     ) -> OptimizersContainer: ...
 
 
@@ -334,6 +337,7 @@ def build_optimizers(
     max_norm: float | None = None,
     gradient_accumulation_steps: int = 1,
     mesh: DeviceMesh | None = None,
+    ema: ShadowWeights | None = None,
     **runtime: Any,
 ) -> OptimizersContainer:
     """Compose the container that `cfg` asks for over `model_parts`.
@@ -351,6 +355,7 @@ def build_optimizers(
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
             norm counts every gradient element once over it. None: one stage over the world.
+        ema: an EMA of the weights to keep as container state (`components.ema.build_ema`).
         **runtime: runtime objects a third-party container needs.
     """
     check_names(cfg)
@@ -371,6 +376,7 @@ def build_optimizers(
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,
             max_norm=max_norm,
             mesh=mesh,
+            ema=ema,
             **runtime,
         )
     except ConfigError:
@@ -392,6 +398,7 @@ def _build_default(
     timing: Timing | None,
     max_norm: float | None,
     mesh: DeviceMesh | None,
+    ema: ShadowWeights | None,
 ) -> OptimizersContainer:
     # Master weights get the class that also offers offload() and the scaler's figures.
     container = (
@@ -409,6 +416,7 @@ def _build_default(
         timing=timing,
         max_norm=max_norm,
         mesh=mesh,
+        ema=ema,
     )
 
 

@@ -21,9 +21,11 @@ from components.train_spec import LossFn
 from config import Parallelism
 from containers import OptimizersContainer
 
-__all__ = ["ForwardBackward", "backward_passes", "build_forward_backward"]
+__all__ = ["Evaluate", "ForwardBackward", "backward_passes", "build_passes"]
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Evaluate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(inputs, labels) -> loss` of one micro-batch, forward only (0 on ranks without the loss)."""
 """`(inputs, labels) -> loss`: runs forward and backward of one micro-batch (gradients
 accumulate) and returns its detached loss, already divided by the accumulation steps; zero on
 ranks that hold no last stage."""
@@ -41,7 +43,7 @@ def backward_passes(dims: ParallelDims, cfg: Parallelism, local_batch_size: int,
     return accum * (local_batch_size // cfg.pipeline_parallel_microbatch_size)
 
 
-def build_forward_backward(
+def build_passes(
     *,
     parts: Sequence[nn.Module],
     stages: Sequence[int],
@@ -53,8 +55,9 @@ def build_forward_backward(
     local_batch_size: int,
     mesh: DeviceMesh | None,
     device: torch.device,
-) -> ForwardBackward:
-    """The forward-backward of this rank's `parts` (stage indices `stages` of `num_parts`).
+) -> tuple[ForwardBackward, Evaluate]:
+    """The forward-backward of this rank's `parts` (stage indices `stages` of `num_parts`),
+    and their forward-only evaluation (through the same pipeline schedule).
 
     Args:
         parts: this rank's model parts, in stage order.
@@ -105,7 +108,16 @@ def build_forward_backward(
         # The first step also calls the loss once on its shape-inference output: not a batch.
         return torch.stack(losses[-n_micro:]).mean()
 
-    return forward_backward
+    @torch.no_grad()
+    def evaluate(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses.clear()
+        args = (inputs,) if first else ()
+        schedule.eval(*args, target=labels if last else None)
+        if not losses:
+            return torch.zeros((), device=device)
+        return torch.stack(losses[-n_micro:]).mean() * accumulation_steps
+
+    return forward_backward, evaluate
 
 
 def _sequential(
@@ -113,13 +125,20 @@ def _sequential(
     loss_fn: LossFn,
     optimizers: OptimizersContainer,
     accumulation_steps: int,
-) -> ForwardBackward:
-    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+) -> tuple[ForwardBackward, Evaluate]:
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
         h = inputs
         for part in parts:
             h = part(h)
-        loss = loss_fn(h, labels) / accumulation_steps
+        return h
+
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(forward(inputs), labels) / accumulation_steps
         optimizers.backward(loss)
         return loss.detach()
 
-    return forward_backward
+    @torch.no_grad()
+    def evaluate(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(forward(inputs), labels)
+
+    return forward_backward, evaluate

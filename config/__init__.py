@@ -4,6 +4,7 @@ from config.checks import accumulation_steps, fsdp_mixed_precision, steps_in_bac
 from config.dump import to_toml
 from config.errors import ConfigError
 from config.job_config import (
+    EMA,
     Checkpoint,
     Comm,
     FaultTolerance,
@@ -22,6 +23,7 @@ from config.optimizer_config import Optimizer, ParamGroup
 from config.usage import field_docs, usage
 
 __all__ = [
+    "EMA",
     "Checkpoint",
     "Comm",
     "ConfigError",

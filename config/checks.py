@@ -164,6 +164,10 @@ def cross_check(cfg: JobConfig) -> None:
             f"average must land before the next fragment's is taken (sync_steps // "
             f"num_fragments = {spacing} steps apart); use at most {spacing - 1}"
         )
+    ema = cfg.ema
+    for key, value in (("eval_every", ema.eval_every), ("export", ema.export)):
+        if value and not ema.enable:
+            problems.append(f"[ema] {key} = {value!r}: no average is kept; set [ema] enable = true")
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
         problems.append(

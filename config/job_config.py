@@ -324,6 +324,35 @@ class MixedPrecision:
 
 
 @dataclass(kw_only=True)
+class EMA:
+    enable: bool = False
+    """Keep an exponential moving average of the weights as optimizer-container state
+    (`ema.<fqn>`, of the fp32 masters under mixed precision), updated in the step; checkpointed
+    and resharded like the optimizer state."""
+
+    decay: float = bounded(0.9999, ge=0.0, lt=1.0)
+    """Weight of the average against the weights at each update: ema = decay x ema +
+    (1 - decay) x weights."""
+
+    half_life: float = bounded(0.0, ge=0.0)
+    """Steps after which a weight's share of the average has halved; set (> 0) it replaces
+    `decay`: decay = 0.5 ** (update_every_n_steps / half_life)."""
+
+    update_every_n_steps: int = bounded(1, ge=1)
+    """Update the average at every n-th applied step (from `start_step`)."""
+
+    start_step: int = bounded(0, ge=0)
+    """Applied steps during which the average is the weights themselves (it starts then)."""
+
+    eval_every: int = bounded(0, ge=0)
+    """Log a held-out loss with the averaged weights (`ema_eval_loss`) beside the trained
+    weights' (`eval_loss`) every this many steps; 0: never."""
+
+    export: bool = False
+    """`[checkpoint] export_model` writes the averaged weights instead of the trained ones."""
+
+
+@dataclass(kw_only=True)
 class Comm:
     init_timeout_seconds: int = bounded(300, ge=1)
     """Longest wait of a collective until the first step is done (process-group start,
@@ -351,3 +380,4 @@ class JobConfig:
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     comm: Comm = field(default_factory=Comm)
+    ema: EMA = field(default_factory=EMA)

@@ -134,7 +134,7 @@ def test_register_container_selects_by_name(restore_registries):
 
     def factory(parts, cls, kwargs, *, param_groups, marker, **composed):
         assert marker == 7
-        assert composed.keys() == {"precision", "gate", "timing", "max_norm", "mesh"}
+        assert composed.keys() == {"precision", "gate", "timing", "max_norm", "mesh", "ema"}
         return Counting(parts, cls, kwargs, param_groups=param_groups, **composed)
 
     register_container("counting", factory)
