@@ -408,11 +408,11 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
     """A lighthouse that needs both groups (as its operator runs it for a 2-group job: a
     restarted lighthouse knows no group, and with 1 the first to reach it trains on alone) is
     killed at step >= 3 and started again 1 s later: both groups wait and train on in
-    lockstep, neither heals. Killed again for good: after the 3 s connect timeout each group
-    says so in one warning, and past the 10 s quorum timeout it saves the step it reached
+    lockstep, neither heals. Killed again for good: after the 2 s connect timeout each group
+    says so in one warning, and past the 6 s quorum timeout it saves the step it reached
     and exits 1 with one line, no traceback."""
-    timeouts = ["--fault_tolerance.quorum_timeout_ms", "10000"]
-    timeouts += ["--fault_tolerance.connect_timeout_ms", "3000"]
+    timeouts = ["--fault_tolerance.quorum_timeout_ms", "6000"]
+    timeouts += ["--fault_tolerance.connect_timeout_ms", "2000"]
     job = FTJob(
         tmp_path,
         400,
@@ -447,8 +447,8 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
         [line] = _errors(after)
         assert f"stopped at step {reached} of 400: torchft found no quorum" in line, line
         warned = after[: after.index(line)]
-        assert "WARNING torchft: no quorum of replica groups after 3 s" in warned, after
-        assert "within 10 s" in line and "saved in" in line, line
+        assert "WARNING torchft: no quorum of replica groups after 2 s" in warned, after
+        assert "within 6 s" in line and "saved in" in line, line
         assert (tmp_path / f"replica_{r}" / "checkpoint" / f"step-{reached}").is_dir()
     survivor, other = job.metrics(0), job.metrics(1)
     common = sorted(set(survivor) & set(other))
