@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
-from containers import DiLoCoGate, OptimizersContainer
+from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
 from containers.norm import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
@@ -30,14 +30,16 @@ def _params(parts) -> list[torch.Tensor]:
 def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_lands(manager):
     """One replica group with a real lighthouse (the average of one group is its own
     pseudo-gradient): the weights are the reference DiLoCo's, written out by hand, at
-    every step, and they move between syncs."""
+    every step, and they move between syncs; an EMA of them folds in the weights after the
+    outer step."""
     parts, ref_parts = three_parts(), three_parts()
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=3))
+    gate, ema = DiLoCoGate(manager, sync_steps=3), ShadowWeights(0.5)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate, ema=ema)
     ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
     weights = [p for g in ref.param_groups for p in g["params"]]
     global_ = [p.detach().clone() for p in weights]
     outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
-    before = _params(parts)
+    before, ref_ema = _params(parts), [w.detach().clone() for w in weights]
     for step in range(7):
         train(parts, opt, 1, start=step)
         train(ref_parts, ref, 1, start=step)
@@ -48,6 +50,9 @@ def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_land
             with torch.no_grad():
                 for w, g in zip(weights, global_):
                     w.copy_(g)
+        for e, w in zip(ref_ema, weights):
+            e.lerp_(w.detach(), 0.5)
+        assert all(torch.equal(a, b) for a, b in zip(ema.averages(), ref_ema)), step
         now = _params(parts)
         assert all(torch.equal(a, b) for a, b in zip(now, _params(ref_parts))), step
         assert not all(torch.equal(a, b) for a, b in zip(now, before)), step

@@ -152,9 +152,10 @@ def test_mixed_precision_overflow_on_one_group_skips_on_both_and_a_killed_group_
 ):
     """Two one-process replica groups, fp16 with fp32 masters: an overflow injected into the
     gradients of group 1 alone is skipped by both groups, whose scales halve alike; group 1 is
-    killed, the survivor commits on, the restarted group heals (masters and scaler from its
-    peer) and overflows again alone; both groups end bitwise equal, scaler included."""
-    job = FTJob(tmp_path, MP_STEPS, FP16)
+    killed, the survivor commits on, the restarted group heals (masters, scaler and the EMA of
+    the masters from its peer) and overflows again alone; both groups end bitwise equal, scaler
+    and EMA included (skipped steps did not count: 12 steps, 2 skipped)."""
+    job = FTJob(tmp_path, MP_STEPS, [*FP16, "--ema.enable", "--ema.decay", "0.5"])
     overflow, healed_overflow = ("overflow", str(OVERFLOW)), ("overflow", str(HEALED_OVERFLOW))
     survivor, healed, _ = _kill_and_heal(
         job, MP_HOLD, kill_after=OVERFLOW + 1, faults=((), overflow, healed_overflow)
@@ -176,6 +177,8 @@ def test_mixed_precision_overflow_on_one_group_skips_on_both_and_a_killed_group_
     final = _final_states(job)  # masters and loss_scaler.* included
     assert any(k.startswith("master_weights.") for k in final[0]["optim"])
     assert final[0]["optim"]["loss_scaler.scale"] == survivor[MP_STEPS]["loss_scale"]
+    assert final[0]["optim"]["ema.steps"] == MP_STEPS - 2
+    assert "ema.layers.0.attention.wq.weight" in final[0]["optim"]
 
 
 @contextlib.contextmanager
