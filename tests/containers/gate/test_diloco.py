@@ -104,13 +104,23 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
     [
         # an average taken a step before it lands
         (["--fault_tolerance.fragment_sync_delay", "1"], 1),
-        # the outer step on the fp32 masters of FSDP2 shards, inner moments in bf16
-        (["--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "bfloat16"], 2),
-        # each pipeline stage syncs its own parameters, in the same quorum
-        (["--parallelism.pipeline_parallel_degree", "2"], 2),
+        # each pipeline stage syncs its own parameters in the same quorum, the outer step on
+        # their fp32 masters, inner moments and outer momentum in bf16
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--optimizer.container",
+                "mixed_precision",
+                "--optimizer.moment_dtype",
+                "bfloat16",
+            ],
+            2,
+        ),
+        # the global weights DTensors sharded as their parameters
         (["--parallelism.tensor_parallel_degree", "2"], 2),
     ],
-    ids=["fp32_delay1", "mixed_precision_fsdp2_bf16_moments", "pp2", "tp2"],
+    ids=["fp32_delay1", "pp2_mixed_precision_bf16_moments", "tp2"],
 )
 def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
