@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
-from containers.ema import ShadowWeights
+from containers.ema import EMA, ShadowWeights
 from containers.norm import GlobalNorm
 from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
 from containers.state.flat import (
@@ -494,6 +494,11 @@ class OptimizersContainer(Optimizer, Stateful):
         self.gate.fit_template(keys, self._fqns)
         if self.ema is not None:
             self.ema.fit_template(keys)
+        elif any(k.startswith(f"{EMA}.") for k in keys):
+            raise ValueError(
+                "the checkpoint holds an EMA of the weights (ema.*) and this container keeps "
+                "none, so the load would drop it: keep one ([ema] enable = true)"
+            )
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

@@ -100,6 +100,12 @@ class ShadowWeights:
         self._settle()
         return self.shadow
 
+    def restart(self) -> None:
+        """Start over from the weights as they are at the next use (weights loaded around
+        the container, e.g. a model-only seed), at applied step 0."""
+        logger.info("the EMA starts over from the loaded weights")
+        self._from_weights, self.steps = True, 0
+
     def count(self) -> None:
         """One more applied step."""
         self.steps += 1
@@ -162,7 +168,7 @@ class ShadowWeights:
         self._absent = False
         if taken is None:
             logger.info("the checkpoint holds no EMA (ema.*): it starts from the loaded weights")
-            self._from_weights = True
+            self._from_weights, self.steps = True, 0
             return
         flat, fqn_of = taken
         self.steps = int(flat[f"{EMA}.steps"])

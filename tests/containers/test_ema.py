@@ -130,6 +130,8 @@ def test_a_resume_goes_on_bitwise_and_a_checkpoint_without_the_ema_starts_it_fro
     assert "holds no EMA (ema.*): it starts from the loaded weights" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(_ema(started), _weights(started)))
     assert started.state_dict()["ema.steps"] == 0
+    with pytest.raises(ValueError, match=r"holds an EMA of the weights \(ema\.\*\) and this"):
+        _run(three_parts(), range(0), load=path, ema=False)  # would drop it: refused
 
 
 def _sharded(seed: int) -> tuple[list, OptimizersContainer]:
