@@ -200,6 +200,12 @@ def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sy
     ours, theirs = job.metrics(0), job.metrics(1)
     assert ours[12]["param_checksum"] == theirs[12]["param_checksum"]
     assert ours[10]["param_checksum"] != theirs[10]["param_checksum"]  # inner steps: apart
+    # The late joiner does not spike the loss: on healed weights from step 8 on (its first
+    # step after its first average), its mean loss is its peer's (each reads its own data),
+    # nowhere near a fresh start's.
+    mean = [sum(m[s]["loss"] for s in range(8, 13)) / 5 for m in (ours, theirs)]
+    assert abs(mean[1] / mean[0] - 1) < 0.05, mean
+    assert max(theirs[s]["loss"] for s in range(8, 13)) < 0.8 * theirs[1]["loss"]
 
 
 def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCoGate]:
