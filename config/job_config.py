@@ -249,7 +249,8 @@ class FaultTolerance:
     fragment_sync_delay: int = bounded(0, ge=0)
     """DiLoCo: inner steps between a fragment's average (its pseudo-gradients taken then) and
     its outer step, which lands on the local weights of that later step, mixed by
-    `fragment_update_alpha` (streaming DiLoCo's tau); below `sync_steps / num_fragments`."""
+    `fragment_update_alpha`; the all-reduce overlaps those steps (streaming DiLoCo's tau);
+    below `sync_steps / num_fragments`."""
 
     fragment_update_alpha: float = bounded(0.0, ge=0.0, le=1.0)
     """DiLoCo: after a sync, local = alpha x local + (1 - alpha) x global (0: the global)."""

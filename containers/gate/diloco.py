@@ -6,9 +6,10 @@ every `sync_steps` applied steps the groups agree on a quorum, average their pse
 torchtitan's: SGD, lr 0.7, momentum 0.9, Nesterov) steps the global weights on the average;
 the local weights start the next inner period from them. A sync that does not commit (a peer
 failed mid-way) drops the inner period: the local weights go back to the global ones. With
-`fragment_sync_delay` d, a fragment's pseudo-gradients are taken and averaged d inner steps
-before its outer step lands (streaming DiLoCo's tau): the steps between count towards the
-local weights that the new global ones are mixed with (`fragment_update_alpha`).
+`fragment_sync_delay` d, a fragment's pseudo-gradients are taken and their all-reduce started d
+inner steps before its outer step lands (streaming DiLoCo's tau): the all-reduce overlaps those
+steps, which count towards the local weights that the new global ones are mixed with
+(`fragment_update_alpha`); it is waited for, and committed, when it lands.
 
 The global weights, the outer optimizer's state and the steps done are container state in the
 flat format (`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`,
@@ -125,6 +126,11 @@ class DiLoCoGate(Gate):
         # average by parameter index (or, before a load, templates of it).
         self.in_flight = -1
         self.pending: dict[int, torch.Tensor] = {}
+        # With a delay: the average on its way (fragment, flat buffer, torchft work), decided
+        # when it lands, so the inner steps between overlap it.
+        self._flight: tuple[int, torch.Tensor, Any] | None = None
+        self._in_quorum = False  # torchft reads the state for a healing peer only then
+        self._served = False
 
     def in_backward_conflict(self) -> str | None:
         return (
@@ -180,30 +186,47 @@ class DiLoCoGate(Gate):
 
     @torch.no_grad()
     def _average(self) -> None:
-        """Average the pseudo-gradients of the fragment due `delay` steps from now; they
-        land then if the average commits."""
+        """Start averaging the pseudo-gradients of the fragment due `delay` steps from now;
+        they land then if the average commits."""
         if self.manager is None:
             raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
         self.manager.allow_state_dict_read()
-        wait_quorum(self.manager, start=True)
+        self._in_quorum, self._served = True, False
+        try:
+            wait_quorum(self.manager, start=True)
+        finally:
+            self._in_quorum = False
         # (after a heal, the schedule is the peer's)
         fragment = self.due(self.inner_steps + self.delay)
-        members = self.fragments[fragment]
-        flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(members)])
+        flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(self.fragments[fragment])])
         # A group of another config is refused here (it raises; the others leave it out).
         left = self.agreement.check(self.manager) if self.agreement is not None else None
-        if left is None:
-            self.manager.allreduce(flat).wait()
-        elif left > 1:  # retried at the next sync, without the refused groups
+        work = self.manager.allreduce(flat) if left is None else None
+        if left is not None and left > 1:  # retried at the next sync, without the refused
             self.manager.report_error(RuntimeError("a replica group was refused"))
         # (left == 1: alone, its pseudo-gradients are the average)
+        self._flight = (fragment, flat, work)
+        # A healing peer reads this group's state until the average completes (torchft
+        # serves tensors by reference, after this quorum): no inner step before then.
+        if not self.delay or self._served:
+            self._decide()
+
+    def _decide(self) -> None:
+        """Wait for the average on its way; keep it to land if this group commits it."""
+        fragment, flat, work = self._flight
+        self._flight = None
+        if work is not None:
+            work.wait()
         if self.manager.should_commit():
             self.in_flight = fragment
-            sizes = [local(self.global_[i]).numel() for i in members]
-            self.pending = {
-                i: shaped_like(piece, self.global_[i])
-                for i, piece in zip(members, flat.split(sizes))
-            }
+            self.pending = self._averages(fragment, flat)
+
+    def _averages(self, fragment: int, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        members = self.fragments[fragment]
+        sizes = [local(self.global_[i]).numel() for i in members]
+        return {
+            i: shaped_like(piece, self.global_[i]) for i, piece in zip(members, flat.split(sizes))
+        }
 
     def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
         """The pseudo-gradients (local pieces) of the parameters `members` (indices), which
@@ -215,6 +238,8 @@ class DiLoCoGate(Gate):
         """Step the global weights of `fragment` on their average, if it committed, and
         restart its local weights from them (mixed by `fragment_update_alpha`); else the
         inner period is dropped: local weights back to the global ones."""
+        if self._flight is not None:
+            self._decide()
         members = self.fragments[fragment]
         landed = self.in_flight == fragment
         if landed:
@@ -242,12 +267,24 @@ class DiLoCoGate(Gate):
         return {g: self.outer.state.get(g) or derived.get(g, {}) for g in self.global_}
 
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
+        if self._in_quorum:
+            self._served = True  # (torchft's quorum thread, for a peer that heals from us)
+        in_flight, pending = self.in_flight, self.pending
+        if self._flight is not None:
+            # A checkpoint while the average is on its way: it completes on every group (all
+            # sent it), and it is saved as landing, unless this group saw it fail (then its
+            # commit would have dropped it).
+            fragment, averaged, work = self._flight
+            if work is not None:
+                work.wait()
+            if self.manager is None or not self.manager.errored():
+                in_flight, pending = fragment, self._averages(fragment, averaged)
         flat: dict[str, Any] = {
             f"{OUTER}.inner_steps": self.inner_steps,
             f"{OUTER}.outer_steps": self.outer_steps,
-            f"{OUTER}.in_flight": self.in_flight,
+            f"{OUTER}.in_flight": in_flight,
         }
-        for i, average in self.pending.items():
+        for i, average in pending.items():
             flat[f"{OUTER}.pending.{fqn_of[self.params[i]]}"] = average
         states = self._outer_states()
         for i, (p, g) in enumerate(zip(self.params, self.global_)):
@@ -318,7 +355,7 @@ class DiLoCoGate(Gate):
         flat, fqn_of = taken
         self.inner_steps = int(flat[f"{OUTER}.inner_steps"])
         self.outer_steps = int(flat[f"{OUTER}.outer_steps"])
-        self.in_flight = int(flat[f"{OUTER}.in_flight"])
+        self.in_flight, self._flight = int(flat[f"{OUTER}.in_flight"]), None
         templates, self.pending = self.pending, {}
         if self.in_flight >= 0:
             for i in self.fragments[self.in_flight]:

@@ -296,6 +296,8 @@ def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager, delay)
                 for i in lands[step]:
                     weights[i].lerp_(global_[i], 0.5)
         assert all(torch.equal(a, b) for a, b in zip(_params(parts), _params(ref_parts))), step
+        # With the delay, each average is on its way over the inner step that follows it.
+        assert (gate._flight is not None) == (step + delay in lands and step not in lands)
     assert opt.state_dict()["outer.outer_steps"] == 4
 
 
