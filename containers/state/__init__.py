@@ -5,6 +5,8 @@
 - `initial`: torch's own start state of parameters not stepped yet (DCP load templates).
 - `param_groups`: `ParamGroupRule`s and the assignment of parameters to inner optimizers.
 - `fsdp1`: FSDP1 slices saved and loaded as full-shape DTensors, as FSDP2 writes them.
+- `container_state`: the container's `state_dict`, `load_state_dict` and key check over all
+  of the above and its parts' own entries.
 """
 
 from containers.state.param_groups import ParamGroupRule

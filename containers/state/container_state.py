@@ -1,0 +1,149 @@
+"""`ContainerState`: the container's flat FQN-keyed state dict, its load and key check.
+
+Part of `OptimizersContainer` (a base class), kept apart from the step pipeline: torch's flat
+optimizer state over every unit's inner optimizers, plus the entries of the container's parts
+(precision, gate, EMA), each of which takes and validates its own before anything changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from containers.ema import EMA
+from containers.state.flat import (
+    PG,
+    STATE,
+    UNSAVED_KEYS,
+    flatten_into,
+    plan_load,
+    refuse_other_layout,
+)
+from containers.state.fsdp1 import FlatShards
+from containers.state.initial import derive
+
+__all__ = ["ContainerState"]
+
+
+class ContainerState:
+    """`state_dict`, `load_state_dict` and `check_checkpoint_keys` of `OptimizersContainer`
+    (which sets every attribute below)."""
+
+    optimizers: list[Optimizer]
+    precision: Any
+    gate: Any
+    ema: Any
+    flat_shards: FlatShards
+    _fqns: dict[torch.Tensor, str]
+    _optimizer_state_dict_pre_hooks: dict[int, Callable]
+    _optimizer_state_dict_post_hooks: dict[int, Callable]
+    _optimizer_load_state_dict_pre_hooks: dict[int, Callable]
+    _optimizer_load_state_dict_post_hooks: dict[int, Callable]
+
+    def _states(
+        self, opt: Optimizer, materialize: bool
+    ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, frozenset[str]]]:
+        """Each parameter's live state, or its optimizer's initial state if it has none yet;
+        and the state names that the optimizer's first update creates (see `derive`)."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        fresh = [p for p in params if not opt.state.get(p)]
+        # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
+        derived = derive(opt, fresh if materialize else params, materialize)
+        states = {p: opt.state.get(p) or derived.states[p] for p in params}
+        return states, derived.created
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
+        plus the precision's own entries (e.g. `master_weights.<fqn>`).
+
+        Parameters that have not stepped yet appear with their optimizer's initial state
+        (torch's own start values, e.g. zeros and step 0 for Adam), built without running a
+        step, so the dict always covers every trainable parameter and serves as the template
+        that DCP loads into.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        flat: dict[str, Any] = {}
+        for opt in self.optimizers:
+            for p, st in self._states(opt, materialize=True)[0].items():
+                flatten_into(flat, f"{STATE}.{self._fqns[p]}", st)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    for key, value in group.items():
+                        if key != "params" and key not in UNSAVED_KEYS:
+                            flat[f"{PG}.{self._fqns[p]}.{key}"] = value
+        flat.update(self.precision.state_dict(self._fqns))
+        flat.update(self.gate.state_dict(self._fqns))
+        if self.ema is not None:
+            flat.update(self.ema.state_dict(self._fqns))
+        if self.flat_shards:
+            flat = self.flat_shards.export(flat)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, flat)
+            if result is not None:
+                flat = result
+        return flat
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a flat state dict; on any problem raise and leave the optimizer as it was.
+
+        As torch's `Optimizer.load_state_dict`: the dict gives the state (moments, step
+        counts, the precision's masters and scaler) and the groups' hyperparameters (lr,
+        betas, weight decay, ...), by FQN; kernel choices (`fused`, `foreach`) stay the
+        container's. A trainer that wants its config to win on resume sets it back after the
+        load (`components.resume.ConfigSettings`). A dict of another state layout
+        (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        sliced: set[str] = set()
+        zeros: set[str] = set()
+        if self.flat_shards:
+            state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
+        taken = self.precision.take_state(state_dict, self._fqns)
+        gate_taken = self.gate.take_state(state_dict, self._fqns)
+        ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
+        layout, created = [], {}
+        for opt in self.optimizers:
+            states, news = self._states(opt, materialize=False)
+            layout.append(states)
+            created.update(news)
+        plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
+        backups = [opt.state_dict() for opt in self.optimizers]
+        try:
+            for opt, osd in zip(self.optimizers, plans):
+                opt.load_state_dict(osd)
+        except Exception:
+            for opt, backup in zip(self.optimizers, backups):
+                opt.load_state_dict(backup)
+            raise
+        self.precision.load_state(taken)
+        self.gate.load_state(gate_taken)
+        if self.ema is not None:
+            self.ema.load_state(ema_taken)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def check_checkpoint_keys(self, keys: Collection[str]) -> None:
+        """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
+        another layout than this container's (e.g. AdamW's for SGD), before anything loads;
+        else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
+        when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
+        checkpoint has none)."""
+        layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
+        refuse_other_layout(self.optimizers, layout, self._fqns, keys)
+        self.gate.fit_template(keys, self._fqns)
+        if self.ema is not None:
+            self.ema.fit_template(keys)
+        elif any(k.startswith(f"{EMA}.") for k in keys):
+            raise ValueError(
+                "the checkpoint holds an EMA of the weights (ema.*) and this container keeps "
+                "none, so the load would drop it: keep one ([ema] enable = true)"
+            )
