@@ -1,6 +1,6 @@
 """DiLoCo against every-step averaging: bytes each replica group sends per inner step, and loss.
 
-    .venv/bin/python benchmarks/bench_diloco.py [--steps 200] [--sync 1 4 16]
+    .venv/bin/python benchmarks/bench_diloco.py [--steps 200] [--sync 1 4 16] [--no-streaming]
 
 Two replica groups of the debug job (one process each, a real torchft lighthouse that waits for
 both, loopback gloo), trained through train.py side by side in one run per setting: every-step
@@ -8,7 +8,9 @@ gradient averaging (`semi_sync_method = "none"`) and DiLoCo at each `sync_steps`
 inner step: each collective the gates make is one flat fp32 all-reduce of every trainable
 parameter (the gradients every step; the pseudo-gradients every `sync_steps`), so a group
 hands `4 x parameters / sync_steps` bytes to the all-reduce per step (a ring all-reduce moves
-about twice that over the wire). Loss: the mean of the last 20 steps over both groups.
+about twice that over the wire). Loss: the mean of the last 20 steps over both groups. Two
+more rows move the bytes of sync_steps 16 with the averages delayed (`fragment_sync_delay`):
+one fragment 4 steps late, and 4 fragments (streaming) 2 steps late each.
 """
 
 from __future__ import annotations
@@ -46,11 +48,22 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sync", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--no-streaming", action="store_true", help="leave out the delay rows")
     args = parser.parse_args(argv)
     settings = {"every-step averaging": ([], 1)}
+    diloco = ["--fault_tolerance.semi_sync_method", "diloco"]
     for k in args.sync:
-        diloco = ["--fault_tolerance.semi_sync_method", "diloco"]
         settings[f"DiLoCo, sync_steps {k}"] = ([*diloco, "--fault_tolerance.sync_steps", str(k)], k)
+    if not args.no_streaming:  # the same bytes per step as sync_steps 16, averages delayed
+        for fragments, delay in ((1, 4), (4, 2)):
+            settings[f"DiLoCo, sync_steps 16, {fragments} fragment(s), delay {delay}"] = (
+                [
+                    *diloco, "--fault_tolerance.sync_steps", "16",
+                    "--fault_tolerance.num_fragments", str(fragments),
+                    "--fault_tolerance.fragment_sync_delay", str(delay),
+                ],
+                16,
+            )  # fmt: skip
     rows, params = [], trainable_params()
     with tempfile.TemporaryDirectory() as tmp:
         base_loss = None
