@@ -24,11 +24,12 @@ from containers import OptimizersContainer
 __all__ = ["Evaluate", "ForwardBackward", "backward_passes", "build_passes"]
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Evaluate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""`(inputs, labels) -> loss` of one micro-batch, forward only (0 on ranks without the loss)."""
 """`(inputs, labels) -> loss`: runs forward and backward of one micro-batch (gradients
 accumulate) and returns its detached loss, already divided by the accumulation steps; zero on
 ranks that hold no last stage."""
+Evaluate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(inputs, labels) -> loss` of one micro-batch, forward only, without gradients (the loss
+itself, not divided by the accumulation steps); zero on ranks that hold no last stage."""
 
 _SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
