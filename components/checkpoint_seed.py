@@ -231,7 +231,7 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
         if name in loaded:
             states[name].load_state_dict(nested[name])
     if model_only and isinstance(optimizer, OptimizersContainer) and optimizer.ema is not None:
-        optimizer.ema.restart()  # an average of the weights this job started from is moot
+        optimizer.ema.restart(f"{seed.what} = '{seed.path}' seeds the weights, not their EMA")
     step = int(nested["train_state"]["step"]) if "train_state" in loaded else 0
     _report(seed, model_only, step, unused)
     return step

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -85,9 +85,13 @@ class ShadowWeights:
         (`count()` counts it: once per applied step, after every unit's update)."""
         self._settle()
         weight = self._weight(self.steps + 1)
-        if weight is None:
-            return
-        index = range(len(self.params)) if params is None else [self._index[id(p)] for p in params]
+        if weight is not None:
+            every = range(len(self.params))
+            self._fold(every if params is None else [self._index[id(p)] for p in params], weight)
+
+    @torch.no_grad()
+    def _fold(self, index: Iterable[int], weight: float) -> None:
+        """Move the averages `index` towards their weights by `weight` (1.0: onto them)."""
         shadow = [local(self.shadow[i]) for i in index]
         weights = [local(self.params[i]) for i in index]
         if weight == 1.0:
@@ -100,10 +104,10 @@ class ShadowWeights:
         self._settle()
         return self.shadow
 
-    def restart(self) -> None:
-        """Start over from the weights as they are at the next use (weights loaded around
-        the container, e.g. a model-only seed), at applied step 0."""
-        logger.info("the EMA starts over from the loaded weights")
+    def restart(self, why: str) -> None:
+        """Start over from the weights as they are at the next use (`why`: they were loaded
+        without an average of their own), at applied step 0."""
+        logger.info("%s: it starts from the loaded weights", why)
         self._from_weights, self.steps = True, 0
 
     def count(self) -> None:
@@ -113,10 +117,7 @@ class ShadowWeights:
     def _settle(self) -> None:
         if self._from_weights:
             self._from_weights = False
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [local(s) for s in self.shadow], [local(p) for p in self.params]
-                )
+            self._fold(range(len(self.params)), 1.0)
 
     # -- swap ------------------------------------------------------------------------------
 
@@ -167,8 +168,7 @@ class ShadowWeights:
     def load_state(self, taken: object) -> None:
         self._absent = False
         if taken is None:
-            logger.info("the checkpoint holds no EMA (ema.*): it starts from the loaded weights")
-            self._from_weights, self.steps = True, 0
+            self.restart("the checkpoint holds no EMA (ema.*)")
             return
         flat, fqn_of = taken
         self.steps = int(flat[f"{EMA}.steps"])
