@@ -48,10 +48,11 @@ __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters that apply together: the model's parameters and the inner optimizers that
-    step them (or their masters)."""
+    """Parameters that apply together: the model's parameters, what the inner optimizers
+    step for each (itself, or its master) and those optimizers."""
 
     params: list[torch.Tensor]
+    stepped: list[torch.Tensor]
     optimizers: list[Optimizer] = field(default_factory=list)
 
 
@@ -140,7 +141,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         self.units: list[Unit] = []
         self.optimizers: list[Optimizer] = []
         for named, stepped, groups in zip(named_units, stepped_units, assigned):
-            unit = Unit(params=[p for _, p in named])
+            unit = Unit(params=[p for _, p in named], stepped=[s for _, s in stepped])
             for fqn, s in stepped:
                 self._fqns[s] = fqn
             for cls, (constructor, specs) in groups.items():
@@ -154,12 +155,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
                 self.optimizers.append(opt)
             self.units.append(unit)
         self._params = [p for unit in self.units for p in unit.params]  # read on every step
-        # The model's parameter of each stepped tensor (itself, or the one its master is of).
-        self._model_param = {
-            id(s): p
-            for named, stepped in zip(named_units, stepped_units)
-            for (_, p), (_, s) in zip(named, stepped)
-        }
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
@@ -348,8 +343,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             with inner_steps():
                 self.precision.apply(unit.optimizers)
             if self.ema is not None:
-                groups = [g for opt in unit.optimizers for g in opt.param_groups]
-                self.ema.update([p for g in groups for p in g["params"]])
+                self.ema.update(unit.stepped)
         for p in unit.params:
             p.grad = None
 
@@ -395,6 +389,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
                 f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "
                 "with ema=ShadowWeights(decay) ([ema] enable = true)"
             )
-        targets = [self._model_param[id(p)] for p in self.ema.params]
-        with self.ema.swapped_into(targets):
+        model_param = {id(s): p for u in self.units for p, s in zip(u.params, u.stepped)}
+        with self.ema.swapped_into([model_param[id(s)] for s in self.ema.params]):
             yield
