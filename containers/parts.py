@@ -162,8 +162,9 @@ class Precision:
     def fsdp1_conflict(self) -> str | None:
         return None
 
-    def ema_conflict(self) -> str | None:
-        """Why an EMA of the stepped weights cannot be kept with this precision, if so."""
+    def stepped_weights_conflict(self) -> str | None:
+        """Why the weights the inner optimizers step cannot be read or written between steps
+        (by an EMA of them, a gate's outer step), if so."""
         return None
 
     def cast_model(self, model: nn.Module) -> nn.Module:
@@ -281,6 +282,9 @@ class Gate:
     def commit(self) -> bool:
         return True
 
+    uses_stepped_weights = False
+    """Whether the gate reads and writes the stepped weights between steps (an outer step)."""
+
     def attach(self, container: OptimizersContainer) -> None:
         """Called once the container's inner optimizers exist."""
 
@@ -340,8 +344,10 @@ def refuse_impossible(
             "an EMA of the weights over FSDP1 (FullyShardedDataParallel) model parts: its "
             "flat-parameter slices are not kept as averages yet; use FSDP2"
         )
-    if ema and (reason := precision.ema_conflict()):
-        raise ValueError(f"an EMA of the weights with {type(precision).__name__}: {reason}")
+    users = [("an EMA of the weights", ema), (type(gate).__name__, gate.uses_stepped_weights)]
+    users = [name for name, uses in users if uses]
+    if users and (reason := precision.stepped_weights_conflict()):
+        raise ValueError(f"{' and '.join(users)} with {type(precision).__name__}: {reason}")
     if fsdp1:
         for part, obj in (("precision", precision), ("gate", gate), ("timing", timing)):
             reason = obj.fsdp1_conflict()

@@ -69,6 +69,7 @@ class DiLoCoGate(Gate):
     """
 
     refusal = "not committed by torchft"
+    uses_stepped_weights = True  # the global weights start from them, the outer step writes them
 
     def __init__(
         self,
@@ -142,12 +143,6 @@ class DiLoCoGate(Gate):
         return "DiLoCo's global weights are kept as DTensors like their parameters; use FSDP2"
 
     def attach(self, container: OptimizersContainer) -> None:
-        if getattr(container.precision, "remainders", False):
-            raise ValueError(
-                "DiLoCo with [mixed_precision] store_param_remainders: the outer step writes "
-                "the fp32 masters, which remainders keep only within the flat step; not "
-                "supported yet (use store_param_remainders = false)"
-            )
         self.container = container
         # What the inner optimizers step: the parameters, or their fp32 masters.
         self.params = [p for group in container.param_groups for p in group["params"]]

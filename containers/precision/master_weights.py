@@ -88,11 +88,12 @@ class MasterWeights(Precision):
     def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
         return self.scaler.mode != "none"
 
-    def ema_conflict(self) -> str | None:
+    def stepped_weights_conflict(self) -> str | None:
         if self.remainders:
             return (
-                "store_param_remainders keeps the fp32 masters only within the flat step, and "
-                "the EMA averages them; use store_param_remainders = false"
+                "store_param_remainders keeps the fp32 masters only within the flat step, where "
+                "an EMA could not read them nor DiLoCo's outer step write them; use "
+                "store_param_remainders = false"
             )
         return None
 

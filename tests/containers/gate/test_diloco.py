@@ -381,3 +381,18 @@ def test_the_outer_momentum_follows_the_lean_moment_dtype_and_the_global_weights
     assert state["outer.outer_steps"] == 1
     assert state["outer.state.head.weight.momentum_buffer"].dtype == torch.bfloat16
     assert state["outer.global.head.weight"].dtype == torch.float32
+
+
+def test_masters_kept_as_remainders_are_refused_when_built():
+    """The outer step writes the fp32 masters between steps; remainders keep them only
+    inside the flat step: refused by name, before any global weight is cloned."""
+    from config import MixedPrecision
+    from containers import MasterWeights, MixedPrecisionOptimizersContainer
+
+    precision = MasterWeights(MixedPrecision(store_param_remainders=True))
+    parts = [precision.cast_model(p) for p in three_parts()]
+    with pytest.raises(ValueError, match=r"DiLoCoGate with MasterWeights: store_param_remainders"):
+        MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, {**KW, "fused": True}, precision=precision,
+            gate=DiLoCoGate(None, sync_steps=4),
+        )  # fmt: skip
