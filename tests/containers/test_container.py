@@ -34,7 +34,15 @@ from containers import (
 )
 from tests.harness import optim_db
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, batch, forward, full, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    batch,
+    forward,
+    full,
+    sharded_three_parts,
+    three_parts,
+    train,
+)
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -551,10 +559,7 @@ def test_add_param_group_is_refused():
 
 
 def _sharded_container(seed: int, lr: float) -> tuple[list[nn.Module], OptimizersContainer]:
-    parts = three_parts(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for part in parts:
-        fully_shard(part, mesh=mesh)
+    parts = sharded_three_parts(seed)
     rules = [ParamGroupRule(r"bias|norm", {"weight_decay": 0.0})]
     return parts, OptimizersContainer(
         parts, torch.optim.AdamW, {"lr": lr, "fused": True}, param_groups=rules

@@ -20,7 +20,15 @@ from containers import (
     ShadowWeights,
 )
 from tests.containers.gate.test_fault_tolerant import manager  # noqa: F401 (a fixture)
-from tests.harness.helpers import assert_same, batch, forward, full, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    batch,
+    forward,
+    full,
+    sharded_three_parts,
+    three_parts,
+    train,
+)
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -135,14 +143,7 @@ def test_a_resume_goes_on_bitwise_and_a_checkpoint_without_the_ema_starts_it_fro
 
 
 def _sharded(seed: int) -> tuple[list, OptimizersContainer]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    parts = three_parts(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for part in parts:
-        fully_shard(part, mesh=mesh)
+    parts = sharded_three_parts(seed)
     return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, ema=ShadowWeights(0.9))
 
 

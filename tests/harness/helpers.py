@@ -21,6 +21,19 @@ def three_parts(seed: int = 0) -> list[nn.Module]:
     ]
 
 
+def sharded_three_parts(seed: int = 0) -> list[nn.Module]:
+    """`three_parts(seed)`, each part FSDP2-sharded over all ranks (a 1-D CPU mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    parts = three_parts(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    return parts
+
+
 def forward(parts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     for part in parts:
         x = part(x)

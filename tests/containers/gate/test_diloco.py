@@ -11,7 +11,7 @@ from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
 from containers.norm import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
-from tests.harness.helpers import assert_same, full, three_parts, train
+from tests.harness.helpers import assert_same, full, sharded_three_parts, three_parts, train
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -209,14 +209,7 @@ def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sy
 
 
 def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCoGate]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    parts = three_parts(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for part in parts:
-        fully_shard(part, mesh=mesh)
+    parts = sharded_three_parts(seed)
     gate = DiLoCoGate(None, sync_steps=10**9)  # state only: the outer step is called by hand
     return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate), gate
 

@@ -7,8 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import containers.optim.lean_adam as lean_adam
 from config import ConfigError, ParamGroup
@@ -21,7 +19,7 @@ from containers import (
     ParamGroupRule,
 )
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, full, three_parts, train
+from tests.harness.helpers import assert_same, full, sharded_three_parts, three_parts, train
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # A tensor spanning several chunks, one not contiguous, small ones batched into one chunk.
@@ -169,10 +167,7 @@ def test_policies_convert_both_ways_on_load():
 
 
 def _sharded_lean(seed: int) -> tuple[list[nn.Module], OptimizersContainer]:
-    parts = three_parts(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for part in parts:
-        fully_shard(part, mesh=mesh)
+    parts = sharded_three_parts(seed)
     return parts, OptimizersContainer(
         parts, LeanAdamW, {"lr": 1e-2, "fused": True, "moment_dtype": "bfloat16"}
     )
