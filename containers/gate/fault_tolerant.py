@@ -7,6 +7,7 @@ whether the step commits, and applies (hooks included, once) only if it does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -136,23 +137,30 @@ def wait_quorum(manager: Manager, start: bool = False) -> None:
     answered would be, and still waited for (a restarted one is carried on with)."""
     connect = getattr(manager, "_connect_timeout", None)
     quorum = getattr(manager, "_quorum_timeout", None)
-    warn = None
-    if connect is not None:
-        warn = threading.Timer(
+
+    def warn() -> None:
+        logger.warning(
+            "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, or "
+            "groups still joining); waiting up to the quorum timeout%s",
             connect.total_seconds(),
-            logger.warning,
-            (
-                "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, "
-                "or groups still joining); waiting up to the quorum timeout%s",
-                connect.total_seconds(),
-                f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
-            ),
+            f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
         )
-        warn.daemon = True
-        warn.start()
+
+    timer = None
     try:
-        if start:
+        if start:  # (it waits inside start_quorum: the warning comes from a timer thread)
+            if connect is not None:
+                timer = threading.Timer(connect.total_seconds(), warn)
+                timer.daemon = True
+                timer.start()
             manager.start_quorum()
+        # (every step's quorum, started already: waited on here, no thread per step)
+        elif (
+            connect is not None
+            and (future := getattr(manager, "_quorum_future", None)) is not None
+            and concurrent.futures.wait([future], timeout=connect.total_seconds()).not_done
+        ):
+            warn()
         manager.wait_quorum()
     except Exception as e:
         within = f" within {quorum.total_seconds():g} s" if quorum is not None else ""
@@ -162,8 +170,8 @@ def wait_quorum(manager: Manager, start: bool = False) -> None:
             "the lighthouse is gone or unreachable"
         ) from None
     finally:
-        if warn is not None:
-            warn.cancel()
+        if timer is not None:
+            timer.cancel()
 
 
 class FTOptimizersContainer(OptimizersContainer):
