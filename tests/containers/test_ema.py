@@ -74,6 +74,25 @@ def test_the_ema_is_the_closed_form_over_the_recorded_weights_and_skipped_steps_
     assert not all(torch.equal(a, b) for a, b in zip(_ema(opt), trajectory[-1]))
 
 
+def test_the_ema_is_torchs_averaged_model_with_its_ema_function():
+    """torch's own EMA (`swa_utils.AveragedModel` with `get_ema_multi_avg_fn`, updated after
+    each `optimizer.step()`; its first update copies the weights) beside the container's with
+    start_step 1, over the same 6 steps of torch's AdamW: the averages are bitwise equal."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    parts, ref_parts = three_parts(), three_parts()
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, ema=ShadowWeights(0.8, start_step=1))
+    ref_model = torch.nn.Sequential(*ref_parts)
+    ref = torch.optim.AdamW(ref_model.parameters(), **KW)
+    averaged = AveragedModel(ref_model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    for step in range(6):
+        train(parts, opt, 1, start=step)
+        train(ref_parts, ref, 1, start=step)
+        averaged.update_parameters(ref_model)
+        got, want = _ema(opt), [p.detach() for p in averaged.module.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16_masters"])
 def test_ema_weights_swaps_the_average_in_and_the_weights_back_bitwise(precision):
     parts, ema, dtype = three_parts(), ShadowWeights(0.5), torch.float32
