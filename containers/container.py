@@ -6,7 +6,7 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
     commit    gate.commit                      an uncommitted step changes nothing
     measure   precision.grad_norm, one sync    the global norm for the clip, which is also the
               or all_finite, one sync          non-finite check; or (no clip) one read that
-                                               only checks
+              or nonfinite_flag, no sync       only checks, left to fused kernels as a flag
     decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
@@ -38,7 +38,15 @@ from torch.optim import Optimizer
 from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm
-from containers.parts import Gate, Precision, StepReport, Timing, all_finite, refuse_impossible
+from containers.parts import (
+    Gate,
+    Precision,
+    StepReport,
+    Timing,
+    all_finite,
+    nonfinite_flag,
+    refuse_impossible,
+)
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
@@ -159,6 +167,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
+        self._found_inf: torch.Tensor | None = None  # the flag a kernel-skipped step left
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -245,6 +254,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._found_inf = None
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:
@@ -272,7 +282,14 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             # Without a clip, the cheapest check: one read of the gradients, no write; the
             # world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
-            finite = all_finite([p.grad for p in params], groups=[None] if world else [])
+            grads, groups = [p.grad for p in params], [None] if world else []
+            if self._skips_in_kernel():
+                # No host sync: the kernels read the flag, the report waits for it.
+                found = nonfinite_flag(grads, groups)
+                self._with_hooks(lambda: self.precision.apply(self.optimizers, found_inf=found))
+                self._found_inf = found
+                return StepReport(**self.precision.report())
+            finite = all_finite(grads, groups)
         refusal = self._refusal() if finite else None
         self.precision.decided(applied=finite and refusal is None, overflow=not finite)
         if refusal is not None:
@@ -295,6 +312,39 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self.ema.update()
             self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
+
+    def _skips_in_kernel(self) -> bool:
+        """Whether a step without a clip may leave its non-finite skip to the update kernels
+        (`Precision.skips_in_kernel`): nothing else in it follows the decision (no step hooks,
+        no EMA, a gate with nothing to do after the update)."""
+        return (
+            not self._optimizer_step_pre_hooks
+            and not self._optimizer_step_post_hooks
+            and self.ema is None
+            and type(self.gate).after_apply is Gate.after_apply
+            and self.precision.skips_in_kernel(self.optimizers)
+        )
+
+    @property
+    def last_report(self) -> StepReport:
+        """What the last `step()` did. A step that left its non-finite skip to the kernels
+        is reported here, when asked: the one host sync it needs."""
+        found, self._found_inf = self._found_inf, None
+        if found is not None:
+            nonfinite = bool(found)
+            self.precision.decided(applied=not nonfinite, overflow=nonfinite)
+            if nonfinite:
+                self._last_report = StepReport(
+                    committed=False,
+                    skipped="non-finite loss or gradients",
+                    nonfinite=True,
+                    **self.precision.report(),
+                )
+        return self._last_report
+
+    @last_report.setter
+    def last_report(self, report: StepReport) -> None:
+        self._last_report = report
 
     def _refusal(self) -> str | None:
         """The precision's refusal of this step's update (`Precision.refusal`), agreed by

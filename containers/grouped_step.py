@@ -102,29 +102,62 @@ def _own_step(opt: Optimizer) -> bool:
     )
 
 
+def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
+    """Whether `step_together(optimizers, found_inf)` leaves them exactly as they were where
+    `found_inf` is set: every group fused (torch's fused Adam/AdamW kernels, and the lean
+    ones, read the flag and take back the step count), no step hooks that would run all the
+    same, no `GradScaler` of the caller's own."""
+    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        return False
+    return all(
+        type(opt) in _ADAM
+        and not opt._optimizer_step_pre_hooks
+        and not opt._optimizer_step_post_hooks
+        and getattr(opt, "grad_scale", None) is None
+        and getattr(opt, "found_inf", None) is None
+        and all(g["fused"] for g in opt.param_groups)
+        for opt in optimizers
+    )
+
+
 @torch.no_grad()
-def step_together(optimizers: Sequence[Optimizer]) -> None:
+def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | None = None) -> None:
     """Step every optimizer of `optimizers` once: bitwise as `opt.step()` for each, with one
-    kernel call per bucket of like Adam/AdamW groups (see the module docstring)."""
+    kernel call per bucket of like Adam/AdamW groups (see the module docstring). `found_inf`
+    (only where `kernel_skips`): a device flag that, set, makes every kernel change nothing."""
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         for opt in optimizers:
-            opt.step()
+            _step_alone(opt, found_inf)
         return
     buckets: dict[tuple[Any, ...], list[tuple[Optimizer, dict[str, Any]]]] = {}
     for opt in optimizers:
         groups = opt.param_groups
         keys = [(*_KEY(g), g.get("moment_dtype")) for g in groups] if _groupable(opt) else None
         if keys is None or not all(map(_mergeable, keys)):
-            opt.step()
+            _step_alone(opt, found_inf)
             continue
         opt._opt_called = True  # type: ignore[attr-defined]  (what a scheduler's patch notes)
         for key, group in zip(keys, groups):
             buckets.setdefault(key, []).append((opt, group))
     for groups in buckets.values():
-        _step_bucket(groups)
+        _step_bucket(groups, found_inf)
 
 
-def _step_bucket(groups: list[tuple[Optimizer, dict[str, Any]]]) -> None:
+def _step_alone(opt: Optimizer, found_inf: torch.Tensor | None) -> None:
+    """`opt.step()`, given `found_inf` as a `GradScaler` gives it (torch's step reads it)."""
+    if found_inf is None:
+        opt.step()
+        return
+    opt.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf  # type: ignore[attr-defined]
+
+
+def _step_bucket(
+    groups: list[tuple[Optimizer, dict[str, Any]]], found_inf: torch.Tensor | None = None
+) -> None:
     """One functional `adam` (or `lean_adam`) call over `groups` (all of the same bucket)."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
@@ -142,5 +175,5 @@ def _step_bucket(groups: list[tuple[Optimizer, dict[str, Any]]]) -> None:
         return
     step_group(
         groups[0][1], params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        has_complex=has_complex,
+        has_complex=has_complex, found_inf=found_inf,
     )  # fmt: skip

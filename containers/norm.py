@@ -31,6 +31,7 @@ __all__ = [
     "exact_sum_of_squares",
     "local",
     "scratch",
+    "scratch_numel",
     "shaped_like",
     "sum_of_squares",
 ]
@@ -39,18 +40,28 @@ SCRATCH_NUMEL = 1 << 20
 """Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
 converted into it a piece at a time, by the norm and by the mixed-precision step."""
 
+CUDA_SCRATCH_NUMEL = 1 << 24
+"""The same on a GPU (64 MiB): there a chunk costs kernel launches, not cache misses, and at
+4 MiB a chunk the launches of a 134M-parameter step cost 15x its bytes (benchmarks/README.md)."""
+
 _scratch: dict[torch.device, torch.Tensor] = {}
 
 
+def scratch_numel(device: torch.device) -> int:
+    """Elements of the fp32 scratch buffer kept on `device` (the most a chunk may use)."""
+    return CUDA_SCRATCH_NUMEL if device.type == "cuda" else SCRATCH_NUMEL
+
+
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of `numel` elements on `device`. Up to `SCRATCH_NUMEL` it is one buffer
-    kept between calls (a fresh one would be page-faulted in at every step, which on a CPU
-    costs more than the conversion it serves); larger ones are allocated each time. Callers
-    must be done with it before the next call."""
-    if numel > SCRATCH_NUMEL:
+    """An fp32 buffer of `numel` elements on `device`. Up to `scratch_numel(device)` it is
+    one buffer kept between calls (a fresh one would be page-faulted in at every step, which
+    on a CPU costs more than the conversion it serves); larger ones are allocated each time.
+    Callers must be done with it before the next call."""
+    kept = scratch_numel(device)
+    if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)
     if device not in _scratch:
-        _scratch[device] = torch.empty(SCRATCH_NUMEL, dtype=torch.float32, device=device)
+        _scratch[device] = torch.empty(kept, dtype=torch.float32, device=device)
     return _scratch[device][:numel]
 
 

@@ -17,6 +17,7 @@ composition when it is built (`refuse_impossible`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.grouped_step import step_together
+from containers.grouped_step import kernel_skips, step_together
 from containers.norm import GlobalNorm
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ __all__ = [
     "StepReport",
     "Timing",
     "all_finite",
+    "nonfinite_flag",
     "params_with_grad",
     "refuse_impossible",
 ]
@@ -98,14 +100,7 @@ def all_finite(
     time on a CPU (benchmarks/README.md). One collective per group and one host sync, twice
     in that rare case.
     """
-    pieces, mesh = [], None
-    for t in tensors:  # runs every step over every gradient: kept lean
-        if isinstance(t, DTensor):
-            mesh, t = t.device_mesh, t.to_local()
-        pieces.append(t.coalesce().values() if t.is_sparse else t)
-    if groups is None:
-        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
-    device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
+    pieces, groups, device = _local_pieces(tensors, groups)
     mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
     for wide in (False, True):
@@ -123,6 +118,48 @@ def all_finite(
         if not found:
             return True
     return False
+
+
+@torch.no_grad()
+def nonfinite_flag(
+    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
+) -> torch.Tensor:
+    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups` (as
+    `all_finite`): an fp32 scalar on their device, the `found_inf` that torch's fused Adam
+    kernels read to leave everything as it was.
+
+    On CUDA the host never waits for it: each tensor's largest magnitude (`_foreach_norm` of
+    order inf: a multi-tensor kernel, one read, no write, NaN kept) is finite exactly when the
+    tensor is, with no overflow to tell apart, and the agreement is a device collective.
+    Elsewhere that norm is a per-element loop many times slower than a sum (20x on a CPU),
+    and waiting costs nothing: `all_finite` decides there.
+    """
+    pieces, groups, device = _local_pieces(tensors, groups)
+    if device.type != "cuda" or len({t.device for t in pieces}) > 1:
+        return torch.tensor(float(not all_finite(tensors, groups)), device=device)
+    if pieces:
+        found = (~torch.stack(torch._foreach_norm(pieces, math.inf)).isfinite()).any().float()
+    else:
+        found = torch.zeros((), device=device)
+    for group in groups:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return found
+
+
+def _local_pieces(
+    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None
+) -> tuple[list[torch.Tensor], Sequence[dist.ProcessGroup | None], torch.device]:
+    """The local tensors of `tensors` (DTensors' shards, sparse ones' values), the groups to
+    agree over (default: every dimension of the DTensors' mesh) and the device to agree on."""
+    pieces, mesh = [], None
+    for t in tensors:  # runs every step over every gradient: kept lean
+        if isinstance(t, DTensor):
+            mesh, t = t.device_mesh, t.to_local()
+        pieces.append(t.coalesce().values() if t.is_sparse else t)
+    if groups is None:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
+    device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
+    return pieces, groups, device
 
 
 def _sum32(t: torch.Tensor) -> torch.Tensor:
@@ -219,18 +256,27 @@ class Precision:
         """Told whether the step's gradients were applied and whether they overflowed (by
         default: the step was skipped for non-finite gradients exactly when not applied)."""
 
+    def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Whether `apply(optimizers, found_inf=flag)` leaves the skip to the update kernels
+        (torch's fused Adam family reads a device flag and changes nothing where it is set),
+        so no host sync has to decide it first. A precision with an `apply` of its own says
+        so itself."""
+        return type(self).apply is Precision.apply and kernel_skips(optimizers)
+
     @torch.no_grad()
     def apply(
         self,
         optimizers: Sequence[Optimizer],
         grad_norm: torch.Tensor | None = None,
         max_norm: float | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first;
-        like Adam/AdamW groups of all of them in one kernel call (`step_together`)."""
+        like Adam/AdamW groups of all of them in one kernel call (`step_together`). Where
+        `found_inf` (a device flag; only if `skips_in_kernel`) is set, nothing changes."""
         if grad_norm is not None:
             self.clip_(params_with_grad(optimizers), grad_norm, max_norm)
-        step_together(optimizers)
+        step_together(optimizers, found_inf)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear gradients the inner optimizers do not own (the model's, beside masters)."""

@@ -27,7 +27,7 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from containers.norm import SCRATCH_NUMEL, local, scratch
+from containers.norm import local, scratch, scratch_numel
 from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
 __all__ = ["LeanAdam", "LeanAdamW", "lean_adam", "step_group"]
@@ -83,7 +83,9 @@ class _Lean:
             lists: tuple[list, ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)
             if lists[0]:
-                step_group(group, *lists, has_complex=has_complex)
+                # (a GradScaler's, or the container's flag: see `step_group`)
+                found_inf = getattr(self, "found_inf", None)
+                step_group(group, *lists, has_complex=has_complex, found_inf=found_inf)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -110,9 +112,11 @@ def step_group(
     steps: list[torch.Tensor],
     *,
     has_complex: bool = False,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One Adam/AdamW update of a group's collected tensors: torch's functional `adam`, or
-    `lean_adam` for a group that keeps its moments in a lower dtype."""
+    `lean_adam` for a group that keeps its moments in a lower dtype. `found_inf` (fused
+    groups only, as torch's): set, the kernels change nothing and the step counts go back."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -120,12 +124,15 @@ def step_group(
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
     if group.get("moment_dtype", "float32") != "float32":
-        lean_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **settings)
+        lean_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf=found_inf,
+            **settings,
+        )  # fmt: skip
         return
     adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
         capturable=group["capturable"], differentiable=group["differentiable"],
-        fused=group["fused"], has_complex=has_complex, **settings,
+        fused=group["fused"], has_complex=has_complex, found_inf=found_inf, **settings,
     )  # fmt: skip
 
 
@@ -146,17 +153,21 @@ def lean_adam(
     eps: float,
     maximize: bool,
     decoupled_weight_decay: bool,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """Adam/AdamW over moments of a lower dtype than the parameters: torch's fused kernel on
-    fp32 scratch copies of them, a chunk at a time, rounded back (see the module docstring)."""
+    fp32 scratch copies of them, a chunk at a time, rounded back (see the module docstring).
+    Where `found_inf` is set the kernel changes nothing (the moments round-trip exactly
+    through fp32) and the step counts go back, as torch's `_fused_adam` does."""
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     settings = dict(
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-        maximize=maximize, grad_scale=None, found_inf=None,
+        maximize=maximize, grad_scale=None, found_inf=found_inf,
     )  # fmt: skip
     n_moments = 3 if amsgrad else 2
-    chunk = SCRATCH_NUMEL // n_moments
+    budget = scratch_numel(local(params[0]).device) if params else 0
+    chunk = budget // n_moments
     moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][:n_moments]
     batch: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) pieces
     filled = 0
@@ -165,7 +176,7 @@ def lean_adam(
         nonlocal filled
         if not batch:
             return
-        buffer = scratch(batch[0][0].device, SCRATCH_NUMEL)
+        buffer = scratch(batch[0][0].device, budget)
         wide = []
         for m in range(n_moments):
             offset, views = m * chunk, []
@@ -196,6 +207,8 @@ def lean_adam(
             batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
             filled += stop - start
     flush()
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 def _step_whole(

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
+from containers.norm import local, scratch, scratch_numel, shaped_like
 from containers.optim.lean import moment_dtype_of
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
@@ -82,7 +82,8 @@ class FlatGroup:
         group: one of its param groups; its params are the masters.
         model: the model parameter of each master, in the group's order.
         chunk_numel: fp32 scratch elements a chunk may use (its gradients, and its masters
-            and moments where they are kept narrower), rounded down to `PAD`.
+            and moments where they are kept narrower), rounded down to `PAD`; None: the
+            device's `scratch_numel`.
         remainders: keep the masters as remainders of the bf16 model parameters.
     """
 
@@ -92,7 +93,7 @@ class FlatGroup:
         group: dict,
         model: Sequence[torch.Tensor],
         *,
-        chunk_numel: int = SCRATCH_NUMEL,
+        chunk_numel: int | None = None,
         remainders: bool = False,
     ) -> None:
         with torch.no_grad():
@@ -103,7 +104,7 @@ class FlatGroup:
         opt: Optimizer,
         group: dict,
         model: Sequence[torch.Tensor],
-        chunk_numel: int,
+        chunk_numel: int | None,
         remainders: bool,
     ) -> None:
         # By position: torch's load_state_dict replaces the group dicts (an LR scheduler
@@ -139,7 +140,7 @@ class FlatGroup:
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
         self._low: torch.Tensor | None = None  # the compiled step's gradient/parameter buffer
-        self.chunk(chunk_numel // self._regions)
+        self.chunk((chunk_numel or scratch_numel(where)) // self._regions)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
         self.stale = True
@@ -185,12 +186,15 @@ class FlatGroup:
             nan = torch.full((1,), float("nan"), device=device).untyped_storage()
             for m in self.masters:
                 piece = local(m)
-                piece.set_(nan, 0, piece.shape, (0,) * piece.dim())
+                shape, stride = piece.shape, (0,) * piece.dim()
+                _on(piece, device).set_(nan, 0, shape, stride)
         else:
             master = self.buffers["master"]
             for i, m in enumerate(self.masters):
                 piece = local(m)
-                piece.set_(master.untyped_storage(), self.starts[i], piece.shape, piece.stride())
+                shape, stride = piece.shape, piece.stride()
+                storage = master.untyped_storage()
+                _on(piece, master.device).set_(storage, self.starts[i], shape, stride)
         self._cast_from = [local(m) for m in self.masters]
         self._views: dict[str, list[torch.Tensor]] = {
             k: [self._slice(k, i) for i in range(len(self.masters))] for k in _MOMENTS
@@ -395,3 +399,11 @@ def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) ->
     """What `p`'s master steps on: its fp32 sum if one is kept, else its gradient."""
     total = sums.pop(p, None) if sums is not None else None
     return total if total is not None else local(p.grad)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t`, itself, made a tensor of `device` (offload and reload move the buffers across
+    devices, and `set_` refuses a storage of another device than the tensor's)."""
+    if t.device != device:
+        t.data = torch.empty(0, dtype=t.dtype, device=device)
+    return t

@@ -401,7 +401,9 @@ class MasterWeights(Precision):
                         moves = isinstance(value, torch.Tensor) and value.dim() > 0
                         if moves and id(m) not in done:
                             st[key] = _moved(value, device, pin)
-        if device.type == "cuda":
+        if device.type == "cuda" or pin:
+            # Copies to pinned memory are asynchronous too: the host must not read (save,
+            # step) what has not landed yet.
             torch.cuda.current_stream().synchronize()
 
     def offload(self, optimizers: Sequence[Optimizer]) -> None:

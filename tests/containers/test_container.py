@@ -27,6 +27,7 @@ from torch.optim.optimizer import (
 
 from components.resume import ConfigSettings
 from containers import (
+    LeanAdamW,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     OptimizersInBackwardContainer,
@@ -654,6 +655,40 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_b
         assert all(
             v.isfinite().all() for v in poisoned["state"].values() if isinstance(v, torch.Tensor)
         )
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+        (LeanAdamW, {"lr": 1e-2, "moment_dtype": "bfloat16"}),
+    ],
+    ids=["AdamW", "LeanAdamW-bf16"],
+)
+def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(cls, kwargs):
+    """Without a clip, fused groups skip in the kernel on a flag (no host sync); the report
+    reads the flag when asked. A step hook makes the container decide on the host first:
+    both give the same weights, state and reports, a skip on the very first step included."""
+    runs = []
+    for on_host in (False, True):
+        parts = three_parts()
+        opt = OptimizersContainer(parts, cls, kwargs)
+        if on_host:
+            opt.register_step_post_hook(lambda *_: None)
+        assert opt._skips_in_kernel() is not on_host
+        reports = []
+        for step in range(5):
+            opt.zero_grad()
+            loss = forward(parts, batch(step)).square().mean()
+            opt.backward(loss * float("nan") if step in (0, 3) else loss)
+            opt.step()
+            reports.append((opt.last_report.committed, opt.last_report.skipped))
+        state = {k: v for k, v in opt.state_dict().items() if not k.startswith("param_groups")}
+        runs.append((reports, state, [p.detach().clone() for m in parts for p in m.parameters()]))
+    (reports, state, params), (host_reports, host_state, host_params) = runs
+    assert reports == host_reports and not reports[0][0] and not reports[3][0] and reports[4][0]
+    assert_same(state, host_state)
+    assert all(torch.equal(a, b) for a, b in zip(params, host_params))
 
 
 def test_in_backward_skips_only_the_units_whose_gradients_are_not_finite():

@@ -1,0 +1,417 @@
+"""The CUDA paths, checked and timed on one GPU: what the CPU suite cannot show.
+
+    python benchmarks/bench_cuda.py            # on a machine with a GPU (~1 min)
+    python benchmarks/bench_cuda.py --quick    # tiny sizes; also runs on a CPU (a smoke run)
+
+Checks (each a line, PASS or FAIL, none stops the others): the default container is torch's
+fused AdamW bit for bit; a non-finite gradient element skips the step; the host syncs a
+step makes; bf16 moments are torch's fused step on the widened moments, rounded back, and
+whether torch's CUDA kernel takes them unwidened; remainders keep the fp32 masters bit for
+bit; offload to pinned memory is readable at once and a reloaded step is bitwise.
+
+Tables (CUDA-event times, medians of interleaved repeats): the default step with the
+non-finite check on and off against one fused AdamW (issue 28's table), and the lean-state
+table (steady bytes per parameter, step time) of `bench_lean_state.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_lean_state import CONTENDERS, steady_bytes  # noqa: E402
+from benchmarks.common import markdown_table  # noqa: E402
+from config import MixedPrecision  # noqa: E402
+from containers import (  # noqa: E402
+    LeanAdamW,
+    MixedPrecisionOptimizersContainer,
+    OptimizersContainer,
+)
+
+KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
+
+
+def check(name: str) -> Callable[[Callable[[torch.device], str]], Callable]:
+    """Register the decorated check (a function of the device that returns its detail and
+    raises on failure) under `name`; `main` runs them all."""
+
+    def run(fn: Callable[[torch.device], str]) -> Callable:
+        CHECKS.append((name, fn))
+        return fn
+
+    return run
+
+
+CHECKS: list[tuple[str, Callable[[torch.device], str]]] = []
+
+
+def _parts(device: torch.device, n: int, width: int, dtype=torch.float32) -> list[nn.Module]:
+    """`n` parts of an MLP block each, under FQNs `layers.<i>.` (unique across parts)."""
+    torch.manual_seed(0)
+    parts = []
+    for i in range(n):
+        block = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.Linear(2 * width, width), nn.LayerNorm(width)
+        )
+        part = nn.Module()
+        part.layers = nn.ModuleDict({str(i): block})
+        parts.append(part.to(device=device, dtype=dtype))
+    return parts
+
+
+def _grads(parts: list[nn.Module], step: int) -> list[torch.Tensor]:
+    g = torch.Generator(device=next(parts[0].parameters()).device).manual_seed(step)
+    return [
+        torch.randn(p.shape, generator=g, device=p.device).to(p.dtype) * 1e-2
+        for m in parts
+        for p in m.parameters()
+    ]
+
+
+def _give(parts: list[nn.Module], grads: list[torch.Tensor]) -> None:
+    for p, g in zip((p for m in parts for p in m.parameters()), grads):
+        p.grad = g.clone()
+
+
+def _params(parts: list[nn.Module]) -> list[torch.Tensor]:
+    return [p.detach().clone() for m in parts for p in m.parameters()]
+
+
+def _state(opt: OptimizersContainer) -> list[torch.Tensor]:
+    return [v.clone() for v in opt.state_dict().values() if torch.is_tensor(v)]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@check("default container == torch AdamW(fused=True), bitwise, 3 steps")
+def _default_is_fused(device: torch.device) -> str:
+    parts, ref_parts = _parts(device, 3, 64), _parts(device, 3, 64)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW)
+    ref = torch.optim.AdamW([p for m in ref_parts for p in m.parameters()], **KW)
+    for step in range(3):
+        grads = _grads(parts, step)
+        _give(parts, grads)
+        _give(ref_parts, grads)
+        opt.step()
+        ref.step()
+    assert _equal(_params(parts), _params(ref_parts)), "parameters differ"
+    return "equal"
+
+
+@check("a non-finite gradient element skips the step (inf and nan, any part)")
+def _nonfinite_skips(device: torch.device) -> str:
+    seen = []
+    for part in range(3):
+        for bad in (float("inf"), float("nan")):
+            parts = _parts(device, 3, 64)
+            opt = OptimizersContainer(parts, torch.optim.AdamW, KW)
+            _give(parts, _grads(parts, 0))
+            opt.step()
+            before, state = _params(parts), _state(opt)
+            _give(parts, _grads(parts, 1))
+            grad = list(parts[part].parameters())[1].grad
+            grad.view(-1)[grad.numel() // 2] = bad
+            opt.step()
+            assert _equal(before, _params(parts)), (part, bad, "parameters moved")
+            assert _equal(state, _state(opt)), (part, bad, "state moved")
+            assert opt.last_report.skipped, (part, bad, "not reported skipped")
+            seen.append(bad)
+    return f"{len(seen)} cases skipped"
+
+
+@check("nonfinite_flag: nan, inf, -inf found in any tensor; 3e38 (finite) not")
+def _flag(device: torch.device) -> str:
+    from containers.parts import nonfinite_flag
+
+    seen = []
+    for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0), (3e38, 0.0)):
+        for where in range(3):
+            ts = [torch.randn(n, device=device) for n in (7, 1 << 20, 65537)]
+            ts[where].view(-1)[ts[where].numel() - 1 - where] = bad
+            got = float(nonfinite_flag(ts, []))
+            assert got == want, (bad, where, got)
+            seen.append(got)
+    return f"{len(seen)} cases"
+
+
+@check("host syncs of one default step (torch.cuda sync debug mode)")
+def _host_syncs(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "no CUDA"
+    counts = {}
+    for name, kwargs in (("check on", {}), ("check off", {"skip_nonfinite": False})):
+        parts = _parts(device, 4, 64)
+        opt = OptimizersContainer(parts, torch.optim.AdamW, KW, **kwargs)
+        _give(parts, _grads(parts, 0))
+        opt.step()
+        _give(parts, _grads(parts, 1))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[name] = [w for w in caught if "synchronizing" in str(w.message)]
+    where = ""
+    if counts["check on"]:  # where the first one is: "error" mode raises there
+        parts = _parts(device, 4, 64)
+        opt = OptimizersContainer(parts, torch.optim.AdamW, KW)
+        _give(parts, _grads(parts, 0))
+        opt.step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        except RuntimeError as e:
+            frames = traceback.extract_tb(e.__traceback__)[-4:]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in frames)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return f"check on: {len(counts['check on'])}, off: {len(counts['check off'])}; {where}"
+
+
+@check("bf16 moments == fused step on the widened moments, rounded back (3 steps)")
+def _lean_is_widened(device: torch.device) -> str:
+    torch.manual_seed(0)
+    params = [torch.randn(n, device=device) for n in (3000, 1 << 20, 77)]
+    ref_params = [p.clone() for p in params]
+    lean = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn_like(p) * 1e-2
+            q.grad = p.grad.clone()
+        lean.step()
+        ref.step()
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q), step
+            for name in ("exp_avg", "exp_avg_sq"):
+                kept = lean.state[p][name]
+                assert kept.dtype == torch.bfloat16
+                assert torch.equal(kept, ref.state[q][name].bfloat16()), (step, name)
+                ref.state[q][name].copy_(kept)
+    return "equal"
+
+
+@check("torch's fused AdamW kernel takes bf16 moments beside fp32 parameters unwidened")
+def _kernel_takes_bf16(device: torch.device) -> str:
+    p = torch.randn(4096, device=device)
+    g = torch.randn_like(p)
+    m, v = (torch.zeros_like(p, dtype=torch.bfloat16) for _ in range(2))
+    step = torch.zeros((), device=device)
+    try:
+        torch._fused_adamw_(
+            [p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+    except RuntimeError as e:
+        return "no: " + str(e).splitlines()[0][:100]
+    return "yes (a direct path could skip the widening)"
+
+
+@check("remainders + bf16 moments keep the fp32 masters bitwise (mixed precision, 3 steps)")
+def _remainders_exact(device: torch.device) -> str:
+    runs = {}
+    for keep in (False, True):
+        parts = _parts(device, 2, 64, torch.bfloat16)
+        settings = MixedPrecision(store_param_remainders=keep)
+        opt = MixedPrecisionOptimizersContainer(
+            parts, LeanAdamW, {**KW, "moment_dtype": "bfloat16"}, settings=settings
+        )
+        for step in range(3):
+            _give(parts, _grads(parts, step))
+            opt.step()
+        sd = opt.state_dict()
+        runs[keep] = (_params(parts), {k: v for k, v in sd.items() if k.startswith("master")})
+    assert _equal(runs[False][0], runs[True][0]), "bf16 parameters differ"
+    masters = runs[False][1]
+    assert masters and all(torch.equal(masters[k], runs[True][1][k]) for k in masters)
+    return f"{len(masters)} masters equal"
+
+
+@check("offload to pinned CPU is readable at once; the reloaded step is bitwise")
+def _offload(device: torch.device) -> str:
+    runs = []
+    for offload in (False, True):
+        parts = _parts(device, 2, 1024, torch.bfloat16)
+        opt = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, KW)
+        _give(parts, _grads(parts, 0))
+        opt.step()
+        if offload:
+            before = {k: v.clone() for k, v in opt.state_dict().items() if torch.is_tensor(v)}
+            opt.offload()
+            # No synchronize here: a reader on the host right after offload must see the values.
+            after = opt.state_dict()
+            moved = [k for k in before if after[k].device.type == "cpu" and before[k].dim()]
+            bad = [k for k in moved if not torch.equal(after[k], before[k].cpu())]
+            assert not bad, f"read before the copy landed: {bad[:3]}"
+            opt.reload()
+        _give(parts, _grads(parts, 1))
+        opt.step()
+        runs.append(_params(parts))
+    assert _equal(*runs), "the step after reload differs"
+    return f"{len(moved)} tensors moved, all equal"
+
+
+def _timed(device: torch.device, fn: Callable[[], None], steps: int) -> float:
+    """Seconds per call of `fn`, `steps` calls, CUDA events on CUDA."""
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(steps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / steps
+    import time
+
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t) / steps
+
+
+def _interleaved(
+    device: torch.device, runs: dict[str, Callable[[], None]], repeats: int, steps: int
+) -> dict[str, list[float]]:
+    for fn in runs.values():
+        fn()  # state made, kernels loaded
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
+            times[name].append(_timed(device, runs[name], steps))
+    return times
+
+
+def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: int) -> str:
+    """Issue 28's table on this device: the default step, check on and off, over one fused
+    AdamW over all parameters."""
+    rows = []
+    for n, width in layouts:
+        base = _parts(device, n, width)
+        contenders = {
+            "fused": lambda ps: torch.optim.AdamW([p for m in ps for p in m.parameters()], **KW),
+            "check on": lambda ps: OptimizersContainer(ps, torch.optim.AdamW, KW),
+            "check off": lambda ps: OptimizersContainer(
+                ps, torch.optim.AdamW, KW, skip_nonfinite=False
+            ),
+        }
+        runs = {}
+        for name, build in contenders.items():
+            parts = copy.deepcopy(base)
+            _give(parts, _grads(parts, 0))  # never cleared: every step does the same work
+            runs[name] = build(parts).step
+        times = _interleaved(device, runs, repeats, 5)
+        numel = sum(p.numel() for m in base for p in m.parameters())
+        t0 = statistics.median(times["fused"])
+        for name in contenders:
+            ratios = sorted(a / b for a, b in zip(times[name], times["fused"]))
+            q1, med, q3 = (ratios[int(f * (len(ratios) - 1))] for f in (0.25, 0.5, 0.75))
+            t = statistics.median(times[name])
+            goal = "<= 1.15" if name == "check on" else ""
+            gbps = 28 * numel / t0 / 1e9 if name == "fused" else None
+            rows.append(
+                (
+                    f"{n} parts x {numel / n / 1e6:.1f}M",
+                    name,
+                    f"{t * 1e3:.3f}" + (f" ({gbps:.0f} GB/s)" if gbps else ""),
+                    f"{med:.3f} [{q1:.3f}, {q3:.3f}]",
+                    goal,
+                )
+            )
+        del runs, base
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return markdown_table(rows, ("layout", "step", "ms", "/ fused (IQR)", "goal"))
+
+
+def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> str:
+    """`bench_lean_state.py`'s step table on this device."""
+    runs = {}
+    for name, (dtype, build, _, _) in CONTENDERS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device, dtype)
+        runs[name] = (model, build(model))
+    first = runs[next(iter(runs))][0]
+    numel = sum(p.numel() for p in first.parameters())
+    grads = [torch.randn(p.shape, device=device) * 1e-2 for p in first.parameters()]
+
+    def stepper(model: nn.Module, opt: OptimizersContainer) -> Callable[[], None]:
+        def step() -> None:
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+
+        return step
+
+    times = _interleaved(device, {n: stepper(*r) for n, r in runs.items()}, repeats, 5)
+    rows = []
+    for name, (_, _, baseline, goals) in CONTENDERS.items():
+        param_bytes, kept = steady_bytes(*runs[name])
+        t, t0 = statistics.median(times[name]), statistics.median(times[baseline or name])
+        rows.append(
+            (
+                name,
+                f"{kept / numel:.2f} {goals[0]}".rstrip(),
+                f"{(param_bytes + kept) / numel:.2f} {goals[1]}".rstrip(),
+                f"{t * 1e3:.3f} ({t / t0:.2f}x){' <= 1.00x' if baseline else ''}",
+            )
+        )
+    head = f"{numel / 1e6:.1f}M parameters ({layers} x Linear({width})), gradient cast included"
+    columns = ("", "state B/param", "params + state B/param", "step ms")
+    return f"{head}\n\n{markdown_table(rows, columns)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, {name}\n")
+    failed = 0
+    for what, fn in CHECKS:
+        try:
+            detail = fn(device)
+            print(f"PASS  {what}: {detail}", flush=True)
+        except Exception as e:  # a check's failure is its line, not the end of the run
+            failed += 1
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            print(f"FAIL  {what}: {type(e).__name__}: {e} ({where.name}:{where.lineno})")
+    print()
+    if args.quick:
+        layouts, width, layers, repeats = [(2, 64)], 256, 2, 2
+    else:  # 8 x 12.9M and 32 x 3.2M parameters: ~103M each, ~2.9 GB of AdamW traffic a step
+        layouts, width, layers, repeats = [(8, 1792), (32, 896)], 4096, 8, args.repeats
+    for table in (
+        lambda: check_table(device, layouts, repeats),
+        lambda: lean_table(device, width, layers, repeats),
+    ):
+        try:
+            print(table(), "\n", flush=True)
+        except Exception:
+            failed += 1
+            traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
