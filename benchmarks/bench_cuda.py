@@ -38,7 +38,9 @@ from containers import (  # noqa: E402
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
+    OptimizersInBackwardContainer,
 )
+from containers.parts import nonfinite_flag  # noqa: E402
 
 KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
 
@@ -135,8 +137,6 @@ def _nonfinite_skips(device: torch.device) -> str:
 
 @check("nonfinite_flag: nan, inf, -inf found in any tensor; 3e38 (finite) not")
 def _flag(device: torch.device) -> str:
-    from containers.parts import nonfinite_flag
-
     seen = []
     for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0), (3e38, 0.0)):
         for where in range(3):
@@ -167,7 +167,7 @@ def _host_syncs(device: torch.device) -> str:
                 opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts[name] = [w for w in caught if "synchronizing" in str(w.message)]
+        counts[name] = [w for w in caught if "called a synchronizing" in str(w.message)]
     where = ""
     if counts["check on"]:  # where the first one is: "error" mode raises there
         parts = _parts(device, 4, 64)
@@ -184,6 +184,37 @@ def _host_syncs(device: torch.device) -> str:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return f"check on: {len(counts['check on'])}, off: {len(counts['check off'])}; {where}"
+
+
+@check("in-backward: no host sync inside backward; the step's report makes one")
+def _in_backward_syncs(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "no CUDA"
+    parts = _parts(device, 4, 64)
+    opt = OptimizersInBackwardContainer(parts, torch.optim.AdamW, KW)
+    x = torch.randn(8, 64, device=device)
+
+    def loss() -> torch.Tensor:
+        h = x
+        for part in parts:
+            h = next(iter(part.layers.values()))(h)
+        return h.square().mean()
+
+    opt.backward(loss())
+    opt.step()
+    counts = []
+    for phase in ("backward", "step"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.backward(loss()) if phase == "backward" else opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("called a synchronizing" in str(w.message) for w in caught))
+    assert counts[0] == 0, counts
+    assert opt.last_report.committed
+    return f"backward {counts[0]}, step {counts[1]}"
 
 
 @check("bf16 moments == fused step on the widened moments, rounded back (3 steps)")
@@ -318,6 +349,18 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
             parts = copy.deepcopy(base)
             _give(parts, _grads(parts, 0))  # never cleared: every step does the same work
             runs[name] = build(parts).step
+        # The flag alone, and the step with the read-only inf-norm as the flag instead of
+        # torch's AMP check (a read and a write, one output): side by side.
+        _give(base, _grads(base, 0))
+        grads = [p.grad for m in base for p in m.parameters()]
+        contenders["flag alone"] = contenders["flag alone, inf-norm"] = None
+        runs["flag alone"] = lambda g=grads: nonfinite_flag(g, [])
+        runs["flag alone, inf-norm"] = lambda g=grads: _norm_flag(g, [])
+        parts = copy.deepcopy(base)
+        _give(parts, _grads(parts, 0))
+        step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
+        contenders["check on, inf-norm flag"] = None
+        runs["check on, inf-norm flag"] = lambda step=step: _with_flag(_norm_flag, step)
         times = _interleaved(device, runs, repeats, 5)
         numel = sum(p.numel() for m in base for p in m.parameters())
         t0 = statistics.median(times["fused"])
@@ -339,6 +382,21 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         del runs, base
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return markdown_table(rows, ("layout", "step", "ms", "/ fused (IQR)", "goal"))
+
+
+def _norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
+    """The flag from each tensor's largest magnitude (NaN kept): read-only, one output each."""
+    return (~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite()).any().float()
+
+
+def _with_flag(flag: Callable, step: Callable[[], None]) -> None:
+    import containers.container as module
+
+    kept, module.nonfinite_flag = module.nonfinite_flag, flag
+    try:
+        step()
+    finally:
+        module.nonfinite_flag = kept
 
 
 def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> str:

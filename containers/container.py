@@ -168,6 +168,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
         self._found_inf: torch.Tensor | None = None  # the flag a kernel-skipped step left
+        self._unit_flags: list[torch.Tensor] = []  # and those of units stepped in backward
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -283,7 +284,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             # world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
             grads, groups = [p.grad for p in params], [None] if world else []
-            if self._skips_in_kernel():
+            if self._skips_in_kernel(self.optimizers):
                 # No host sync: the kernels read the flag, the report waits for it.
                 found = nonfinite_flag(grads, groups)
                 self._with_hooks(lambda: self.precision.apply(self.optimizers, found_inf=found))
@@ -313,16 +314,18 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
 
-    def _skips_in_kernel(self) -> bool:
-        """Whether a step without a clip may leave its non-finite skip to the update kernels
-        (`Precision.skips_in_kernel`): nothing else in it follows the decision (no step hooks,
-        no EMA, a gate with nothing to do after the update)."""
+    def _skips_in_kernel(self, optimizers: Sequence[Optimizer], per_unit: bool = False) -> bool:
+        """Whether a step without a clip (or a unit's, `per_unit`) may leave its non-finite
+        skip to the update kernels of `optimizers` (`Precision.skips_in_kernel`): nothing else
+        follows the decision (no step hooks around it, no EMA, no refusal, a gate with nothing
+        to do after the update)."""
+        hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
-            not self._optimizer_step_pre_hooks
-            and not self._optimizer_step_post_hooks
+            not hooks
             and self.ema is None
+            and not self.precision.may_refuse
             and type(self.gate).after_apply is Gate.after_apply
-            and self.precision.skips_in_kernel(self.optimizers)
+            and self.precision.skips_in_kernel(optimizers)
         )
 
     @property
@@ -385,6 +388,15 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         """Step one unit now, unless its gradients are non-finite, and drop its gradients
         (timings that apply inside backward)."""
         grads = [p.grad for p in unit.params if p.grad is not None]
+        if self.skip_nonfinite and self._skips_in_kernel(unit.optimizers, per_unit=True):
+            # No host sync inside backward: the kernels read the flag, the report sums them.
+            found = nonfinite_flag(grads)
+            with inner_steps():
+                self.precision.apply(unit.optimizers, found_inf=found)
+            self._unit_flags.append(found)
+            for p in unit.params:
+                p.grad = None
+            return
         nonfinite = self.skip_nonfinite and not all_finite(grads)
         # (the refusal reads the weights: only for a unit whose gradients could apply)
         if nonfinite or (self.precision.may_refuse and self.precision.refusal(unit.optimizers)):
@@ -400,15 +412,22 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
     def _report_units(self) -> StepReport:
         """The report of a step applied unit by unit: skipped if any unit on any rank was,
         `partial` if any unit on any rank applied all the same."""
-        skipped = self._skipped_units
-        applied = len(self.units) - skipped
-        self._skipped_units = 0
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        skipped, flags = self._skipped_units, self._unit_flags
+        self._skipped_units, self._unit_flags = 0, []
+        world = dist.is_initialized() and dist.get_world_size() > 1
+        if flags or world:
             # Ranks hold different shards: they must agree, or their trainers would part ways.
+            # (Flags a kernel read are counted here: the step's one host sync.)
             device = self.units[0].params[0].device
-            counts = torch.tensor([float(skipped), float(applied)], device=device)
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            counts = torch.tensor([float(skipped), float(len(self.units) - skipped)], device=device)
+            if flags:
+                found = torch.stack(flags).sum()
+                counts += torch.stack([found, -found])
+            if world:
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             skipped, applied = (int(c) for c in counts.tolist())
+        else:
+            applied = len(self.units) - skipped
         if not skipped:
             return StepReport(**self.precision.report())
         return StepReport(
@@ -427,7 +446,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)
             self.timing.on_zero_grad()
-            self._skipped_units = 0
+            self._skipped_units, self._unit_flags = 0, []
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

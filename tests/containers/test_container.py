@@ -32,6 +32,7 @@ from containers import (
     OptimizersContainer,
     OptimizersInBackwardContainer,
     ParamGroupRule,
+    Precision,
 )
 from tests.harness import optim_db
 from tests.harness.dist import run_ranks
@@ -657,6 +658,11 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_b
         )
 
 
+class _DecidesOnHost(Precision):
+    def skips_in_kernel(self, optimizers) -> bool:
+        return False
+
+
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [
@@ -665,28 +671,38 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_b
     ],
     ids=["AdamW", "LeanAdamW-bf16"],
 )
-def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(cls, kwargs):
-    """Without a clip, fused groups skip in the kernel on a flag (no host sync); the report
-    reads the flag when asked. A step hook makes the container decide on the host first:
-    both give the same weights, state and reports, a skip on the very first step included."""
+@pytest.mark.parametrize("timing", ["after", "in_backward"])
+def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(cls, kwargs, timing):
+    """Without a clip, fused groups skip in the kernel on a flag (no host sync; in backward,
+    one per unit); the report reads the flags when asked. Deciding on the host first gives
+    the same weights, state and reports: a skip on the very first step, a whole step's and
+    (in backward) one unit's."""
+    container = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
     runs = []
     for on_host in (False, True):
         parts = three_parts()
-        opt = OptimizersContainer(parts, cls, kwargs)
-        if on_host:
-            opt.register_step_post_hook(lambda *_: None)
-        assert opt._skips_in_kernel() is not on_host
+        precision = _DecidesOnHost() if on_host else None
+        opt = container(parts, cls, kwargs, precision=precision)
+        per_unit = timing == "in_backward"
+        assert opt._skips_in_kernel(opt.optimizers, per_unit=per_unit) is not on_host
         reports = []
         for step in range(5):
             opt.zero_grad()
             loss = forward(parts, batch(step)).square().mean()
+            hook = parts[1].mid.weight.register_hook(lambda g: g * float("nan"))
+            if step != 2:
+                hook.remove()
             opt.backward(loss * float("nan") if step in (0, 3) else loss)
             opt.step()
-            reports.append((opt.last_report.committed, opt.last_report.skipped))
+            hook.remove()
+            report = opt.last_report
+            reports.append((report.committed, report.skipped, report.partial))
         state = {k: v for k, v in opt.state_dict().items() if not k.startswith("param_groups")}
         runs.append((reports, state, [p.detach().clone() for m in parts for p in m.parameters()]))
     (reports, state, params), (host_reports, host_state, host_params) = runs
-    assert reports == host_reports and not reports[0][0] and not reports[3][0] and reports[4][0]
+    assert reports == host_reports
+    assert [r[0] for r in reports] == [False, True, False, False, True]
+    assert reports[2][2] is (timing == "in_backward")  # one unit skipped, the others applied
     assert_same(state, host_state)
     assert all(torch.equal(a, b) for a, b in zip(params, host_params))
 

@@ -44,7 +44,7 @@ def _params(seed: int = 0) -> list[torch.Tensor]:
 def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
     cls, kwargs, monkeypatch
 ):
-    monkeypatch.setattr(lean_adam, "scratch_numel", lambda device: 1 << 18)  # several chunks a tensor
+    monkeypatch.setattr(lean_adam, "scratch_numel", lambda _: 1 << 18)  # chunks of a tensor
     lean_params, ref_params = _params(), _params()
     lean = cls(lean_params, moment_dtype="bfloat16", **kwargs)
     torch_cls = torch.optim.AdamW if cls is LeanAdamW else torch.optim.Adam
