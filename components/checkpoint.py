@@ -40,6 +40,7 @@ from components.checkpoint_files import (
     checkpoint_steps,
     clear_stale,
     damaged_checkpoint_error,
+    forgetting_on_failure,
     verify,
 )
 from components.checkpoint_save import audit, folder_bytes, kept_steps, save_failed
@@ -207,7 +208,7 @@ class CheckpointManager:
             raise damaged_checkpoint_error(step, damage, found) from None
         # One planner for the check and the load: the state dicts both take are its templates
         # (masters kept as remainders are not made fp32 for either).
-        with load_planner(self.states) as planner:
+        with load_planner(self.states) as planner, forgetting_on_failure(self.states):
             check_matches(self.states, path, metadata)
             newer = [s for s in found if s > step]
             if newer and not read_only:

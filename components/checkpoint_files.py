@@ -8,9 +8,11 @@ never skipped for an older step: a silent fallback would train on from the wrong
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +164,19 @@ def agree_across_ranks(
     union = tuple(set().union(*(v[0][i] for v in views)) for i in range(len(any_rank)))
     inter = tuple(set.intersection(*(v[1][i] for v in views)) for i in range(len(every_rank)))
     return union, inter
+
+
+@contextlib.contextmanager
+def forgetting_on_failure(states: dict[str, Stateful]) -> Iterator[None]:
+    """A load's scope: if it fails, the containers among `states` forget the templates that
+    `check_checkpoint_keys` fitted for it, so they are as they were (an EMA kept)."""
+    try:
+        yield
+    except BaseException:
+        for state in states.values():
+            if isinstance(state, OptimizersContainer):
+                state.forget_checkpoint_keys()
+        raise
 
 
 def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -> None:

@@ -29,6 +29,7 @@ from components.checkpoint_files import (
     agree_across_ranks,
     checkpoint_steps,
     dtype_changes,
+    forgetting_on_failure,
     verify,
 )
 from config import ConfigError
@@ -217,19 +218,19 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     if converted := dtype_changes(flat, {k: seed.saved[source] for k, source in fill.items()}):
         logger.info("%s: converted on load: %s", seed.path, converted)
     optimizer = states.get("optimizer")
-    if not model_only and isinstance(optimizer, OptimizersContainer):
-        try:  # AdamW's state for SGD: said in the container's words
-            optimizer.check_checkpoint_keys(
-                [k.removeprefix("optimizer.") for k in seed.index if k.startswith("optimizer.")]
-            )
-        except ValueError as e:
-            raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
-    _load(seed, flat, fill)
-    nested = unflatten_state_dict(flat, mapping)
-    loaded = {key.split(".", 1)[0] for key in fill}
-    for name in names:
-        if name in loaded:
-            states[name].load_state_dict(nested[name])
+    with forgetting_on_failure(dict(states)):
+        if not model_only and isinstance(optimizer, OptimizersContainer):
+            keys = [k.removeprefix("optimizer.") for k in seed.index if k.startswith("optimizer.")]
+            try:  # AdamW's state for SGD: said in the container's words
+                optimizer.check_checkpoint_keys(keys)
+            except ValueError as e:
+                raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
+        _load(seed, flat, fill)
+        nested = unflatten_state_dict(flat, mapping)
+        loaded = {key.split(".", 1)[0] for key in fill}
+        for name in names:
+            if name in loaded:
+                states[name].load_state_dict(nested[name])
     if model_only and isinstance(optimizer, OptimizersContainer) and optimizer.ema is not None:
         optimizer.ema.restart(f"{seed.what} = '{seed.path}' seeds the weights, not their EMA")
     step = int(nested["train_state"]["step"]) if "train_state" in loaded else 0

@@ -152,6 +152,10 @@ class ShadowWeights:
         """A checkpoint with these keys and no average: leave it out of the load template."""
         self._absent = not any(k.startswith(f"{EMA}.") for k in keys)
 
+    def forget_template(self) -> None:
+        """Undo `fit_template` (the load it was fitted for failed: the average is kept)."""
+        self._absent = False
+
     def take_state(self, flat: dict[str, object], fqn_of: dict[torch.Tensor, str]) -> object:
         taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{EMA}.")]}
         if not taken:

@@ -350,6 +350,9 @@ class Gate:
         """Make `state_dict()` a template for a checkpoint with these flat keys, where this
         gate's entries depend on when it was taken (DiLoCo's average waiting to land)."""
 
+    def forget_template(self) -> None:
+        """Undo `fit_template` (the load it was fitted for failed)."""
+
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
         """Remove this gate's entries from `flat` and validate them; change nothing."""
         return None

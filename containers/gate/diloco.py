@@ -298,6 +298,10 @@ class DiLoCoGate(Gate):
                 if f"{OUTER}.pending.{fqn_of[p]}" in keys
             }
 
+    def forget_template(self) -> None:
+        if self.in_flight < 0:
+            self.pending = {}
+
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
         taken = {k: flat.pop(k) for k in [k for k in flat if k.startswith(f"{OUTER}.")]}
         expected = {f"{OUTER}.inner_steps", f"{OUTER}.outer_steps", f"{OUTER}.in_flight"}

@@ -147,3 +147,10 @@ class ContainerState:
                 "the checkpoint holds an EMA of the weights (ema.*) and this container keeps "
                 "none, so the load would drop it: keep one ([ema] enable = true)"
             )
+
+    def forget_checkpoint_keys(self) -> None:
+        """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
+        failed load leaves the container as it was (its EMA kept, no template waiting)."""
+        self.gate.forget_template()
+        if self.ema is not None:
+            self.ema.forget_template()

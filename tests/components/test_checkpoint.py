@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState, complete_checkpoints
 from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
-from containers import OptimizersContainer
+from containers import OptimizersContainer, ShadowWeights
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import assert_same, forward, full, three_parts, train
 
@@ -222,6 +222,28 @@ def test_mismatched_checkpoint_is_refused_before_anything_changes(tmp_path):
         wrong.load()
     assert_same({k: full(v) for k, v in other[0].state_dict().items()}, before)
     assert not dict(other_opt.state)
+
+
+def test_a_refused_load_leaves_the_ema_in_the_state_dict(tmp_path):
+    """The load fits the EMA out of DCP's template (the checkpoint has none) before the keys
+    are compared; when they do not match, the container is as it was: its EMA still saved."""
+    parts, optimizers, state, manager = _job(tmp_path, interval=1)
+    _train_and_save(manager, parts, optimizers, state, range(1, 2))  # no EMA in it
+    other = [torch.nn.Linear(10, 3)]
+    other_opt = OptimizersContainer(other, torch.optim.AdamW, {"lr": 1e-2}, ema=ShadowWeights(0.9))
+    other[0](torch.ones(2, 10)).sum().backward()
+    other_opt.step()
+    before = other_opt.state_dict()
+    assert any(k.startswith("ema.") for k in before)
+    wrong = CheckpointManager(
+        Checkpoint(enable=True),
+        str(tmp_path),
+        {"model": ModelWrapper(other), "optimizer": other_opt, "train_state": TrainState()},
+        total_steps=1,
+    )
+    with pytest.raises(ConfigError, match="missing keys"):
+        wrong.load()
+    assert_same(other_opt.state_dict(), before)
 
 
 def test_export_writes_the_full_model_in_one_file(tmp_path):
