@@ -206,25 +206,27 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     seed does not hold keep this job's own (data position and RNG of a torchtitan seed).
     """
     names = [n for n in (("model", "optimizer") if model_only else states) if n in states]
-    flat, mapping = flatten_state_dict({n: states[n].state_dict() for n in names})
-    fill = {}
-    for key in flat:
-        if model_only and not key.startswith(("model.", MASTERS)):
-            continue
-        source = _source(seed, key)
-        if source is not None:
-            fill[key] = source
-    unused = _check(seed, flat, fill, model_only)
-    if converted := dtype_changes(flat, {k: seed.saved[source] for k, source in fill.items()}):
-        logger.info("%s: converted on load: %s", seed.path, converted)
     optimizer = states.get("optimizer")
     with forgetting_on_failure(dict(states)):
         if not model_only and isinstance(optimizer, OptimizersContainer):
+            # First: the template the state dicts below give may depend on the seed's keys.
             keys = [k.removeprefix("optimizer.") for k in seed.index if k.startswith("optimizer.")]
             try:  # AdamW's state for SGD: said in the container's words
                 optimizer.check_checkpoint_keys(keys)
             except ValueError as e:
                 raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
+        flat, mapping = flatten_state_dict({n: states[n].state_dict() for n in names})
+        fill = {}
+        for key in flat:
+            if model_only and not key.startswith(("model.", MASTERS)):
+                continue
+            source = _source(seed, key)
+            if source is not None:
+                fill[key] = source
+        unused = _check(seed, flat, fill, model_only)
+        saved = {k: seed.saved[source] for k, source in fill.items()}
+        if converted := dtype_changes(flat, saved):
+            logger.info("%s: converted on load: %s", seed.path, converted)
         _load(seed, flat, fill)
         nested = unflatten_state_dict(flat, mapping)
         loaded = {key.split(".", 1)[0] for key in fill}
