@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from config import ConfigError
 from containers import OptimizersContainer
-from containers.state.flat import describe_keys
+from containers.state.flat import OtherOptimizerState, describe_keys
 
 __all__ = [
     "Damaged",
@@ -191,9 +191,11 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
                     [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
                 )
             except ValueError as e:
+                other = isinstance(e, OtherOptimizerState)
+                fix = "[optimizer] name and its settings pick the optimizer; " if other else ""
                 raise ConfigError(
-                    f"[checkpoint] checkpoint {path}: {e} ([optimizer] name and its "
-                    "settings pick the optimizer; another [job] dump_folder starts over)"
+                    f"[checkpoint] checkpoint {path}: {e} ({fix}another [job] dump_folder "
+                    "starts over)"
                 ) from None
     ours, _ = flatten_state_dict({k: v.state_dict() for k, v in states.items()})
     missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()

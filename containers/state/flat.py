@@ -72,6 +72,10 @@ def state_names(keys: Iterable[str], fqns: Collection[str]) -> dict[str, set[str
     return names
 
 
+class OtherOptimizerState(ValueError):
+    """A checkpoint's optimizer state is another optimizer's (AdamW's for SGD)."""
+
+
 def refuse_other_layout(
     optimizers: Sequence[Optimizer],
     layout: Sequence[Mapping[torch.Tensor, Mapping[str, Any]]],
@@ -105,7 +109,7 @@ def refuse_other_layout(
         if differ and all(differ):
             fqn, ours = differ[0]
             cls = type(opt).__name__
-            raise ValueError(
+            raise OtherOptimizerState(
                 f"the checkpoint's optimizer state does not carry over to {cls}: it keeps "
                 f"{describe_keys(saved.get(fqn, set()))} per parameter (e.g. {fqn!r}), {cls} "
                 f"keeps {describe_keys(ours)}; load it with an optimizer whose state has the "

@@ -246,6 +246,20 @@ def test_a_refused_load_leaves_the_ema_in_the_state_dict(tmp_path):
     assert_same(other_opt.state_dict(), before)
 
 
+def test_a_checkpoint_with_an_ema_into_a_run_without_says_the_ema_fix_alone(tmp_path):
+    parts = three_parts()
+    optimizers = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, ema=ShadowWeights(0.9))
+    state = TrainState()
+    states = {"model": ModelWrapper(parts), "optimizer": optimizers, "train_state": state}
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), str(tmp_path), states, 7)
+    _train_and_save(manager, parts, optimizers, state, range(1, 2))
+    _, _, _, plain = _job(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        plain.load()
+    message = str(refused.value)
+    assert "keep one ([ema] enable = true)" in message and "[optimizer] name" not in message
+
+
 def test_export_writes_the_full_model_in_one_file(tmp_path):
     parts, optimizers, _, manager = _job(tmp_path, interval=1)
     train(parts, optimizers, 2)
