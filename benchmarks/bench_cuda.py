@@ -40,7 +40,7 @@ from containers import (  # noqa: E402
     OptimizersContainer,
     OptimizersInBackwardContainer,
 )
-from containers.parts import nonfinite_flag  # noqa: E402
+from containers.norm import nonfinite_flag  # noqa: E402
 
 KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
 

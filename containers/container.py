@@ -37,14 +37,12 @@ from torch.optim import Optimizer
 
 from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
 from containers.ema import ShadowWeights
-from containers.norm import GlobalNorm
+from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import (
     Gate,
     Precision,
     StepReport,
     Timing,
-    all_finite,
-    nonfinite_flag,
     refuse_impossible,
 )
 from containers.state.container_state import ContainerState

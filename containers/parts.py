@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from containers.grouped_step import kernel_skips, step_together
@@ -40,8 +38,6 @@ __all__ = [
     "Precision",
     "StepReport",
     "Timing",
-    "all_finite",
-    "nonfinite_flag",
     "params_with_grad",
     "refuse_impossible",
 ]
@@ -83,94 +79,6 @@ class StepReport:
         """The numeric fields that were measured, by name."""
         fields = ("grad_norm", "loss_scale")
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
-
-
-@torch.no_grad()
-def all_finite(
-    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
-) -> bool:
-    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
-    dimension of the DTensors' mesh, so each rank holding a shard decides the same).
-
-    One read of each tensor and no write: the sum of a tensor's elements (accumulated in
-    fp32) is non-finite iff an element is, or a partial sum overflowed fp32 (elements near
-    its limit); only then a sum in fp64, where finite values cannot overflow, tells the two
-    apart. A sum, not a norm: it skips the multiply, and measured 0.7-0.8 of `_foreach_norm`'s
-    time on a CPU (benchmarks/README.md). One collective per group and one host sync, twice
-    in that rare case.
-    """
-    pieces, groups, device = _local_pieces(tensors, groups)
-    mixed = len({t.device for t in pieces}) > 1
-    # Every rank takes part, an empty shard too: the decision must be the same everywhere.
-    for wide in (False, True):
-        sums = [t.sum(dtype=torch.float64) if wide else _sum32(t) for t in pieces]
-        if mixed:
-            sums = [x.to(device) for x in sums]
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
-        if not groups:
-            if total.isfinite():
-                return True
-            continue
-        found = (~total.isfinite()).float()
-        for group in groups:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        if not found:
-            return True
-    return False
-
-
-@torch.no_grad()
-def nonfinite_flag(
-    tensors: Sequence[torch.Tensor],
-    groups: Sequence[dist.ProcessGroup | None] | None = None,
-    on_host: bool | None = None,
-) -> torch.Tensor:
-    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups` (as
-    `all_finite`): an fp32 scalar on their device, the `found_inf` that torch's fused Adam
-    kernels read to leave everything as it was.
-
-    On CUDA the host never waits for it: torch's AMP check (`GradScaler`'s, with a scale of
-    1, which leaves every value as it was) sets the flag from a multi-tensor kernel, exact
-    (no overflow to tell apart), and the agreement is a device collective. Measured on an
-    H200 (benchmarks/README.md) against the read-only `_foreach_norm` of order inf: as fast
-    at 8 parts, at 32 parts half its time (one output, not one tensor per gradient).
-    Elsewhere that check loops over the tensors and writes each back, and waiting costs
-    nothing: `all_finite` decides there (`on_host`; None: everywhere but on CUDA).
-    """
-    pieces, groups, device = _local_pieces(tensors, groups)
-    if on_host is None:
-        on_host = device.type != "cuda"
-    if on_host or len({t.device for t in pieces}) > 1:
-        return torch.tensor(float(not all_finite(tensors, groups)), device=device)
-    found = torch.zeros((), device=device)
-    if pieces:
-        one = torch.ones((), device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(pieces, found, one)
-    for group in groups:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-    return found
-
-
-def _local_pieces(
-    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None
-) -> tuple[list[torch.Tensor], Sequence[dist.ProcessGroup | None], torch.device]:
-    """The local tensors of `tensors` (DTensors' shards, sparse ones' values), the groups to
-    agree over (default: every dimension of the DTensors' mesh) and the device to agree on."""
-    pieces, mesh = [], None
-    for t in tensors:  # runs every step over every gradient: kept lean
-        if isinstance(t, DTensor):
-            mesh, t = t.device_mesh, t.to_local()
-        pieces.append(t.coalesce().values() if t.is_sparse else t)
-    if groups is None:
-        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
-    device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")
-    return pieces, groups, device
-
-
-def _sum32(t: torch.Tensor) -> torch.Tensor:
-    """The sum of `t` accumulated in (at least) fp32; `dtype=` only where it changes the
-    result: on an fp32 tensor it costs 15% more on a CPU for the same sum."""
-    return t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
