@@ -38,13 +38,7 @@ from torch.optim import Optimizer
 from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
-from containers.parts import (
-    Gate,
-    Precision,
-    StepReport,
-    Timing,
-    refuse_impossible,
-)
+from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
@@ -331,16 +325,13 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         """What the last `step()` did. A step that left its non-finite skip to the kernels
         is reported here, when asked: the one host sync it needs."""
         found, self._found_inf = self._found_inf, None
-        if found is not None:
-            nonfinite = bool(found)
-            self.precision.decided(applied=not nonfinite, overflow=nonfinite)
-            if nonfinite:
-                self._last_report = StepReport(
-                    committed=False,
-                    skipped="non-finite loss or gradients",
-                    nonfinite=True,
-                    **self.precision.report(),
-                )
+        if found is not None and found:
+            self._last_report = StepReport(
+                committed=False,
+                skipped="non-finite loss or gradients",
+                nonfinite=True,
+                **self.precision.report(),
+            )
         return self._last_report
 
     @last_report.setter

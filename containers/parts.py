@@ -172,9 +172,10 @@ class Precision:
     def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
         """Whether `apply(optimizers, found_inf=flag)` leaves the skip to the update kernels
         (torch's fused Adam family reads a device flag and changes nothing where it is set),
-        so no host sync has to decide it first. A precision with an `apply` of its own says
-        so itself."""
-        return type(self).apply is Precision.apply and kernel_skips(optimizers)
+        so no host sync has to decide it first. A precision with an `apply` or a `decided` of
+        its own (told of each decision as the step makes it) says so itself."""
+        own = type(self).apply is Precision.apply and type(self).decided is Precision.decided
+        return own and kernel_skips(optimizers)
 
     @torch.no_grad()
     def apply(
