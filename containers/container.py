@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
+from containers.contract import StateView, defaults_of, with_step_hooks
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
@@ -114,7 +114,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         self.timing = timing if timing is not None else Timing()
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
-        self._skipped_units = 0
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
         # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
@@ -160,7 +159,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
         self._found_inf: torch.Tensor | None = None  # the flag a kernel-skipped step left
-        self._unit_flags: list[torch.Tensor] = []  # and those of units stepped in backward
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -252,7 +250,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:
                 self._with_hooks(lambda: self.timing.finish(self))
-                self.last_report = report = self._report_units()
+                self.last_report = report = self.timing.report(self)
                 if self.ema is not None and (report.committed or report.partial):
                     self.ema.count()  # (each unit updated it as it applied)
             else:
@@ -276,7 +274,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             # world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
             grads, groups = [p.grad for p in params], [None] if world else []
-            if self._skips_in_kernel(self.optimizers):
+            if self.leaves_skip_to_kernels(self.optimizers):
                 # No host sync: the kernels read the flag, the report waits for it.
                 found = nonfinite_flag(grads, groups)
                 self._with_hooks(lambda: self.precision.apply(self.optimizers, found_inf=found))
@@ -306,7 +304,9 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
 
-    def _skips_in_kernel(self, optimizers: Sequence[Optimizer], per_unit: bool = False) -> bool:
+    def leaves_skip_to_kernels(
+        self, optimizers: Sequence[Optimizer], per_unit: bool = False
+    ) -> bool:
         """Whether a step without a clip (or a unit's, `per_unit`) may leave its non-finite
         skip to the update kernels of `optimizers` (`Precision.skips_in_kernel`): nothing else
         follows the decision (no step hooks around it, no EMA, no refusal, a gate with nothing
@@ -373,61 +373,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self, self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks, apply
         )
 
-    def apply_unit(self, unit: Unit) -> None:
-        """Step one unit now, unless its gradients are non-finite, and drop its gradients
-        (timings that apply inside backward)."""
-        grads = [p.grad for p in unit.params if p.grad is not None]
-        if self.skip_nonfinite and self._skips_in_kernel(unit.optimizers, per_unit=True):
-            # No host sync inside backward: the kernels read the flag, the report sums them.
-            found = nonfinite_flag(grads)
-            with inner_steps():
-                self.precision.apply(unit.optimizers, found_inf=found)
-            self._unit_flags.append(found)
-            for p in unit.params:
-                p.grad = None
-            return
-        nonfinite = self.skip_nonfinite and not all_finite(grads)
-        # (the refusal reads the weights: only for a unit whose gradients could apply)
-        if nonfinite or (self.precision.may_refuse and self.precision.refusal(unit.optimizers)):
-            self._skipped_units += 1
-        else:
-            with inner_steps():
-                self.precision.apply(unit.optimizers)
-            if self.ema is not None:
-                self.ema.update(unit.stepped)
-        for p in unit.params:
-            p.grad = None
-
-    def _report_units(self) -> StepReport:
-        """The report of a step applied unit by unit: skipped if any unit on any rank was,
-        `partial` if any unit on any rank applied all the same."""
-        skipped, flags = self._skipped_units, self._unit_flags
-        self._skipped_units, self._unit_flags = 0, []
-        world = dist.is_initialized() and dist.get_world_size() > 1
-        if flags or world:
-            # Ranks hold different shards: they must agree, or their trainers would part ways.
-            # (Flags a kernel read are counted here: the step's one host sync.)
-            device = self.units[0].params[0].device
-            counts = torch.tensor([float(skipped), float(len(self.units) - skipped)], device=device)
-            if flags:
-                found = torch.stack(flags).sum()
-                counts += torch.stack([found, -found])
-            if world:
-                dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-            skipped, applied = (int(c) for c in counts.tolist())
-        else:
-            applied = len(self.units) - skipped
-        if not skipped:
-            return StepReport(**self.precision.report())
-        return StepReport(
-            committed=False,
-            skipped=f"non-finite loss or gradients in {skipped} of {len(self.units)} units"
-            + (" (the units with finite gradients applied)" if applied else ""),
-            nonfinite=True,
-            partial=applied > 0,
-            **self.precision.report(),
-        )
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         with record_function(self._zero_grad_profile_name):
             self.gate.on_zero_grad()
@@ -435,7 +380,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)
             self.timing.on_zero_grad()
-            self._skipped_units, self._unit_flags = 0, []
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

@@ -291,6 +291,11 @@ class Timing:
     def finish(self, container: OptimizersContainer) -> None:
         """In `step()`, for timings that apply inside backward: apply what is left."""
 
+    def report(self, container: OptimizersContainer) -> StepReport:
+        """In `step()`, after `finish`, for timings that apply inside backward: what the
+        step's units did."""
+        return StepReport(**container.precision.report())
+
 
 def refuse_impossible(
     precision: Precision,

@@ -14,14 +14,17 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer, Unit
+from containers.contract import inner_steps
 from containers.ema import ShadowWeights
-from containers.parts import Named, Precision, Timing
+from containers.norm import all_finite, nonfinite_flag
+from containers.parts import Named, Precision, StepReport, Timing
 from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
@@ -53,6 +56,8 @@ class InBackward(Timing):
         self._ready: dict[Unit, int] = {}  # gradients landed in this backward pass
         self._passes: dict[Unit, int] = {}  # backward passes that reached the unit this step
         self._stepped: set[Unit] = set()
+        self._skipped = 0  # units skipped on this rank this step
+        self._flags: list[torch.Tensor] = []  # of units that left their skip to the kernels
 
     def fsdp1_conflict(self) -> str | None:
         # Measured: FSDP1 runs forward and backward on its flat parameter, so hooks on the
@@ -107,7 +112,27 @@ class InBackward(Timing):
             self._apply(unit)
 
     def _apply(self, unit: Unit) -> None:
-        self._container.apply_unit(unit)
+        """Step `unit` now, unless its gradients are non-finite, and drop its gradients."""
+        c = self._container
+        grads = [p.grad for p in unit.params if p.grad is not None]
+        if c.skip_nonfinite and c.leaves_skip_to_kernels(unit.optimizers, per_unit=True):
+            # No host sync inside backward: the kernels read the flag, `report` sums them.
+            found = nonfinite_flag(grads)
+            with inner_steps():
+                c.precision.apply(unit.optimizers, found_inf=found)
+            self._flags.append(found)
+        elif (c.skip_nonfinite and not all_finite(grads)) or (
+            # (the refusal reads the weights: only for a unit whose gradients could apply)
+            c.precision.may_refuse and c.precision.refusal(unit.optimizers)
+        ):
+            self._skipped += 1
+        else:
+            with inner_steps():
+                c.precision.apply(unit.optimizers)
+            if c.ema is not None:
+                c.ema.update(unit.stepped)
+        for p in unit.params:
+            p.grad = None
         self._stepped.add(unit)
 
     def _end_of_backward(self) -> None:
@@ -125,16 +150,51 @@ class InBackward(Timing):
                 self._pass_done(unit)
 
     def _flush(self) -> None:
-        """Apply units that hold gradients but could not apply in backward; start a new step."""
+        """Apply units that hold gradients but could not apply in backward; start a new step
+        (whose units `report` still counts)."""
         for unit in self._ready:
             if unit not in self._stepped and any(p.grad is not None for p in unit.params):
                 self._apply(unit)
-        self.on_zero_grad()
+        self._new_step()
 
     def finish(self, container: OptimizersContainer) -> None:
         self._flush()
 
+    def report(self, container: OptimizersContainer) -> StepReport:
+        """Skipped if any unit on any rank was, `partial` if any unit on any rank applied
+        all the same."""
+        skipped, flags, units = self._skipped, self._flags, len(container.units)
+        self._skipped, self._flags = 0, []
+        world = dist.is_initialized() and dist.get_world_size() > 1
+        if flags or world:
+            # Ranks hold different shards: they must agree, or their trainers would part ways.
+            # (Flags a kernel read are counted here: the step's one host sync.)
+            device = container.units[0].params[0].device
+            counts = torch.tensor([float(skipped), float(units - skipped)], device=device)
+            if flags:
+                found = torch.stack(flags).sum()
+                counts += torch.stack([found, -found])
+            if world:
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            skipped, applied = (int(c) for c in counts.tolist())
+        else:
+            applied = units - skipped
+        if not skipped:
+            return StepReport(**container.precision.report())
+        return StepReport(
+            committed=False,
+            skipped=f"non-finite loss or gradients in {skipped} of {units} units"
+            + (" (the units with finite gradients applied)" if applied else ""),
+            nonfinite=True,
+            partial=applied > 0,
+            **container.precision.report(),
+        )
+
     def on_zero_grad(self) -> None:
+        self._new_step()
+        self._skipped, self._flags = 0, []
+
+    def _new_step(self) -> None:
         self._ready = dict.fromkeys(self._ready, 0)
         self._passes = dict.fromkeys(self._passes, 0)
         self._stepped.clear()

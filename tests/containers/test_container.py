@@ -684,7 +684,7 @@ def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(cls, 
         precision = _DecidesOnHost() if on_host else None
         opt = container(parts, cls, kwargs, precision=precision)
         per_unit = timing == "in_backward"
-        assert opt._skips_in_kernel(opt.optimizers, per_unit=per_unit) is not on_host
+        assert opt.leaves_skip_to_kernels(opt.optimizers, per_unit=per_unit) is not on_host
         reports = []
         for step in range(5):
             opt.zero_grad()
