@@ -421,7 +421,9 @@ ISSUE_25 = {MP: " <= 2.00", next(iter(COMPILED)): " <= 1.20"}
 def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> str:
     """`bench_lean_state.py`'s step table on this device, and mixed precision's compiled
     step (`[mixed_precision] compile = true`) with fp32 and bf16 moments."""
-    contenders = {**CONTENDERS, **COMPILED}
+    # (compiled rows on a GPU only: on a CPU inductor's first compile takes longer than the
+    # smoke run, and its figures are another question, bench_mixed_precision.py's)
+    contenders = {**CONTENDERS, **(COMPILED if device.type == "cuda" else {})}
     runs = {}
     for name, (dtype, build, _, _) in contenders.items():
         torch.manual_seed(0)

@@ -46,15 +46,23 @@ def test_train_py_logs_held_out_losses_and_exports_the_averaged_weights(tmp_path
     assert any(not torch.equal(v, state["model"][k]) for k, v in exported.items())
 
 
-@pytest.mark.parametrize("model_only", [True, False], ids=["model_only", "whole"])
-def test_a_seed_without_an_ema_starts_the_average_from_the_seeded_weights(tmp_path, model_only):
-    """`initial_load_path` from a run without an EMA, model only or whole: the average is the
-    seeded weights, not this job's random initialization."""
-    seed = tmp_path / "seed"
+@pytest.fixture(scope="module")
+def seed_without_ema(tmp_path_factory) -> str:
+    """A checkpoint of 2 steps of a run without an EMA."""
+    seed = tmp_path_factory.mktemp("seed")
     args = [*BASE, "--job.dump_folder", str(seed), "--training.steps", "2"]
     assert launch(1, [*args, "--checkpoint.enable"], torchrun=False).returncode == 0
+    return str(seed / "checkpoint" / "step-2")
+
+
+@pytest.mark.parametrize("model_only", [True, False], ids=["model_only", "whole"])
+def test_a_seed_without_an_ema_starts_the_average_from_the_seeded_weights(
+    tmp_path, seed_without_ema, model_only
+):
+    """`initial_load_path` from a run without an EMA, model only or whole: the average is the
+    seeded weights, not this job's random initialization."""
     argv = [*BASE, "--ema.enable", "--checkpoint.enable"]
-    argv += ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-2")]
+    argv += ["--checkpoint.initial_load_path", seed_without_ema]
     argv += ["--checkpoint.initial_load_model_only", str(model_only).lower()]
     state = load_job_state(str(tmp_path / "seeded"), argv)
     assert state["step"] == (0 if model_only else 2) and state["optim"]["ema.steps"] == 0
