@@ -25,6 +25,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+import containers.container as container_module
 from components.resume import ConfigSettings
 from containers import (
     LeanAdamW,
@@ -605,12 +606,16 @@ def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
 
 
 def _container(kind: str, parts: list[nn.Module]) -> OptimizersContainer:
+    kwargs = {"lr": 1e-2}
+    if kind.endswith("_kernels"):  # fused, the skip left to the kernels as on CUDA
+        container_module.KERNEL_SKIP_DEVICES = frozenset({"cuda", "cpu"})  # (this rank's)
+        kind, kwargs = kind.removesuffix("_kernels"), {**kwargs, "fused": True}
     if kind == "mixed_precision":
-        return MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+        return MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, kwargs)
     if kind == "in_backward":
-        return OptimizersInBackwardContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+        return OptimizersInBackwardContainer(parts, torch.optim.AdamW, kwargs)
     max_norm = None if kind == "default_unclipped" else 1.0  # unclipped: the check, no norm
-    return OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, max_norm=max_norm)
+    return OptimizersContainer(parts, torch.optim.AdamW, kwargs, max_norm=max_norm)
 
 
 def _skip_run(kind: str, poison_step: int | None, drop_step: int | None) -> dict:
@@ -624,6 +629,8 @@ def _skip_run(kind: str, poison_step: int | None, drop_step: int | None) -> dict
             part.to(torch.bfloat16)
         fully_shard(part, mesh=mesh)
     opt = _container(kind, parts)
+    per_unit = kind.startswith("in_backward")
+    assert opt.leaves_skip_to_kernels(opt.optimizers, per_unit) is kind.endswith("_kernels")
     reports = []
     for step in range(6):
         x = batch(step, rank)
@@ -645,7 +652,17 @@ def _skip_pair(kind: str) -> tuple[dict, dict]:
     return _skip_run(kind, poison_step=2, drop_step=None), _skip_run(kind, None, drop_step=2)
 
 
-@pytest.mark.parametrize("kind", ["default", "default_unclipped", "in_backward", "mixed_precision"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "default",
+        "default_unclipped",
+        "default_unclipped_kernels",
+        "in_backward",
+        "in_backward_kernels",
+        "mixed_precision",
+    ],
+)
 def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_bitwise(kind):
     for poisoned, dropped in run_ranks(2, _skip_pair, kind):
         skipped = poisoned["reports"].pop(2)
@@ -672,12 +689,16 @@ class _DecidesOnHost(Precision):
     ids=["AdamW", "LeanAdamW-bf16"],
 )
 @pytest.mark.parametrize("timing", ["after", "in_backward"])
-def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(cls, kwargs, timing):
+def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
+    cls, kwargs, timing, monkeypatch
+):
     """Without a clip, fused groups skip in the kernel on a flag (no host sync; in backward,
     one per unit); the report reads the flags when asked. Deciding on the host first gives
     the same weights, state and reports: a skip on the very first step, a whole step's and
-    (in backward) one unit's."""
+    (in backward) one unit's. (CUDA's path, taken here on a CPU.)"""
     container = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
+    assert not container(three_parts(), cls, kwargs).leaves_skip_to_kernels([])  # a CPU's
+    monkeypatch.setattr(container_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
     runs = []
     for on_host in (False, True):
         parts = three_parts()
