@@ -288,7 +288,13 @@ def all_finite(
     time on a CPU (benchmarks/README.md). One collective per group and one host sync, twice
     in that rare case.
     """
-    pieces, groups, device = _local_pieces(tensors, groups)
+    return _finite(*_local_pieces(tensors, groups))
+
+
+def _finite(
+    pieces: list[torch.Tensor], groups: Sequence[dist.ProcessGroup | None], device: torch.device
+) -> bool:
+    """`all_finite` over local pieces (`_local_pieces`)."""
     mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
     for wide in (False, True):
@@ -330,7 +336,7 @@ def nonfinite_flag(
     if on_host is None:
         on_host = device.type != "cuda"
     if on_host or len({t.device for t in pieces}) > 1:
-        return torch.tensor(float(not all_finite(tensors, groups)), device=device)
+        return torch.tensor(float(not _finite(pieces, groups, device)), device=device)
     found = torch.zeros((), device=device)
     if pieces:
         one = torch.ones((), device=device)
