@@ -25,6 +25,7 @@ from tests.harness.helpers import (
     batch,
     forward,
     full,
+    full_state,
     sharded_three_parts,
     three_parts,
     train,
@@ -172,13 +173,13 @@ def _save(path: str) -> dict:
     parts, opt = _sharded(0)
     train(parts, opt, 3, rank=dist.get_rank())
     dcp.save({"optim": opt}, checkpoint_id=path)
-    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("ema.")}
+    return full_state(opt, "ema.")
 
 
 def _load(path: str) -> dict:
     _, opt = _sharded(1)
     dcp.load({"optim": opt}, checkpoint_id=path)
-    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("ema.")}
+    return full_state(opt, "ema.")
 
 
 def test_the_ema_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path):

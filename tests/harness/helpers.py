@@ -61,6 +61,12 @@ def full(value: Any) -> Any:
     return value
 
 
+def full_state(container: Any, prefix: str = "") -> dict[str, Any]:
+    """`full` copies of the entries of `container.state_dict()` whose keys start with
+    `prefix` (e.g. "ema.", "outer.", "master")."""
+    return {k: full(v) for k, v in container.state_dict().items() if k.startswith(prefix)}
+
+
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Equal keys and bitwise-equal values (tensors compared element for element)."""
     assert a.keys() == b.keys(), (a.keys() - b.keys(), b.keys() - a.keys())

@@ -11,7 +11,14 @@ from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
 from containers.norm import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
-from tests.harness.helpers import assert_same, full, sharded_three_parts, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    full,
+    full_state,
+    sharded_three_parts,
+    three_parts,
+    train,
+)
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -234,7 +241,7 @@ def _save_outer(path: str) -> dict:
     _average_alone(gate)  # the next average, saved while it waits to land
     train(parts, opt, 1, start=3, rank=dist.get_rank())
     dcp.save({"optim": opt}, checkpoint_id=path)
-    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
+    return full_state(opt, "outer.")
 
 
 def _load_outer(path: str) -> dict:
@@ -245,7 +252,7 @@ def _load_outer(path: str) -> dict:
     assert gate.in_flight == -1 and gate.outer_steps == 0  # the failed load changed nothing
     opt.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
     dcp.load({"optim": opt}, checkpoint_id=path)
-    return {k: full(v) for k, v in opt.state_dict().items() if k.startswith("outer.")}
+    return full_state(opt, "outer.")
 
 
 def test_the_outer_state_saved_on_2_fsdp2_ranks_loads_on_1_element_for_element(tmp_path):

@@ -25,7 +25,7 @@ from containers import (
     ParamGroupRule,
 )
 from tests.harness.dist import launch, run_ranks
-from tests.harness.helpers import assert_same, batch, forward, full, three_parts
+from tests.harness.helpers import assert_same, batch, forward, full, full_state, three_parts
 
 KW = {"lr": 1e-2}
 SGD = {"lr": 1.0}  # one SGD step at lr 1 moves each master by exactly its (clipped) gradient
@@ -41,7 +41,7 @@ def _backward(parts, container, step: int = 0, rank: int = 0) -> None:
 
 
 def _masters(container) -> dict[str, torch.Tensor]:
-    return {k: full(v) for k, v in container.state_dict().items() if k.startswith("master")}
+    return full_state(container, "master")
 
 
 def _snapshot(parts, container) -> tuple[dict, list[torch.Tensor]]:
