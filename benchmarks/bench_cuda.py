@@ -148,42 +148,112 @@ def _flag(device: torch.device) -> str:
     return f"{len(seen)} cases"
 
 
-@check("host syncs of one default step (torch.cuda sync debug mode)")
-def _host_syncs(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "no CUDA"
-    counts = {}
-    for name, kwargs in (("check on", {}), ("check off", {"skip_nonfinite": False})):
-        parts = _parts(device, 4, 64)
-        opt = OptimizersContainer(parts, torch.optim.AdamW, KW, **kwargs)
-        _give(parts, _grads(parts, 0))
-        opt.step()
-        _give(parts, _grads(parts, 1))
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts[name] = [w for w in caught if "called a synchronizing" in str(w.message)]
+def _syncs(step: Callable[[], None]) -> tuple[int, str]:
+    """The host syncs one call of `step` makes (after a first, untimed one), and where the
+    first is."""
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    count = sum("called a synchronizing" in str(w.message) for w in caught)
     where = ""
-    if counts["check on"]:  # where the first one is: "error" mode raises there
-        parts = _parts(device, 4, 64)
-        opt = OptimizersContainer(parts, torch.optim.AdamW, KW)
-        _give(parts, _grads(parts, 0))
-        opt.step()
+    if count:  # where the first one is: "error" mode raises there
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            opt.step()
+            step()
         except RuntimeError as e:
             frames = traceback.extract_tb(e.__traceback__)[-4:]
             where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in frames)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return f"check on: {len(counts['check on'])}, off: {len(counts['check off'])}; {where}"
+    return count, where
+
+
+def _stepper(parts: list[nn.Module], opt: OptimizersContainer) -> Callable[[], None]:
+    """A step on fresh gradients each call (a step may free them)."""
+    calls = iter(range(1 << 30))
+
+    def step() -> None:
+        _give(parts, _grads(parts, next(calls)))
+        opt.step()
+
+    return step
+
+
+@check("host syncs of one default step (torch.cuda sync debug mode)")
+def _host_syncs(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "no CUDA"
+    found = {}
+    for name, kwargs in (("check on", {}), ("check off", {"skip_nonfinite": False})):
+        parts = _parts(device, 4, 64)
+        opt = OptimizersContainer(parts, torch.optim.AdamW, KW, **kwargs)
+        found[name] = _syncs(_stepper(parts, opt))
+    return f"check on: {found['check on'][0]}, off: {found['check off'][0]}; {found['check on'][1]}"
+
+
+@check("compiled mixed precision: host syncs of a step (one: the skip decision)")
+def _compiled_syncs(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "no CUDA"
+    found = []
+    for keep in (False, True):
+        parts = _parts(device, 4, 64, torch.bfloat16)
+        settings = MixedPrecision(compile=True, store_param_remainders=keep)
+        opt = MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, KW, settings=settings)
+        found.append(_syncs(_stepper(parts, opt)))
+    assert all(n <= 1 for n, _ in found), found
+    return f"fp32 masters: {found[0][0]}, remainders: {found[1][0]}; {found[0][1]}"
+
+
+@check("compiled mixed precision: within rtol 1e-6 of eager (fp32 and bf16 moments)")
+def _compiled_close(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "no CUDA (the CPU suite's tests hold it there)"
+    runs = {}
+    for compile, keep, moments in (
+        (False, False, "float32"),
+        (True, False, "float32"),
+        (True, False, "bfloat16"),
+        (True, True, "bfloat16"),
+    ):
+        parts = _parts(device, 2, 64, torch.bfloat16)
+        settings = MixedPrecision(compile=compile, store_param_remainders=keep)
+        opt = MixedPrecisionOptimizersContainer(
+            parts, LeanAdamW, {**KW, "moment_dtype": moments}, settings=settings
+        )
+        for step in range(3):
+            _give(parts, _grads(parts, step))
+            opt.step()
+        sd = opt.state_dict()
+        runs[compile, keep, moments] = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+
+    def apart(a: dict, b: dict, keys: str = "") -> float:
+        # (as torch.testing.assert_close with rtol 1e-6, atol 1e-8: a weight that started at
+        # 0 is a sum of a few lr-sized updates, each a few fp32 ulp apart)
+        return max(
+            ((a[k].float() - v.float()).abs() / (1e-8 + 1e-6 * v.float().abs())).max().item()
+            for k, v in b.items()
+            if v.is_floating_point() and v.dim() and k.startswith(keys)
+        )
+
+    eager = apart(runs[True, False, "float32"], runs[False, False, "float32"])
+    assert eager <= 1.0, f"compiled fp32 state {eager:.2f} x (1e-8 + 1e-6 |value|) from eager"
+    lean, kept = runs[True, False, "bfloat16"], runs[True, True, "bfloat16"]
+    # Two graphs: Triton may contract a multiply-add into an FMA in one and not the other.
+    masters = apart(kept, lean, "master")
+    assert masters <= 1.0, f"remainders' masters {masters:.2f} x (1e-8 + 1e-6 |value|) apart"
+    same = sum(torch.equal(v, kept[k]) for k, v in lean.items())
+    return (
+        f"fp32 state {eager:.2f} x (1e-8 + 1e-6 |value|) from eager; remainders' masters "
+        f"{masters:.2f} x that from fp32 masters' ({same}/{len(lean)} entries bitwise)"
+    )
 
 
 @check("in-backward: no host sync inside backward; the step's report makes one")
@@ -399,9 +469,11 @@ def _with_flag(flag: Callable, step: Callable[[], None]) -> None:
         module.nonfinite_flag = kept
 
 
-def _compiled(moment_dtype: str) -> Callable[[nn.Module], OptimizersContainer]:
+def _compiled(
+    moment_dtype: str, remainders: bool = False
+) -> Callable[[nn.Module], OptimizersContainer]:
     kwargs = {**KW, "moment_dtype": moment_dtype}
-    settings = MixedPrecision(compile=True)
+    settings = MixedPrecision(compile=True, store_param_remainders=remainders)
     return lambda m: MixedPrecisionOptimizersContainer([m], LeanAdamW, kwargs, settings=settings)
 
 
@@ -412,6 +484,9 @@ COMPILED = {
     ),
     "mixed precision, fp32 masters + bf16 moments, compile": (
         torch.bfloat16, _compiled("bfloat16"), MP, ("", "")
+    ),
+    "mixed precision, remainders + bf16 moments, compile": (
+        torch.bfloat16, _compiled("bfloat16", remainders=True), MP, ("", "")
     ),
 }  # fmt: skip
 ISSUE_25 = {MP: " <= 2.00", next(iter(COMPILED)): " <= 1.20"}

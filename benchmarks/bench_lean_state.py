@@ -98,8 +98,6 @@ def steady_bytes(model: nn.Module, opt: OptimizersContainer) -> tuple[int, int]:
     ]
     flats = getattr(opt.precision, "_flat", {})
     tensors += [b for groups in flats.values() for flat in groups for b in flat.buffers.values()]
-    # (the compiled step's flat buffer of low-precision gradients and parameters)
-    tensors += [f._low for groups in flats.values() for f in groups if f._low is not None]
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
     for t in tensors:

@@ -302,12 +302,13 @@ class MixedPrecision:
     """Highest loss scale."""
 
     compile: bool = False
-    """Step fused Adam/AdamW groups as one `torch.compile`d (inductor) pass over their flat
-    buffers: each gradient read once, master, moments and parameter written in the same pass
-    (2 bytes/param more for a flat gradient buffer; compiling takes tens of seconds on first
-    use, then inductor's cache). Within a few fp32 ulp of the eager step, not bitwise; other
-    optimizers and fp32 gradient sums step eagerly. On an AVX2 CPU slower than the eager step
-    (inductor's bf16 conversions): for GPUs."""
+    """Step fused Adam/AdamW groups as one `torch.compile`d (inductor) graph each, over their
+    tensors where they lie: each gradient read once, master (or parameter and remainder),
+    moments and parameter written in the same pass, no scratch, no host sync of its own.
+    Within a few fp32 ulp of the eager step, not bitwise; other optimizers and fp32 gradient
+    sums step eagerly. Compiling takes seconds on a GPU per group shape (minutes on a CPU
+    for hundreds of tensors), then inductor's cache. On an H200 the graph alone is 0.92x a
+    fused fp32 AdamW step; on an AVX2 CPU slower than the eager step: for GPUs."""
 
     store_param_remainders: bool = False
     """Keep each fp32 master as its bf16 parameter plus a 16-bit remainder (Megatron's name):

@@ -11,9 +11,9 @@ entries are views, so `state_dict`, DCP templates, loads and torch's own `step` 
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
 chunk's flat slices. With `[mixed_precision] compile = true` the group steps instead as one
-inductor graph over its flat buffers (`_adam`): the low-precision gradients gathered into a
-flat buffer of their dtype (2 bytes/param more, kept), read once, and the new parameters written
-into it and scattered back; a few fp32 ulp from the eager kernel (another order of roundings).
+inductor graph over its tensors where they lie (`containers.precision.flat_compiled`): each
+gradient read once, masters, moments and parameters written in the same pass, no scratch; a
+few fp32 ulp from the eager kernel (another order of roundings).
 
 Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
 kernel runs every element on its vector path whatever the chunking (a tensor's last few
@@ -139,7 +139,7 @@ class FlatGroup:
                 self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
-        self._low: torch.Tensor | None = None  # the compiled step's gradient/parameter buffer
+        self.count = 0.0  # the step count, known on the host while `uniform` is known
         self.chunk((chunk_numel or scratch_numel(where)) // self._regions)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
@@ -200,6 +200,13 @@ class FlatGroup:
             k: [self._slice(k, i) for i in range(len(self.masters))] for k in _MOMENTS
         }
         self._views["step"] = [self.buffers["step"][i] for i in range(len(self.masters))]
+        # Local views for the compiled step: masters (or remainders) and moments by name.
+        kept = "remainder" if self.remainders else "master"
+        self.views = {k: [local(v) for v in self._views[k]] for k in _MOMENTS}
+        self.views[kept] = [
+            self.buffers[kept][s : s + n].view(t.shape)
+            for s, n, t in zip(self.starts, self.sizes, self._cast_from)
+        ]
         if not self.stale:
             self._install()
 
@@ -320,8 +327,8 @@ class FlatGroup:
         if self.stale:
             self.adopt()
         if self.uniform is None:
-            steps = self.buffers["step"]
-            self.uniform = bool(steps.eq(steps[0]).all())
+            counts = self.buffers["step"].tolist()  # (a host sync, only after a change)
+            self.uniform, self.count = len(set(counts)) <= 1, counts[0]
         # (An empty shard, e.g. an FSDP1 slice elsewhere, may get no gradient: nothing to do.)
         if self.uniform and all(p.grad is not None for p, n in self.live if n):
             return True
@@ -343,6 +350,7 @@ class FlatGroup:
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         beta1, beta2 = group["betas"]
         buf["step"].add_(1)
+        self.count += 1
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)

@@ -62,12 +62,11 @@ class MasterWeights(Precision):
         self.scaler = LossScaler(self.settings, fp16=self.param_dtype == torch.float16)
         self.compile = self.settings.compile
         self.remainders = self.settings.store_param_remainders
-        if self.remainders and (self.param_dtype != torch.bfloat16 or self.compile):
+        if self.remainders and self.param_dtype != torch.bfloat16:
             raise ValueError(
-                f"[mixed_precision] store_param_remainders = true with "
-                f"{'compile = true' if self.compile else f'param_dtype {self.param_dtype}'}: "
-                "remainders complete bfloat16 parameters in the eager flat step; use "
-                "param_dtype 'bfloat16' and compile = false, or store_param_remainders = false"
+                f"[mixed_precision] store_param_remainders = true with param_dtype "
+                f"{self.settings.param_dtype!r}: remainders complete bfloat16 parameters; use "
+                "param_dtype 'bfloat16', or store_param_remainders = false"
             )
         self.offloaded = False
         # Gradients summed in fp32 over micro-batches (`containers.precision.sums`).

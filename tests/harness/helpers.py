@@ -67,6 +67,20 @@ def full_state(container: Any, prefix: str = "") -> dict[str, Any]:
     return {k: full(v) for k, v in container.state_dict().items() if k.startswith(prefix)}
 
 
+def compiled_calls(monkeypatch: Any) -> list[int]:
+    """A list that grows by one at each call of the compiled flat-group step's graph."""
+    from containers.precision import flat_compiled
+
+    graph, calls = flat_compiled._compiled_adam(), []
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        graph(*args)
+
+    monkeypatch.setattr(flat_compiled, "_compiled_adam", lambda: counted)
+    return calls
+
+
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Equal keys and bitwise-equal values (tensors compared element for element)."""
     assert a.keys() == b.keys(), (a.keys() - b.keys(), b.keys() - a.keys())

@@ -21,7 +21,7 @@ from containers import (
 from containers.precision import load_planner, remainders
 from containers.precision.flat_adam import PAD
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, batch, forward, full, three_parts
+from tests.harness.helpers import assert_same, batch, compiled_calls, forward, full, three_parts
 
 SHAPES = [(4, PAD), (3 * PAD,), (PAD, 5), (7,), (5, 3)]
 KW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
@@ -75,20 +75,25 @@ def _step(mp, model: nn.Module, step: int, unused: int | None = None) -> None:
     mp.precision.apply(mp.optimizers)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(
     ("cls", "kwargs"), [(torch.optim.AdamW, KW), (LeanAdamW, LEAN)], ids=["fp32", "bf16_moments"]
 )
-def test_remainders_keep_the_fp32_masters_bitwise_fed_the_same_gradients(cls, kwargs):
-    """Steps across chunk boundaries, and one step with an unused parameter (torch's own
-    step on the masters made whole for it): masters, state and parameters as with fp32
-    masters, in 2 bytes a parameter."""
+def test_remainders_keep_the_fp32_masters_bitwise_fed_the_same_gradients(
+    cls, kwargs, compile, monkeypatch
+):
+    """Steps across chunk boundaries (eager) or in one graph (`compile`), and one step with
+    an unused parameter (torch's own step on the masters made whole for it): masters, state
+    and parameters as with fp32 masters, in 2 bytes a parameter."""
+    calls = compiled_calls(monkeypatch)
     runs = []
     for keep in (False, True):
         model = _model()
-        mp = _container(model, keep, kwargs, cls)
+        mp = _container(model, keep, kwargs, cls, compile=compile)
         for step in range(5):
             _step(mp, model, step, unused=2 if step == 2 else None)
         runs.append((mp, model))
+    assert len(calls) == 2 * 2 * compile  # each run: the steps before the uneven counts
     (plain, plain_model), (kept, kept_model) = runs
     (flat,) = kept.precision._flat[id(kept.optimizers[0])]
     assert "master" not in flat.buffers and flat.buffers["remainder"].dtype == torch.int16
@@ -202,8 +207,7 @@ def test_remainders_and_bf16_moments_saved_on_2_fsdp2_ranks_load_on_3_element_fo
 @pytest.mark.parametrize(
     ("settings", "cls", "kwargs", "match"),
     [
-        ({"param_dtype": "float16"}, torch.optim.AdamW, {}, "param_dtype torch.float16"),
-        ({"compile": True}, torch.optim.AdamW, {}, "compile = true"),
+        ({"param_dtype": "float16"}, torch.optim.AdamW, {}, "param_dtype 'float16'"),
         ({}, torch.optim.SGD, {}, "store_param_remainders = true with only SGD"),
         ({}, torch.optim.AdamW, {"fused": False}, "AdamW group that is not fused"),
     ],
