@@ -149,12 +149,15 @@ def _plain_or_lean(
     bf16 state (one class for every group, so a part keeps one inner optimizer)."""
 
     def factory(cfg: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
-        if not _lean_moments(cfg):
+        if not _lean_moments(cfg) and not (cfg.implementation == "compiled" and lean in _COMPILED):
             return plain, settings(cfg)
         return lean, {**settings(cfg), "moment_dtype": cfg.moment_dtype}
 
     return factory
 
+
+_COMPILED = (LeanAdam, LeanAdamW)
+"""The classes `implementation = "compiled"` steps (`containers.optim.compiled_adam`)."""
 
 _LEAN: dict[type[Optimizer], type[Optimizer]] = {
     torch.optim.Adam: LeanAdam,
@@ -210,6 +213,13 @@ def implementation_kwargs(
 ) -> dict[str, bool]:
     """Kernel flags for `implementation` ("auto" picks fused where torch has it on `device`,
     and, for `dtensor` (sharded or tensor-parallel) parameters, where DTensor can run it)."""
+    if implementation == "compiled":
+        if optimizer_cls not in _COMPILED:
+            raise ConfigError(
+                f"{where} implementation = 'compiled': {optimizer_cls.__name__} has no "
+                "compiled step (Adam and AdamW have); use 'auto'"
+            )
+        return {"fused": True, "compiled": True}
     accepted = inspect.signature(optimizer_cls).parameters
     has_fused = "fused" in accepted and device.type in _fused_devices()
     fused_ok = has_fused and (not dtensor or _fused_takes_dtensor(optimizer_cls))

@@ -61,7 +61,7 @@ HYPERPARAMETERS = (
     "decoupled_weight_decay",
 )
 """The group entries that torch's functional `adam` reads: groups agreeing on all of them
-(and on `moment_dtype`, the lean classes' storage) step in one call."""
+(and on the lean classes' `moment_dtype` and `compiled`) step in one call."""
 
 
 _KEY = itemgetter(*HYPERPARAMETERS)  # one C call per group: this runs on every step
@@ -132,7 +132,11 @@ def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | Non
     buckets: dict[tuple[Any, ...], list[tuple[Optimizer, dict[str, Any]]]] = {}
     for opt in optimizers:
         groups = opt.param_groups
-        keys = [(*_KEY(g), g.get("moment_dtype")) for g in groups] if _groupable(opt) else None
+        keys = (
+            [(*_KEY(g), g.get("moment_dtype"), g.get("compiled")) for g in groups]
+            if _groupable(opt)
+            else None
+        )
         if keys is None or not all(map(_mergeable, keys)):
             _step_alone(opt, found_inf)
             continue

@@ -28,9 +28,10 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from containers.norm import local, scratch, scratch_numel
+from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
-__all__ = ["LeanAdam", "LeanAdamW", "lean_adam", "step_group"]
+__all__ = ["LeanAdam", "LeanAdamW", "lean_adam", "step_compiled", "step_group"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -38,17 +39,31 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 class _Lean:
     """What `LeanAdam` and `LeanAdamW` add to torch's classes (a mixin placed before them)."""
 
-    def __init__(self, params: Any, *args: Any, moment_dtype: str = "float32", **kwargs: Any):
+    def __init__(
+        self,
+        params: Any,
+        *args: Any,
+        moment_dtype: str = "float32",
+        compiled: bool = False,
+        **kwargs: Any,
+    ):
         check_moment_dtype({"moment_dtype": moment_dtype})
         # Before torch's constructor adds the groups, so each takes the default.
-        self._moment_dtype = moment_dtype
+        self._moment_dtype, self._compiled = moment_dtype, compiled
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
-        self.defaults["moment_dtype"] = moment_dtype
+        self.defaults |= {"moment_dtype": moment_dtype, "compiled": compiled}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("moment_dtype", self._moment_dtype)
+        param_group.setdefault("compiled", self._compiled)
         check_moment_dtype(param_group)
-        if param_group["moment_dtype"] != "float32" and param_group.get("fused") is None:
+        if param_group["compiled"] and param_group.get("amsgrad", self.defaults["amsgrad"]):  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{type(self).__name__}: compiled = True with amsgrad = True: the compiled "
+                "step is Adam's and AdamW's without amsgrad; set one of them False"
+            )
+        lean = param_group["moment_dtype"] != "float32" or param_group["compiled"]
+        if lean and param_group.get("fused") is None:
             # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
             param_group["fused"] = True
         super().add_param_group(param_group)  # type: ignore[misc]
@@ -114,15 +129,19 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update of a group's collected tensors: torch's functional `adam`, or
-    `lean_adam` for a group that keeps its moments in a lower dtype. `found_inf` (fused
-    groups only, as torch's): set, the kernels change nothing and the step counts go back."""
+    """One Adam/AdamW update of a group's collected tensors: torch's functional `adam`,
+    `lean_adam` for a group that keeps its moments in a lower dtype, or one inductor graph
+    for a `compiled` group (`step_compiled`). `found_inf` (fused or compiled groups only, as
+    torch's): set, the kernels change nothing and the step counts go back."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
+    if group.get("compiled"):
+        step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
+        return
     if group.get("moment_dtype", "float32") != "float32":
         lean_adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf=found_inf,
@@ -207,6 +226,39 @@ def lean_adam(
             batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
             filled += stop - start
     flush()
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+@torch.no_grad()
+def step_compiled(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    settings: dict[str, Any],
+) -> None:
+    """A `compiled` group's update: one inductor graph over its tensors, each moment read and
+    written in its own dtype (`containers.optim.compiled_adam`); a tensor the graph cannot
+    view flat (not contiguous) steps alone through the fused kernel, widened."""
+    torch._foreach_add_(steps, 1)
+    pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+    live = [i for i, p in enumerate(pieces[0]) if p.numel()]
+    flat = [i for i in live if all(ts[i].is_contiguous() for ts in pieces)]
+    kernel = torch._fused_adamw_ if settings["decoupled_weight_decay"] else torch._fused_adam_
+    whole = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
+    for i in sorted(set(live) - set(flat)):
+        p, g, m, v = (ts[i] for ts in pieces)
+        _step_whole(kernel, p, g, [m, v], steps[i], False, whole | {"found_inf": found_inf})
+    if flat:
+        pick = lambda k: [pieces[k][i] for i in flat]  # noqa: E731
+        rest = {k: v for k, v in settings.items() if k != "amsgrad"}
+        compiled_adam(
+            pick(1), None, pick(0), pick(2), pick(3), torch.stack([steps[i] for i in flat]),
+            found_inf=found_inf, **{**rest, "lr": float(rest["lr"])},
+        )  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 

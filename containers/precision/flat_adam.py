@@ -139,7 +139,6 @@ class FlatGroup:
                 self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
-        self.count = 0.0  # the step count, known on the host while `uniform` is known
         self.chunk((chunk_numel or scratch_numel(where)) // self._regions)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
@@ -327,8 +326,8 @@ class FlatGroup:
         if self.stale:
             self.adopt()
         if self.uniform is None:
-            counts = self.buffers["step"].tolist()  # (a host sync, only after a change)
-            self.uniform, self.count = len(set(counts)) <= 1, counts[0]
+            steps = self.buffers["step"]
+            self.uniform = bool(steps.eq(steps[0]).all())  # (a host sync, after a change)
         # (An empty shard, e.g. an FSDP1 slice elsewhere, may get no gradient: nothing to do.)
         if self.uniform and all(p.grad is not None for p, n in self.live if n):
             return True
@@ -341,22 +340,39 @@ class FlatGroup:
         factor: float,
         compiled: bool = False,
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
         all in one inductor pass if `compiled` (and the gradients are low precision); drop
         each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
-        sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out)."""
+        sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out).
+        Where `found_inf` (a device flag) is set, the kernels change nothing (masters and
+        moments round-trip exactly through the scratch) and the step counts go back."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
-        beta1, beta2 = group["betas"]
         buf["step"].add_(1)
-        self.count += 1
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
+        compiled = compiled or group.get("compiled", False)  # `implementation = "compiled"`
         if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
-            step_compiled(self, group, decoupled, factor, grads)
-            return
+            step_compiled(self, group, decoupled, factor, grads, found_inf)
+        else:
+            self._step_chunks(group, decoupled, factor, grads, found_inf)
+        if found_inf is not None:
+            buf["step"].sub_(found_inf)
+
+    def _step_chunks(
+        self,
+        group: dict,
+        decoupled: bool,
+        factor: float,
+        grads: list[torch.Tensor | None],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """`step`'s eager path: torch's fused kernel over fp32 scratch, chunk by chunk."""
+        buf = self.buffers
+        beta1, beta2 = group["betas"]
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_
         step = [buf["step"][0]]
         device = buf["exp_avg"].device
@@ -388,7 +404,7 @@ class FlatGroup:
             update(
                 [master], [work[:n]], [moments[0]], [moments[1]], [], step, lr=group["lr"],
                 beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                amsgrad=False, maximize=group.get("maximize", False),
+                amsgrad=False, maximize=group.get("maximize", False), found_inf=found_inf,
             )  # fmt: skip
             if self.lean:
                 torch._foreach_copy_(narrow, moments)

@@ -258,18 +258,36 @@ class MasterWeights(Precision):
             if self.sums is not None:
                 self.sums.clear()
 
+    def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Every group of `optimizers` steps flat (torch's fused kernels, or the compiled
+        graph, read the flag), and the decision has nothing to tell the loss scale (no
+        dynamic scaling) and no fp32 gradient sums to clear."""
+        return (
+            self.scaler.mode != "dynamic"
+            and self.sums is None
+            and all(self.steps_flat(opt) for opt in optimizers)
+        )
+
     @torch.no_grad()
     def apply(
         self,
         optimizers: Sequence[Optimizer],
         grad_norm: torch.Tensor | None = None,
         max_norm: float | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         clip = 1.0
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self._unscale  # unscale and clip in the same multiply
         sums = self.sums.sums if self.sums is not None else None
+        flats = [f for opt in optimizers for f in self._flat.get(id(opt), ())]
+        if found_inf is not None and not all(f.ready() for f in flats):
+            # torch's own step (uneven counts, a missing gradient) takes no flag: decide here.
+            if found_inf.item():
+                self.decided(applied=False)
+                return
+            found_inf = None
         eager = []
         with contextlib.ExitStack() as unready:
             for opt in optimizers:
@@ -277,7 +295,7 @@ class MasterWeights(Precision):
                 stepped = 0
                 for flat in self._flat.get(id(opt), ()):
                     if flat.ready():
-                        flat.step(factor, self.compile, sums)  # drops its gradients and sums
+                        flat.step(factor, self.compile, sums, found_inf)  # drops gradients
                         stepped += 1
                     else:
                         unready.enter_context(flat.materialized())

@@ -42,6 +42,7 @@ from tests.harness.helpers import (
     batch,
     forward,
     full,
+    poisoned_steps,
     sharded_three_parts,
     three_parts,
     train,
@@ -625,7 +626,7 @@ def _skip_run(kind: str, poison_step: int | None, drop_step: int | None) -> dict
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parts = three_parts()
     for part in parts:
-        if kind == "mixed_precision":
+        if kind.startswith("mixed_precision"):
             part.to(torch.bfloat16)
         fully_shard(part, mesh=mesh)
     opt = _container(kind, parts)
@@ -661,6 +662,7 @@ def _skip_pair(kind: str) -> tuple[dict, dict]:
         "in_backward",
         "in_backward_kernels",
         "mixed_precision",
+        "mixed_precision_kernels",
     ],
 )
 def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_bitwise(kind):
@@ -685,8 +687,9 @@ class _DecidesOnHost(Precision):
     [
         (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
         (LeanAdamW, {"lr": 1e-2, "moment_dtype": "bfloat16"}),
+        (LeanAdamW, {"lr": 1e-2, "moment_dtype": "bfloat16", "compiled": True}),
     ],
-    ids=["AdamW", "LeanAdamW-bf16"],
+    ids=["AdamW", "LeanAdamW-bf16", "LeanAdamW-bf16-compiled"],
 )
 @pytest.mark.parametrize("timing", ["after", "in_backward"])
 def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
@@ -706,18 +709,7 @@ def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
         opt = container(parts, cls, kwargs, precision=precision)
         per_unit = timing == "in_backward"
         assert opt.leaves_skip_to_kernels(opt.optimizers, per_unit=per_unit) is not on_host
-        reports = []
-        for step in range(5):
-            opt.zero_grad()
-            loss = forward(parts, batch(step)).square().mean()
-            hook = parts[1].mid.weight.register_hook(lambda g: g * float("nan"))
-            if step != 2:
-                hook.remove()
-            opt.backward(loss * float("nan") if step in (0, 3) else loss)
-            opt.step()
-            hook.remove()
-            report = opt.last_report
-            reports.append((report.committed, report.skipped, report.partial))
+        reports = poisoned_steps(parts, opt)
         state = {k: v for k, v in opt.state_dict().items() if not k.startswith("param_groups")}
         runs.append((reports, state, [p.detach().clone() for m in parts for p in m.parameters()]))
     (reports, state, params), (host_reports, host_state, host_params) = runs

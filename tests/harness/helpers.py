@@ -52,6 +52,25 @@ def train(parts: list[nn.Module], opt: Any, steps: int, rank: int = 0, start: in
         opt.step()
 
 
+def poisoned_steps(parts: list[nn.Module], opt: Any) -> list[tuple[bool, Any, bool]]:
+    """Five steps of `opt` (backward through it) where steps 0 and 3 have a NaN loss and step
+    2 a NaN gradient of `parts[1].mid.weight` alone: (committed, skipped, partial) of each."""
+    dtype = next(parts[0].parameters()).dtype
+    reports = []
+    for step in range(5):
+        opt.zero_grad()
+        loss = forward(parts, batch(step).to(dtype)).float().square().mean()
+        hook = parts[1].mid.weight.register_hook(lambda g: g * float("nan"))
+        if step != 2:
+            hook.remove()
+        opt.backward(loss * float("nan") if step in (0, 3) else loss)
+        opt.step()
+        hook.remove()
+        report = opt.last_report
+        reports.append((report.committed, report.skipped, report.partial))
+    return reports
+
+
 def full(value: Any) -> Any:
     """A plain CPU copy of `value` (DTensors gathered)."""
     if isinstance(value, DTensor):
@@ -68,16 +87,17 @@ def full_state(container: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def compiled_calls(monkeypatch: Any) -> list[int]:
-    """A list that grows by one at each call of the compiled flat-group step's graph."""
-    from containers.precision import flat_compiled
+    """A list that grows by one at each call of the compiled Adam graph
+    (`containers.optim.compiled_adam`)."""
+    from containers.optim import compiled_adam
 
-    graph, calls = flat_compiled._compiled_adam(), []
+    graph, calls = compiled_adam._compiled(), []
 
     def counted(*args: Any) -> None:
         calls.append(1)
         graph(*args)
 
-    monkeypatch.setattr(flat_compiled, "_compiled_adam", lambda: counted)
+    monkeypatch.setattr(compiled_adam, "_compiled", lambda: counted)
     return calls
 
 

@@ -13,12 +13,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import containers.container as container_module
 from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
 from config import MixedPrecision as MP
 from config import load_job_config
 from containers import (
     Gate,
+    InBackward,
     LossScaler,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
@@ -32,6 +34,7 @@ from tests.harness.helpers import (
     forward,
     full,
     full_state,
+    poisoned_steps,
     three_parts,
 )
 
@@ -356,6 +359,47 @@ def test_compiled_flat_step_is_within_a_few_ulp_of_the_eager_one_and_loads_eithe
     containers[False].load_state_dict(compiled)
     containers[True].load_state_dict(eager)
     assert_same(containers[False].state_dict(), compiled)
+
+
+class _DecidesOnHost(MasterWeights):
+    def skips_in_kernel(self, optimizers) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("compile", "remainders"), [(False, False), (True, False), (True, True)],
+    ids=["eager", "compiled", "compiled_remainders"],
+)  # fmt: skip
+@pytest.mark.parametrize("timing", ["after", "in_backward"])
+def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
+    compile, remainders, timing, monkeypatch
+):
+    """bf16 without loss scaling or a clip: the flat groups skip in the kernels (eager) or
+    the graph (`compile`) on the container's flag, with no host sync (CUDA's path, taken
+    here on a CPU); deciding on the host first gives the same masters, moments, step counts,
+    weights and reports: a skip on the first step, a whole step's and one unit's."""
+    monkeypatch.setattr(container_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
+    settings = MP(compile=compile, store_param_remainders=remainders)
+    runs = []
+    for on_host in (False, True):
+        parts = [part.to(torch.bfloat16) for part in three_parts()]
+        precision = (_DecidesOnHost if on_host else MasterWeights)(settings)
+        mp = MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True}, precision=precision,
+            timing=InBackward() if timing == "in_backward" else None, max_norm=None,
+        )  # fmt: skip
+        per_unit = timing == "in_backward"
+        assert mp.leaves_skip_to_kernels(mp.optimizers, per_unit=per_unit) is not on_host
+        reports = poisoned_steps(parts, mp)
+        runs.append(
+            (reports, full_state(mp), [p.detach().clone() for m in parts for p in m.parameters()])
+        )
+    (reports, state, params), (host_reports, host_state, host_params) = runs
+    assert reports == host_reports
+    assert [r[0] for r in reports] == [False, True, False, False, True]
+    assert reports[2][2] is (timing == "in_backward")  # one unit skipped, the others applied
+    assert_same(state, host_state)
+    assert all(torch.equal(a, b) for a, b in zip(params, host_params))
 
 
 # -- on gloo ranks -------------------------------------------------------------------------

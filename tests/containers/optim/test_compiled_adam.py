@@ -1,0 +1,115 @@
+"""containers/optim/compiled_adam.py: Adam/AdamW as one inductor graph over a group's tensors
+(`implementation = "compiled"`, and mixed precision's `compile`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.optimizer import build_optimizers
+from config import ConfigError
+from config import Optimizer as OptimizerConfig
+from containers import LeanAdam, LeanAdamW, OptimizersContainer, OptimizersInBackwardContainer
+from tests.harness.helpers import assert_same, compiled_calls, full_state, three_parts, train
+
+# A large tensor, a small one, a 3-d one, one not contiguous (stepped alone, widened).
+SHAPES = [(300, 1000), (33,), (3, 5, 7), (64, 48)]
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in SHAPES]
+    params[3] = params[3].t()
+    return [p.requires_grad_() for p in params]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """One update apart by a few fp32 ulp (rtol 1e-6; atol 1e-7, as a moment near 0 is a
+    difference of terms ~0.1 in size), or by one bf16 ulp for bf16 values (a rounding of two
+    fp32 values a few ulp apart can fall either side), but for at most 1 element in 10^4:
+    where the gradient cancels (L2 decay against it) to ~1e-7, sqrt(v) is within a few eps
+    and the update's size follows the last places of that difference (still within lr/1000)."""
+    diff, size = (a.float() - b.float()).abs(), b.float().abs()
+    ulp = torch.finfo(torch.bfloat16).eps if a.dtype == torch.bfloat16 else 1e-6
+    assert (diff > ulp * size + 1e-7).sum() <= max(1, a.numel() // 10_000)
+    assert (diff <= 2 * ulp * size + 1e-5).all()
+
+
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (LeanAdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        (LeanAdam, {"lr": 1e-2, "weight_decay": 0.1, "maximize": True, "betas": (0.8, 0.99)}),
+    ],
+    ids=["AdamW", "Adam-L2-maximize"],
+)
+def test_a_compiled_step_is_the_fused_step_within_a_few_ulp_in_the_moments_dtype(
+    cls, kwargs, moment_dtype, monkeypatch
+):
+    """Each step from the same state: the graph's parameters and moments within a few fp32
+    ulp of the fused kernel's (on the widened moments, rounded back, for bf16), the moments
+    kept in their dtype, the step counts equal; the non-contiguous tensor steps alone."""
+    calls = compiled_calls(monkeypatch)
+    ours, ref_params = _params(), _params()
+    compiled = cls(ours, moment_dtype=moment_dtype, compiled=True, **kwargs)
+    ref = cls(ref_params, moment_dtype=moment_dtype, fused=True, **kwargs)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        for a, b in zip(ours, ref_params):
+            a.grad = torch.randn(a.shape, generator=g).to(memory_format=torch.contiguous_format)
+            b.grad = a.grad.clone()
+        compiled.step()
+        ref.step()
+        for a, b in zip(ours, ref_params):
+            _close(a.detach(), b.detach())
+            for name in ("exp_avg", "exp_avg_sq"):
+                kept = compiled.state[a][name]
+                assert kept.dtype == getattr(torch, moment_dtype)
+                _close(kept, ref.state[b][name])
+                ref.state[b][name].copy_(kept)  # both go on from the same state
+            assert torch.equal(compiled.state[a]["step"], ref.state[b]["step"])
+            with torch.no_grad():
+                b.copy_(a)
+    assert len(calls) == 4  # one graph call a step for the group
+
+
+@pytest.mark.parametrize("timing", ["after", "in_backward"])
+def test_containers_step_compiled_groups_and_resume_from_their_checkpoint_bitwise(
+    timing, monkeypatch
+):
+    """The grouped step (all parts' like groups in one graph) and the in-backward units (one
+    graph per unit) step `implementation = "compiled"` groups; the checkpoint is the usual
+    format, and a run resumed from it continues bit for bit."""
+    calls = compiled_calls(monkeypatch)
+    cls = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
+    kwargs = {"lr": 1e-2, "moment_dtype": "bfloat16", "compiled": True}
+
+    def build(seed: int = 0) -> tuple[list, OptimizersContainer]:
+        parts = three_parts(seed)
+        return parts, cls(parts, LeanAdamW, kwargs)
+
+    parts, container = build()
+    train(parts, container, 2)
+    assert calls
+    saved = full_state(container)
+    assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+    resumed_parts, resumed = build(seed=1)
+    for part, to in zip(parts, resumed_parts):
+        to.load_state_dict(part.state_dict())
+    resumed.load_state_dict(saved)
+    train(parts, container, 2, start=2)
+    train(resumed_parts, resumed, 2, start=2)
+    assert_same(full_state(resumed), full_state(container))
+    for a, b in zip(parts, resumed_parts):
+        assert_same(a.state_dict(), b.state_dict())
+
+
+def test_the_config_builds_compiled_groups_and_refuses_what_has_no_compiled_step():
+    container = build_optimizers(three_parts(), OptimizerConfig(implementation="compiled"))
+    assert {type(o) for o in container} == {LeanAdamW}
+    assert all(g["compiled"] and g["moment_dtype"] == "float32" for g in container.param_groups)
+    with pytest.raises(ConfigError, match="implementation = 'compiled': SGD has no compiled"):
+        build_optimizers(three_parts(), OptimizerConfig(name="SGD", implementation="compiled"))
+    with pytest.raises(ValueError, match="compiled = True with amsgrad = True"):
+        LeanAdamW(_params(), compiled=True, amsgrad=True)
