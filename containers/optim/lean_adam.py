@@ -105,8 +105,12 @@ class _Lean:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's load, but each group's moments keep (or are converted to) its own
-        `moment_dtype`, one tensor at a time; torch's would cast them to the parameters'."""
+        `moment_dtype`, one tensor at a time; torch's would cast them to the parameters'.
+        Whether a group steps `compiled` stays the run's own choice, as its kernel does."""
+        compiled = [g["compiled"] for g in self.param_groups]  # type: ignore[attr-defined]
         load_keeping_dtypes(self, state_dict, MOMENTS, super().load_state_dict)  # type: ignore[arg-type, misc]
+        for group, own in zip(self.param_groups, compiled):  # type: ignore[attr-defined]
+            group["compiled"] = own
 
 
 class LeanAdam(_Lean, torch.optim.Adam):

@@ -22,9 +22,10 @@ PG = "param_groups"
 # own when a checkpoint written with another kernel loads.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
-UNSAVED_KEYS = frozenset({"moment_dtype"})
+UNSAVED_KEYS = frozenset({"moment_dtype", "compiled"})
 """Group keys left out of the flat dict: how the optimizer stores its state (the tensors'
-dtypes say it), so runs of either policy write the same keys and load each other's."""
+dtypes say it) and whether it steps compiled, so runs of either choice write the same keys and
+load each other's."""
 
 
 def describe_keys(keys: Iterable[str], limit: int = 8) -> str:

@@ -39,7 +39,8 @@ def test_every_key_has_a_docstring_shown_by_help(cls):
         assert f"\n  {f.name}: " in text, f.name
         assert docs[f.name].split()[0] in text, f.name
     assert "  seq_len: int = 128\n      Tokens per sequence" in text
-    assert '  implementation: "auto" | "fused" | "foreach" | "for-loop" = "auto"' in text
+    choices = '"auto" | "fused" | "foreach" | "for-loop" | "compiled"'
+    assert f'  implementation: {choices} = "auto"' in text
     assert "\n[[optimizer.param_groups]]" in text and "\n[comm]\n" in text
 
 

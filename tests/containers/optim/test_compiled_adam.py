@@ -94,6 +94,7 @@ def test_containers_step_compiled_groups_and_resume_from_their_checkpoint_bitwis
     assert calls
     saved = full_state(container)
     assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+    assert not any(k.endswith((".compiled", ".moment_dtype")) for k in saved)  # run choices
     resumed_parts, resumed = build(seed=1)
     for part, to in zip(parts, resumed_parts):
         to.load_state_dict(part.state_dict())
@@ -113,3 +114,12 @@ def test_the_config_builds_compiled_groups_and_refuses_what_has_no_compiled_step
         build_optimizers(three_parts(), OptimizerConfig(name="SGD", implementation="compiled"))
     with pytest.raises(ValueError, match="compiled = True with amsgrad = True"):
         LeanAdamW(_params(), compiled=True, amsgrad=True)
+    # A torch AdamW's state dict loads into a compiled LeanAdamW, which stays compiled.
+    params = _params()
+    plain = torch.optim.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    plain.step()
+    compiled = LeanAdamW(_params(), lr=1e-2, compiled=True)
+    compiled.load_state_dict(plain.state_dict())
+    assert all(g["compiled"] for g in compiled.param_groups)
