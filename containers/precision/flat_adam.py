@@ -11,7 +11,7 @@ entries are views, so `state_dict`, DCP templates, loads and torch's own `step` 
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
 chunk's flat slices. With `[mixed_precision] compile = true` the group steps instead as one
-inductor graph over its tensors where they lie (`containers.precision.flat_compiled`): each
+inductor graph over its tensors where they lie (`containers.precision.flat_step`): each
 gradient read once, masters, moments and parameters written in the same pass, no scratch; a
 few fp32 ulp from the eager kernel (another order of roundings).
 
@@ -38,11 +38,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.norm import local, scratch, scratch_numel, shaped_like
+from containers.norm import local, scratch_numel, shaped_like
 from containers.optim.lean import moment_dtype_of
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
-from containers.precision.flat_compiled import step_compiled
+from containers.precision.flat_step import step_chunks, step_compiled
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -121,7 +121,7 @@ class FlatGroup:
         self.lean = moment != first.dtype  # moments widened into scratch for the kernel
         self.remainders = remainders
         # fp32 scratch regions a chunk takes: gradients, then masters and moments if narrower
-        self._regions = 1 + remainders + 2 * self.lean
+        self.regions = 1 + remainders + 2 * self.lean
         where = first.device
         self.buffers = {
             ("remainder" if remainders else "master"): torch.zeros(
@@ -139,7 +139,7 @@ class FlatGroup:
                 self.buffers["master"][start : start + n].copy_(piece.view(-1))
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
-        self.chunk((chunk_numel or scratch_numel(where)) // self._regions)
+        self.chunk((chunk_numel or scratch_numel(where)) // self.regions)
         # Stale: the optimizer state holds values that are not in the buffers (torch's start,
         # a load, torch's own step having made new tensors), to take at the next use.
         self.stale = True
@@ -150,8 +150,8 @@ class FlatGroup:
     def chunk(self, numel: int) -> None:
         """Step in chunks of at most `numel` elements (rounded down to `PAD`)."""
         self.chunks = self._plan(max(PAD, numel // PAD * PAD))
-        # per chunk: the tensors whose last piece it holds; its views (see `_chunk_views`)
-        self._done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
+        # per chunk: the tensors whose last piece it holds; its views (see `chunk_views`)
+        self.done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
         self._views_of: dict[tuple, tuple] = {}
 
     def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
@@ -194,7 +194,7 @@ class FlatGroup:
                 shape, stride = piece.shape, piece.stride()
                 storage = master.untyped_storage()
                 _on(piece, master.device).set_(storage, self.starts[i], shape, stride)
-        self._cast_from = [local(m) for m in self.masters]
+        self.cast_from = [local(m) for m in self.masters]
         self._views: dict[str, list[torch.Tensor]] = {
             k: [self._slice(k, i) for i in range(len(self.masters))] for k in _MOMENTS
         }
@@ -204,12 +204,12 @@ class FlatGroup:
         self.views = {k: [local(v) for v in self._views[k]] for k in _MOMENTS}
         self.views[kept] = [
             self.buffers[kept][s : s + n].view(t.shape)
-            for s, n, t in zip(self.starts, self.sizes, self._cast_from)
+            for s, n, t in zip(self.starts, self.sizes, self.cast_from)
         ]
         if not self.stale:
             self._install()
 
-    def _chunk_views(self, c: int, region: torch.Tensor) -> list[torch.Tensor]:
+    def chunk_views(self, c: int, region: torch.Tensor) -> list[torch.Tensor]:
         """Chunk `c`'s pieces of the scratch region `region` (a whole tensor's piece shaped
         as its master), kept while `region` stays where it is (the step's Python is most of
         its cost)."""
@@ -221,11 +221,11 @@ class FlatGroup:
                 at = self.starts[i] + lo - start
                 part = region[at : at + hi - lo]
                 whole = lo == 0 and hi == self.sizes[i]
-                views.append(part.view(self._cast_from[i].shape) if whole else part)
+                views.append(part.view(self.cast_from[i].shape) if whole else part)
             self._views_of[key] = (region.data_ptr(), views)
         return self._views_of[key][1]
 
-    def _pieces(self, c: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def pieces(self, c: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Chunk `c`'s pieces of `tensors` (one per tensor of the group): whole, or a flat
         slice of a tensor that spans chunks."""
         out = []
@@ -358,65 +358,9 @@ class FlatGroup:
         if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
             step_compiled(self, group, decoupled, factor, grads, found_inf)
         else:
-            self._step_chunks(group, decoupled, factor, grads, found_inf)
+            step_chunks(self, group, decoupled, factor, grads, found_inf)
         if found_inf is not None:
             buf["step"].sub_(found_inf)
-
-    def _step_chunks(
-        self,
-        group: dict,
-        decoupled: bool,
-        factor: float,
-        grads: list[torch.Tensor | None],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        """`step`'s eager path: torch's fused kernel over fp32 scratch, chunk by chunk."""
-        buf = self.buffers
-        beta1, beta2 = group["betas"]
-        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        step = [buf["step"][0]]
-        device = buf["exp_avg"].device
-        low = [local(p) for p in self.model]
-        for c, (start, stop, _) in enumerate(self.chunks):
-            n = stop - start
-            work = scratch(device, n * self._regions)
-            into = self._chunk_views(c, work[:n])
-            torch._foreach_copy_(into, self._pieces(c, grads))
-            for i in self._done[c]:
-                grads[i] = None
-                self.model[i].grad = None  # cast: the low-precision gradient can go now
-            if factor != 1.0:
-                work[:n].mul_(factor)
-            cast_to = self._pieces(c, low)
-            if self.remainders:
-                master = work[n : 2 * n]
-                bits = self._chunk_views(c, master.view(torch.int32))
-                torch._foreach_copy_(bits, [t.view(torch.int16) for t in cast_to])
-                rem.join(master.view(torch.int32), buf["remainder"][start:stop])
-            else:
-                master = buf["master"][start:stop]
-            moments = [buf[k][start:stop] for k in _MOMENTS]
-            if self.lean:
-                at = (1 + self.remainders) * n  # after the gradients (and masters)
-                wide = [work[at : at + n], work[at + n : at + 2 * n]]
-                torch._foreach_copy_(wide, moments)
-                moments, narrow = wide, moments
-            update(
-                [master], [work[:n]], [moments[0]], [moments[1]], [], step, lr=group["lr"],
-                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                amsgrad=False, maximize=group.get("maximize", False), found_inf=found_inf,
-            )  # fmt: skip
-            if self.lean:
-                torch._foreach_copy_(narrow, moments)
-            if self.remainders:
-                high = work[:n].view(torch.int32)  # the gradients are spent
-                rem.split(master.view(torch.int32), high)
-                torch._foreach_copy_(
-                    [t.view(torch.int16) for t in cast_to], self._chunk_views(c, high)
-                )
-                buf["remainder"][start:stop].copy_(master.view(torch.int32))
-            else:
-                torch._foreach_copy_(cast_to, self._pieces(c, self._cast_from))
 
 
 def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -6,18 +6,20 @@ for the global norm (non-finite gradients make it non-finite, so overflow detect
 defeated by 0 * inf); one collective, one host sync for the skip decision; then one of two
 update paths, each unscaling and clipping in the same multiply and writing the masters back:
 - fused Adam/AdamW groups keep masters and state in flat buffers (`flat_adam`): torch's fused
-  kernel chunk by chunk, or with `compile` one inductor graph over the group's buffers; with
+  kernel chunk by chunk, or with `compile` one inductor graph over the group (`flat_step`); with
   `store_param_remainders` a master is its bf16 parameter and an int16 remainder
   (`remainders`), and the moments may be bf16 (`LeanAdam(W)` groups);
 - every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
+Without a norm to measure (no clip), no dynamic loss scale and every group flat, the skip is
+left to the kernels and the graph instead (`skips_in_kernel`): no host sync. The state hooks
+(masters and scaler in the checkpoint) are `master_state`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,20 +33,16 @@ from containers.parts import Precision
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
 from containers.precision.loss_scaler import LossScaler
+from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
-from containers.precision.remainders import Sink
 from containers.precision.sums import FullPrecisionSums, from_initial
-from containers.state.flat import describe_keys
 
 __all__ = ["MasterWeights"]
 
 logger = logging.getLogger(__name__)
 
-MASTER = "master_weights"
-SCALER = "loss_scaler"
 
-
-class MasterWeights(Precision):
+class MasterWeights(MasterState, Precision):
     """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them.
 
     Args:
@@ -315,89 +313,6 @@ class MasterWeights(Precision):
 
     def report(self) -> dict[str, Any]:
         return {"loss_scale": self.scaler.scale, "backing_off": self._backing_off}
-
-    # -- state: masters and scaler beside the optimizer state --------------------------------
-
-    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        flat: dict[str, Any] = {
-            f"{MASTER}.{fqn_of[m]}": self._master_value(m) for m in self._masters(fqn_of)
-        }
-        for key, value in self.scaler.state_dict().items():
-            flat[f"{SCALER}.{key}"] = value
-        return flat
-
-    def _master_value(self, m: torch.Tensor) -> torch.Tensor:
-        """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""
-        found = self._flat_of.get(id(m))
-        return found[0].master_value(found[1]) if found is not None and not self._lazy else m
-
-    @contextlib.contextmanager
-    def lazy_masters(self) -> Iterator[dict[int, Sink]]:
-        """For a DCP load with `remainders.LoadPlanner`: while open, `state_dict` gives each
-        master kept as a remainder as itself (no fp32 value is made), and the sinks given
-        write what is read of it straight into its parameter and remainder."""
-        sinks = {
-            mid: (functools.partial(flat.load_piece, i), local(flat.model[i]).data_ptr())
-            for mid, (flat, i) in self._flat_of.items()
-            if flat.remainders
-        }
-        self._lazy = True
-        try:
-            yield sinks
-        finally:
-            self._lazy = False
-
-    def _masters(self, fqn_of: Mapping[torch.Tensor, str]) -> list[torch.Tensor]:
-        return [m for m in fqn_of if id(m) in self._model_param]
-
-    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
-        masters, scaler, missing, bad = [], {}, [], []
-        for m in self._masters(fqn_of):
-            key = f"{MASTER}.{fqn_of[m]}"
-            if key not in flat:
-                missing.append(key)
-                continue
-            value = flat.pop(key)
-            if not isinstance(value, torch.Tensor) or value.shape != m.shape:
-                bad.append(key)
-            masters.append((m, value))
-        for key in self.scaler.state_dict():
-            if f"{SCALER}.{key}" not in flat:
-                missing.append(f"{SCALER}.{key}")
-            else:
-                scaler[key] = flat.pop(f"{SCALER}.{key}")
-        if missing or bad:
-            raise ValueError(
-                f"mixed-precision state dict: missing keys {describe_keys(missing)}; "
-                f"mismatched master weights {describe_keys(bad)}"
-            )
-        return masters, scaler
-
-    @torch.no_grad()
-    def load_state(self, taken: Any) -> None:
-        masters, scaler = taken
-        for m, value in masters:
-            found = self._flat_of.get(id(m))
-            if found is not None and found[0].remainders and value is m:
-                continue  # read straight into its parameter and remainder (`lazy_masters`)
-            if found is not None:
-                found[0].load_master(found[1], local(value))
-            else:
-                local(m).copy_(local(value))
-                local(self._model_param[id(m)]).copy_(local(m))
-        self.scaler.load_state_dict(scaler)
-        # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
-        # from its peers' losses, which were scaled by the scale it has just received.
-        self._unscale = 1.0 / self.scaler.scale
-
-    @torch.no_grad()
-    def written(self, params: Sequence[torch.Tensor]) -> None:
-        for m in params:
-            found = self._flat_of.get(id(m))
-            if found is not None and found[0].remainders:
-                continue  # its parameter and remainder were written, not the master
-            if id(m) in self._model_param:
-                local(self._model_param[id(m)]).copy_(local(m))
 
     # -- offload ---------------------------------------------------------------------------
 

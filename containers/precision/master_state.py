@@ -1,0 +1,122 @@
+"""`MasterState`: the masters and the loss scaler beside the optimizer state, as
+`MasterWeights` saves and loads them (a mixin: the state half of that precision).
+
+A checkpoint holds each master as `master_weights.<fqn>`, its exact fp32 value, whether the run
+keeps it in fp32 or as a bf16 parameter plus a remainder, and the scaler as
+`loss_scaler.<key>`: runs of either policy load each other's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from containers.norm import local
+from containers.precision.remainders import Sink
+from containers.state.flat import describe_keys
+
+if TYPE_CHECKING:
+    from containers.precision.flat_adam import FlatGroup
+    from containers.precision.loss_scaler import LossScaler
+
+__all__ = ["MasterState"]
+
+MASTER = "master_weights"
+SCALER = "loss_scaler"
+
+
+class MasterState:
+    """The `Precision` state hooks of `MasterWeights`, over what it keeps: `_model_param`
+    (id(master) -> its model parameter), `_flat_of` (id(master) -> its flat group and
+    index), `scaler`, `_unscale` and `_lazy`."""
+
+    _model_param: dict[int, torch.Tensor]
+    _flat_of: dict[int, tuple[FlatGroup, int]]
+    scaler: LossScaler
+    _unscale: float
+    _lazy: bool
+
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
+        flat: dict[str, Any] = {
+            f"{MASTER}.{fqn_of[m]}": self._master_value(m) for m in self._masters(fqn_of)
+        }
+        for key, value in self.scaler.state_dict().items():
+            flat[f"{SCALER}.{key}"] = value
+        return flat
+
+    def _master_value(self, m: torch.Tensor) -> torch.Tensor:
+        """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""
+        found = self._flat_of.get(id(m))
+        return found[0].master_value(found[1]) if found is not None and not self._lazy else m
+
+    @contextlib.contextmanager
+    def lazy_masters(self) -> Iterator[dict[int, Sink]]:
+        """For a DCP load with `remainders.LoadPlanner`: while open, `state_dict` gives each
+        master kept as a remainder as itself (no fp32 value is made), and the sinks given
+        write what is read of it straight into its parameter and remainder."""
+        sinks = {
+            mid: (functools.partial(flat.load_piece, i), local(flat.model[i]).data_ptr())
+            for mid, (flat, i) in self._flat_of.items()
+            if flat.remainders
+        }
+        self._lazy = True
+        try:
+            yield sinks
+        finally:
+            self._lazy = False
+
+    def _masters(self, fqn_of: Mapping[torch.Tensor, str]) -> list[torch.Tensor]:
+        return [m for m in fqn_of if id(m) in self._model_param]
+
+    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
+        masters, scaler, missing, bad = [], {}, [], []
+        for m in self._masters(fqn_of):
+            key = f"{MASTER}.{fqn_of[m]}"
+            if key not in flat:
+                missing.append(key)
+                continue
+            value = flat.pop(key)
+            if not isinstance(value, torch.Tensor) or value.shape != m.shape:
+                bad.append(key)
+            masters.append((m, value))
+        for key in self.scaler.state_dict():
+            if f"{SCALER}.{key}" not in flat:
+                missing.append(f"{SCALER}.{key}")
+            else:
+                scaler[key] = flat.pop(f"{SCALER}.{key}")
+        if missing or bad:
+            raise ValueError(
+                f"mixed-precision state dict: missing keys {describe_keys(missing)}; "
+                f"mismatched master weights {describe_keys(bad)}"
+            )
+        return masters, scaler
+
+    @torch.no_grad()
+    def load_state(self, taken: Any) -> None:
+        masters, scaler = taken
+        for m, value in masters:
+            found = self._flat_of.get(id(m))
+            if found is not None and found[0].remainders and value is m:
+                continue  # read straight into its parameter and remainder (`lazy_masters`)
+            if found is not None:
+                found[0].load_master(found[1], local(value))
+            else:
+                local(m).copy_(local(value))
+                local(self._model_param[id(m)]).copy_(local(m))
+        self.scaler.load_state_dict(scaler)
+        # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
+        # from its peers' losses, which were scaled by the scale it has just received.
+        self._unscale = 1.0 / self.scaler.scale
+
+    @torch.no_grad()
+    def written(self, params: Sequence[torch.Tensor]) -> None:
+        for m in params:
+            found = self._flat_of.get(id(m))
+            if found is not None and found[0].remainders:
+                continue  # its parameter and remainder were written, not the master
+            if id(m) in self._model_param:
+                local(self._model_param[id(m)]).copy_(local(m))
