@@ -69,11 +69,7 @@ def _mixed(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
     settings = MixedPrecision(store_param_remainders=lean)
     cls = LeanAdamW if lean else torch.optim.AdamW
     kwargs = {**kwargs, "moment_dtype": "bfloat16"} if lean else kwargs
-    # (no clip, as the AdamW rows: max_norm=None, where the container's default 0.0 measures
-    # the norm for the report)
-    return lambda m: MixedPrecisionOptimizersContainer(
-        [m], cls, kwargs, settings=settings, max_norm=None
-    )
+    return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
 # name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param)

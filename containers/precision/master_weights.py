@@ -279,8 +279,9 @@ class MasterWeights(MasterState, Precision):
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self._unscale  # unscale and clip in the same multiply
         sums = self.sums.sums if self.sums is not None else None
-        flats = [f for opt in optimizers for f in self._flat.get(id(opt), ())]
-        if found_inf is not None and not all(f.ready() for f in flats):
+        if found_inf is not None and not all(
+            f.ready() for opt in optimizers for f in self._flat.get(id(opt), ())
+        ):
             # torch's own step (uneven counts, a missing gradient) takes no flag: decide here.
             if found_inf.item():
                 self.decided(applied=False)

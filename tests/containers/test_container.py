@@ -39,10 +39,11 @@ from tests.harness import optim_db
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import (
     assert_same,
+    assert_skipped_alike,
     batch,
     forward,
     full,
-    poisoned_steps,
+    poisoned_run,
     sharded_three_parts,
     three_parts,
     train,
@@ -709,15 +710,8 @@ def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
         opt = container(parts, cls, kwargs, precision=precision)
         per_unit = timing == "in_backward"
         assert opt.leaves_skip_to_kernels(opt.optimizers, per_unit=per_unit) is not on_host
-        reports = poisoned_steps(parts, opt)
-        state = {k: v for k, v in opt.state_dict().items() if not k.startswith("param_groups")}
-        runs.append((reports, state, [p.detach().clone() for m in parts for p in m.parameters()]))
-    (reports, state, params), (host_reports, host_state, host_params) = runs
-    assert reports == host_reports
-    assert [r[0] for r in reports] == [False, True, False, False, True]
-    assert reports[2][2] is (timing == "in_backward")  # one unit skipped, the others applied
-    assert_same(state, host_state)
-    assert all(torch.equal(a, b) for a, b in zip(params, host_params))
+        runs.append(poisoned_run(parts, opt))
+    assert_skipped_alike(*runs, per_unit=timing == "in_backward")
 
 
 def test_in_backward_skips_only_the_units_whose_gradients_are_not_finite():

@@ -52,9 +52,10 @@ def train(parts: list[nn.Module], opt: Any, steps: int, rank: int = 0, start: in
         opt.step()
 
 
-def poisoned_steps(parts: list[nn.Module], opt: Any) -> list[tuple[bool, Any, bool]]:
+def poisoned_run(parts: list[nn.Module], opt: Any) -> tuple[list, dict[str, Any], list]:
     """Five steps of `opt` (backward through it) where steps 0 and 3 have a NaN loss and step
-    2 a NaN gradient of `parts[1].mid.weight` alone: (committed, skipped, partial) of each."""
+    2 a NaN gradient of `parts[1].mid.weight` alone: (committed, skipped, partial) of each
+    step, then `full_state(opt)` and copies of the weights."""
     dtype = next(parts[0].parameters()).dtype
     reports = []
     for step in range(5):
@@ -68,7 +69,19 @@ def poisoned_steps(parts: list[nn.Module], opt: Any) -> list[tuple[bool, Any, bo
         hook.remove()
         report = opt.last_report
         reports.append((report.committed, report.skipped, report.partial))
-    return reports
+    return reports, full_state(opt), [p.detach().clone() for m in parts for p in m.parameters()]
+
+
+def assert_skipped_alike(kernels: tuple, host: tuple, per_unit: bool) -> None:
+    """Two `poisoned_run`s, the skips left to the kernels and decided on the host, give the
+    same reports (a skip on the first step, a whole step's and, `per_unit`, one unit's while
+    the others applied), state and weights."""
+    (reports, state, params), (host_reports, host_state, host_params) = kernels, host
+    assert reports == host_reports
+    assert [r[0] for r in reports] == [False, True, False, False, True]
+    assert reports[2][2] is per_unit
+    assert_same(state, host_state)
+    assert all(torch.equal(a, b) for a, b in zip(params, host_params))
 
 
 def full(value: Any) -> Any:

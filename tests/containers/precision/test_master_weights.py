@@ -29,12 +29,13 @@ from containers import (
 from tests.harness.dist import launch, run_ranks
 from tests.harness.helpers import (
     assert_same,
+    assert_skipped_alike,
     batch,
     compiled_calls,
     forward,
     full,
     full_state,
-    poisoned_steps,
+    poisoned_run,
     three_parts,
 )
 
@@ -390,16 +391,8 @@ def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
         )  # fmt: skip
         per_unit = timing == "in_backward"
         assert mp.leaves_skip_to_kernels(mp.optimizers, per_unit=per_unit) is not on_host
-        reports = poisoned_steps(parts, mp)
-        runs.append(
-            (reports, full_state(mp), [p.detach().clone() for m in parts for p in m.parameters()])
-        )
-    (reports, state, params), (host_reports, host_state, host_params) = runs
-    assert reports == host_reports
-    assert [r[0] for r in reports] == [False, True, False, False, True]
-    assert reports[2][2] is (timing == "in_backward")  # one unit skipped, the others applied
-    assert_same(state, host_state)
-    assert all(torch.equal(a, b) for a, b in zip(params, host_params))
+        runs.append(poisoned_run(parts, mp))
+    assert_skipped_alike(*runs, per_unit=timing == "in_backward")
 
 
 # -- on gloo ranks -------------------------------------------------------------------------
