@@ -9,8 +9,14 @@ for the host: the hyperparameters reach the device in one non-blocking copy, the
 corrections come from the device's step counts (in fp64, as torch's kernels take them), and a
 skip is a device flag (torch's `found_inf`), where every tensor keeps its value. A few fp32 ulp
 from torch's fused kernel (another order of roundings), not bitwise. On an H200 the mixed-
-precision graph alone is 0.92x a fused fp32 AdamW step; on an AVX2 CPU inductor's bf16
-conversions make it slower than the eager path: it is for GPUs (the CPU runs it in tests).
+precision graph alone is 0.92x a fused fp32 AdamW step. On a CPU it is for tests: inductor
+tiles a loop that mixes fp32 and bf16 tensors at the fp32 vector width, so each bf16 load and
+store is a masked half vector (on this machine's AVX-512, 2.4x the time of the same graph over
+fp32 moments; benchmarks/README.md, `bench_lean_state.py`).
+
+The host's part runs every step: the tensors enter the graph as they are and are viewed flat
+inside it (a view there is index arithmetic; outside, one Python call per tensor, ~0.85 us
+each), and inductor's size and stride asserts are off (the guards already checked them).
 """
 
 from __future__ import annotations
@@ -76,15 +82,13 @@ def compiled_adam(
     corrections = torch.stack(
         [values[7] / (1.0 - values[8].pow(counts)), (1.0 - values[4].pow(counts)).sqrt()], 1
     ).float()
-    flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
-    # Flat views: a graph per number of tensors, dtypes and sizes that repeat, not per rank.
     with torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         _compiled()(
-            [g.reshape(-1) for g in grads],
-            flat(params) if params is not None else None,
-            flat(masters),
-            flat(exp_avgs),
-            flat(exp_avg_sqs),
+            list(grads),
+            list(params) if params is not None else None,
+            list(masters),
+            list(exp_avgs),
+            list(exp_avg_sqs),
             hyper,
             corrections,
             remainders,
@@ -105,10 +109,10 @@ def _adam(
     hyperparameters, `c` each tensor's bias corrections, tensors so that no value
     recompiles. torch's fused kernel's operations in another order of roundings."""
     skip = h[7] > 0  # a skipped step writes back what it read
-    for i, (grad, master, exp_avg, exp_avg_sq) in enumerate(
-        zip(grads, masters, exp_avgs, exp_avg_sqs)
-    ):
-        param = params[i] if params is not None else None
+    for i, tensors in enumerate(zip(grads, masters, exp_avgs, exp_avg_sqs)):
+        grad = tensors[0].reshape(-1)  # (a gradient may be strided)
+        master, exp_avg, exp_avg_sq = (t.view(-1) for t in tensors[1:])
+        param = params[i].view(-1) if params is not None else None
         if remainders:  # the master: the bf16 bits above, the remainder below
             high = param.view(torch.int16).to(torch.int32)
             value = (high * 65536 + master.to(torch.int32)).view(torch.float32)
@@ -135,4 +139,4 @@ def _adam(
 @functools.cache
 def _compiled() -> Callable[..., None]:
     """`_adam` compiled on first use (seconds to minutes once, then inductor's cache)."""
-    return torch.compile(_adam, dynamic=True, fullgraph=True)
+    return torch.compile(_adam, dynamic=True, fullgraph=True, options={"size_asserts": False})
