@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -247,6 +248,109 @@ def resume_table(width: int, layers: int) -> str:
     return f"{head}\n\n{markdown_table(rows, columns)}"
 
 
+# name -> (parameter dtype or None: the masters are the parameters, master dtype or
+# "remainders", moment dtype, gradient dtype)
+GRAPHS = {
+    "AdamW, fp32 moments": (None, torch.float32, torch.float32, torch.float32),
+    "AdamW, bf16 moments": (None, torch.float32, torch.bfloat16, torch.float32),
+    "mixed precision, fp32 masters + moments": (
+        torch.bfloat16, torch.float32, torch.float32, torch.bfloat16
+    ),
+    "mixed precision, remainders + bf16 moments": (
+        torch.bfloat16, "remainders", torch.bfloat16, torch.bfloat16
+    ),
+}  # fmt: skip
+
+
+def graph_table(numel: int, repeats: int) -> str:
+    """The compiled update alone (`containers.optim.compiled_adam`) over one tensor of `numel`
+    for each kind of state, against `torch._fused_adamw_` in fp32, 1 thread, interleaved; and
+    each graph with a 16-bit tensor once more with inductor's loop tiled at the bf16 vector
+    width (a patch of inductor's choice, in this process only: a measurement of what its
+    heuristic costs, not a path)."""
+    import torch._inductor.codegen.cpp as cpp
+
+    import containers.optim.compiled_adam as module
+
+    torch.set_num_threads(1)
+    torch._inductor.config.force_disable_caches = True  # the patched graphs are compiled anew
+    settings = dict(
+        lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
+        decoupled_weight_decay=True,
+    )  # fmt: skip
+
+    def graph(kind: str, compiled: Callable) -> Callable[[], None]:
+        param_dtype, master_dtype, moment_dtype, grad_dtype = GRAPHS[kind]
+        torch.manual_seed(0)
+        value = torch.randn(numel)
+        grad = (torch.randn(numel) * 1e-2).to(grad_dtype)
+        moments = [(torch.rand(numel) * 1e-4).to(moment_dtype) for _ in range(2)]
+        params, remainders = None, master_dtype == "remainders"
+        if param_dtype is None:
+            master = value
+        elif remainders:
+            params, master = [value.bfloat16()], torch.zeros(numel, dtype=torch.int16)
+        else:
+            params, master = [value.bfloat16()], value
+        steps = torch.ones(1)
+
+        def step() -> None:
+            kept, module._compiled = module._compiled, lambda: compiled
+            try:
+                module.compiled_adam(
+                    [grad], params, [master], *([m] for m in moments), steps,
+                    remainders=remainders, **settings,
+                )  # fmt: skip
+            finally:
+                module._compiled = kept
+
+        return step
+
+    def fused() -> Callable[[], None]:
+        torch.manual_seed(0)
+        p, g, m, v = torch.randn(numel), torch.randn(numel) * 1e-2, *torch.rand(2, numel) * 1e-4
+        kw = {k: settings[k] for k in ("lr", "weight_decay", "eps", "maximize")}
+        kw |= {"beta1": 0.9, "beta2": 0.999, "amsgrad": False}
+        return lambda: torch._fused_adamw_([p], [g], [m], [v], [], [torch.ones(())], **kw)
+
+    def forced(body: Any) -> tuple[torch.dtype | None, bool]:
+        dtype, fp32 = heuristic(body)
+        return (torch.bfloat16, fp32) if dtype is None else (dtype, fp32)
+
+    # A new code object: dynamo keeps compiled code per code object, and this one's differs.
+    adam = module._adam
+    tiled = type(adam)(adam.__code__.replace(co_name="_adam_bf16_tiles"), adam.__globals__)
+    tiled = torch.compile(tiled, dynamic=True, fullgraph=True, options={"size_asserts": False})
+    base = "torch._fused_adamw_, fp32 moments"
+    runs = {base: fused()} | {kind: graph(kind, module._compiled()) for kind in GRAPHS}
+    patched = {f"{kind}, tiled at the bf16 width (patched)": graph(kind, tiled) for kind in GRAPHS}
+    del patched["AdamW, fp32 moments, tiled at the bf16 width (patched)"]  # no 16-bit tensor
+    heuristic = cpp.get_loop_body_lowp_fp
+    cpp.get_loop_body_lowp_fp = forced
+    try:
+        for step in patched.values():
+            step()  # compiled with the patch
+    finally:
+        cpp.get_loop_body_lowp_fp = heuristic
+    runs |= patched
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
+            start = time.perf_counter()
+            for _ in range(5):
+                runs[name]()
+            times[name].append((time.perf_counter() - start) / 5)
+    t0 = statistics.median(times[base])
+    rows = [
+        (name, f"{statistics.median(t) / numel * 1e9:.3f}", f"{statistics.median(t) / t0:.2f}")
+        for name, t in times.items()
+    ]
+    head = f"the update alone over one tensor of {numel / 1e6:.1f}M elements, 1 thread"
+    return f"{head}\n\n{markdown_table(rows, ('', 'ns/element', '/ fused fp32 AdamW'))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -259,11 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--no-table", action="store_true", help="the quality runs only")
     parser.add_argument("--quick", action="store_true", help="small sizes, 6 steps")
+    parser.add_argument(
+        "--graphs", action="store_true", help="the compiled update's CPU code alone, then stop"
+    )
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_lean_state"))
     parser.add_argument("--resume-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.resume_child:
         print(json.dumps(resume_child(*args.resume_child, args.width, args.layers)))
+        return 0
+    if args.graphs:
+        print(graph_table(2**18 if args.quick else 2**22, 2 if args.quick else 9))
         return 0
     args.nproc, args.local_batch_size = 2, 0
     if args.quick:

@@ -10,17 +10,20 @@ corrections come from the device's step counts (in fp64, as torch's kernels take
 skip is a device flag (torch's `found_inf`), where every tensor keeps its value. A few fp32 ulp
 from torch's fused kernel (another order of roundings), not bitwise. On an H200 the mixed-
 precision graph alone is 0.92x a fused fp32 AdamW step. On a CPU it is for tests: inductor
-tiles a loop that mixes fp32 and bf16 tensors at the fp32 vector width, so each bf16 load and
-store is a masked half vector (on this machine's AVX-512, 2.4x the time of the same graph over
-fp32 moments; benchmarks/README.md, `bench_lean_state.py`).
+tiles a loop that mixes fp32 and bf16 tensors at the fp32 vector width (an fp32 tensor updated
+in place always does), so on AVX-512 each bf16 load and store is a masked half vector (on an
+AMD Zen 4, 2.4x the time of the same graph over fp32 moments), and on AVX2 its bf16
+conversions are slow (benchmarks/README.md, `bench_lean_state.py --graphs`).
 
-The host's part runs every step: the tensors enter the graph as they are and are viewed flat
-inside it (a view there is index arithmetic; outside, one Python call per tensor, ~0.85 us
-each), and inductor's size and stride asserts are off (the guards already checked them).
+The host's part runs every step: inductor's size and stride asserts are off (dynamo's guards
+have checked them). The tensors enter as flat views (~0.9 us each): passed as they are, the
+parameters among them make dynamo specialize on their shapes (measured: 50% more graphs to
+compile in the suite, +23 s cold).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -82,13 +85,17 @@ def compiled_adam(
     corrections = torch.stack(
         [values[7] / (1.0 - values[8].pow(counts)), (1.0 - values[4].pow(counts)).sqrt()], 1
     ).float()
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILES):
+    # Flat views: a graph per number of tensors and dtypes (and sizes that repeat), whatever
+    # their shapes, so that groups and models of other shapes share it; and never a Parameter
+    # (dynamo makes a parameter's shape static: a graph per model).
+    flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
+    with _recompiles():
         _compiled()(
-            list(grads),
-            list(params) if params is not None else None,
-            list(masters),
-            list(exp_avgs),
-            list(exp_avg_sqs),
+            [g.reshape(-1) for g in grads],
+            flat(params) if params is not None else None,
+            flat(masters),
+            flat(exp_avgs),
+            flat(exp_avg_sqs),
             hyper,
             corrections,
             remainders,
@@ -109,10 +116,10 @@ def _adam(
     hyperparameters, `c` each tensor's bias corrections, tensors so that no value
     recompiles. torch's fused kernel's operations in another order of roundings."""
     skip = h[7] > 0  # a skipped step writes back what it read
-    for i, tensors in enumerate(zip(grads, masters, exp_avgs, exp_avg_sqs)):
-        grad = tensors[0].reshape(-1)  # (a gradient may be strided)
-        master, exp_avg, exp_avg_sq = (t.view(-1) for t in tensors[1:])
-        param = params[i].view(-1) if params is not None else None
+    for i, (grad, master, exp_avg, exp_avg_sq) in enumerate(
+        zip(grads, masters, exp_avgs, exp_avg_sqs)
+    ):
+        param = params[i] if params is not None else None
         if remainders:  # the master: the bf16 bits above, the remainder below
             high = param.view(torch.int16).to(torch.int32)
             value = (high * 65536 + master.to(torch.int32)).view(torch.float32)
@@ -134,6 +141,13 @@ def _adam(
             master.copy_(new)
             if param is not None:
                 param.copy_(torch.where(skip, param, new.to(param.dtype)))
+
+
+@functools.cache
+def _recompiles() -> contextlib.AbstractContextManager:
+    """`recompile_limit` raised to `RECOMPILES` while our graph runs (and compiles), not for the
+    user's own; made once (`patch` builds a class each call)."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILES)
 
 
 @functools.cache
