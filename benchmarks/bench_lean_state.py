@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_lean_state.py                 # table + quality, seeds 0-2
     .venv/bin/python benchmarks/bench_lean_state.py --no-quality    # the table only (~1 min)
     .venv/bin/python benchmarks/bench_lean_state.py --quick         # smoke run
+    .venv/bin/python benchmarks/bench_lean_state.py --graphs        # the compiled update alone
 
 Table: the default container over a 16.8M-parameter stack of linear layers (the mixed-
 precision benchmark's shape), AdamW with `moment_dtype` "float32" (today's) and "bfloat16",

@@ -308,7 +308,7 @@ class MixedPrecision:
     Within a few fp32 ulp of the eager step, not bitwise; other optimizers and fp32 gradient
     sums step eagerly. Compiling takes seconds on a GPU per group shape (minutes on a CPU
     for hundreds of tensors), then inductor's cache. On an H200 the graph alone is 0.92x a
-    fused fp32 AdamW step; on an AVX2 CPU slower than the eager step: for GPUs."""
+    fused fp32 AdamW step; on a CPU slower than the eager step: for GPUs."""
 
     store_param_remainders: bool = False
     """Keep each fp32 master as its bf16 parameter plus a 16-bit remainder (Megatron's name):
