@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cuda.py            # on a machine with a GPU (~1 min)
     python benchmarks/bench_cuda.py --quick    # tiny sizes; also runs on a CPU (a smoke run)
+    python benchmarks/bench_cuda.py --profile  # where a compiled lean step's time goes, only
 
 Checks (each a line, PASS or FAIL, none stops the others): the default container is torch's
 fused AdamW bit for bit; a non-finite gradient element skips the step; the host syncs a
@@ -569,15 +570,74 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     return f"{head}\n\n{markdown_table(rows, columns)}"
 
 
+def profile(device: torch.device, width: int, layers: int) -> str:
+    """Where a step's time goes (`--profile`): torch.profiler over 5 steps each of fp32 AdamW
+    (today's), AdamW with bf16 moments compiled (`implementation = "compiled"`), and the same
+    graph compiled with inductor's combo kernels (several tensors' updates a launch: an option
+    measured here, not the library's choice), the top operations by their own time on the
+    device (on the CPU without one), after each its step time alone."""
+    import torch.profiler as tp
+
+    import containers.optim.compiled_adam as module
+
+    cuda = device.type == "cuda"
+    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
+    adam = module._adam  # a new code object: dynamo keeps compiled code per code object
+    combo = type(adam)(adam.__code__.replace(co_name="_adam_combo"), adam.__globals__)
+    combo = torch.compile(
+        combo, dynamic=True, fullgraph=True, options={"size_asserts": False, "combo_kernels": True}
+    )
+    lean = "AdamW, bf16 moments, compiled"
+    contenders = {
+        FP32: (CONTENDERS[FP32][1], None),
+        lean: (COMPILED[lean][1], None),
+        f"{lean}, combo kernels": (COMPILED[lean][1], combo),
+    }
+    out = []
+    for name, (build, compiled) in contenders.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device)
+        opt = build(model)
+        grads = [torch.randn_like(p) * 1e-2 for p in model.parameters()]
+
+        def step(model: nn.Module = model, opt: OptimizersContainer = opt, grads=grads) -> None:
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            opt.step()
+
+        kept = module._compiled
+        module._compiled = (lambda c=compiled: c) if compiled is not None else kept
+        try:
+            for _ in range(3):  # the state made, the graph compiled
+                step()
+            torch.cuda.synchronize() if cuda else None
+            with tp.profile(activities=activities) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize() if cuda else None
+            wall = statistics.median(_timed(device, step, 10) for _ in range(5))
+        finally:
+            module._compiled = kept
+        by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=by, row_limit=15, max_name_column_width=60)
+        out.append(f"{name}: {wall * 1e3:.3f} ms a step (5 steps profiled)\n{table}")
+    head = f"{layers} x Linear({width}), gradients in fp32, torch.profiler"
+    return "\n\n".join([head, *out])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="where a step's time goes, only")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {name}\n")
+    if args.profile:
+        print(profile(device, *((256, 2) if args.quick else (4096, 8))))
+        return 0
     failed = 0
     for what, fn in CHECKS:
         try:
