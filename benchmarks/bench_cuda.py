@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import traceback
@@ -140,13 +141,16 @@ def _nonfinite_skips(device: torch.device) -> str:
 @check("nonfinite_flag: nan, inf, -inf found in any tensor; 3e38 (finite) not")
 def _flag(device: torch.device) -> str:
     seen = []
+    # (the compiled candidate of the timing table too, on CUDA, where it is timed)
+    flags = [nonfinite_flag] + ([_compiled_flag] if device.type == "cuda" else [])
     for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0), (3e38, 0.0)):
         for where in range(3):
             ts = [torch.randn(n, device=device) for n in (7, 1 << 20, 65537)]
             ts[where].view(-1)[ts[where].numel() - 1 - where] = bad
-            got = float(nonfinite_flag(ts, []))
-            assert got == want, (bad, where, got)
-            seen.append(got)
+            for flag in flags:
+                got = float(flag(ts, []))
+                assert got == want, (flag.__name__, bad, where, got)
+                seen.append(got)
     return f"{len(seen)} cases"
 
 
@@ -444,6 +448,13 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
         contenders["check on, inf-norm flag"] = None
         runs["check on, inf-norm flag"] = lambda step=step: _with_flag(_norm_flag, step)
+        if device.type == "cuda":  # (on a CPU: a compile for nothing, the host decides there)
+            contenders["flag alone, compiled"] = contenders["check on, compiled flag"] = None
+            runs["flag alone, compiled"] = lambda g=grads: _compiled_flag(g, [])
+            parts = copy.deepcopy(base)
+            _give(parts, _grads(parts, 0))
+            step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
+            runs["check on, compiled flag"] = lambda step=step: _with_flag(_compiled_flag, step)
         times = _interleaved(device, runs, repeats, 5)
         numel = sum(p.numel() for m in base for p in m.parameters())
         t0 = statistics.median(times["fused"])
@@ -470,6 +481,24 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
 def _norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
     """The flag from each tensor's largest magnitude (NaN kept): read-only, one output each."""
     return (~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite()).any().float()
+
+
+def _compiled_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
+    """The flag as one inductor graph: each tensor's largest magnitude (NaN kept), read once,
+    no write; static shapes (inductor splits a reduction over many blocks only when it knows
+    the size) and combo kernels (several tensors a launch). A candidate, timed here."""
+    if groups:
+        raise ValueError(f"_compiled_flag: one process only, got groups {groups}")
+    return _flag_graph()(tensors)
+
+
+@functools.cache
+def _flag_graph() -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def flag(tensors: list[torch.Tensor]) -> torch.Tensor:
+        largest = torch.stack([t.abs().amax() for t in tensors]).amax()
+        return (~largest.isfinite()).float()
+
+    return torch.compile(flag, dynamic=False, fullgraph=True, options={"combo_kernels": True})
 
 
 def _with_flag(flag: Callable, step: Callable[[], None]) -> None:
