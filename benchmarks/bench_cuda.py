@@ -443,6 +443,14 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         contenders["flag alone"] = contenders["flag alone, inf-norm"] = None
         runs["flag alone"] = lambda g=grads: nonfinite_flag(g, [])
         runs["flag alone, inf-norm"] = lambda g=grads: _norm_flag(g, [])
+        # The norm a clip takes, its squares summed in fp32 (today's; may overflow for finite
+        # values, so not finite is confirmed by a second pass and the host) or in fp64 (finite
+        # iff every element is: the norm would be an exact device flag, no host decision).
+        contenders["norm alone, fp32"] = contenders["norm alone, fp64 squares"] = None
+        runs["norm alone, fp32"] = lambda g=grads: torch._foreach_norm(g)
+        runs["norm alone, fp64 squares"] = lambda g=grads: torch._foreach_norm(
+            g, 2, dtype=torch.float64
+        )
         parts = copy.deepcopy(base)
         _give(parts, _grads(parts, 0))
         step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
