@@ -43,7 +43,7 @@ from containers import (  # noqa: E402
     OptimizersContainer,
     OptimizersInBackwardContainer,
 )
-from containers.norm import nonfinite_flag  # noqa: E402
+from containers.norm import exact_sum_of_squares, nonfinite_flag  # noqa: E402
 
 KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
 
@@ -138,7 +138,7 @@ def _nonfinite_skips(device: torch.device) -> str:
     return f"{len(seen)} cases skipped"
 
 
-@check("nonfinite_flag: nan, inf, -inf found in any tensor; 3e38 (finite) not")
+@check("nonfinite_flag and the fp64-squares norm: nan, inf, -inf found anywhere; 3e38 not")
 def _flag(device: torch.device) -> str:
     seen = []
     # (the compiled candidate of the timing table too, on CUDA, where it is timed)
@@ -151,6 +151,11 @@ def _flag(device: torch.device) -> str:
                 got = float(flag(ts, []))
                 assert got == want, (flag.__name__, bad, where, got)
                 seen.append(got)
+            # The norm a clipped step's kernels skip on: squares in fp64, finite iff all are.
+            for dtype in (torch.float32, torch.bfloat16):
+                squares = exact_sum_of_squares([t.to(dtype) for t in ts], device)
+                assert bool(squares.isfinite()) is (want == 0.0), (dtype, bad, where)
+                seen.append(want)
     return f"{len(seen)} cases"
 
 
@@ -201,6 +206,7 @@ def _host_syncs(device: torch.device) -> str:
         ("check on", torch.optim.AdamW, {}),
         ("check off", torch.optim.AdamW, {"skip_nonfinite": False}),
         ("check on, compiled bf16 moments", LeanAdamW, {}),
+        ("check on, clip (max_norm 1)", torch.optim.AdamW, {"max_norm": 1.0}),
     ):
         parts = _parts(device, 4, 64)
         lean = {"moment_dtype": "bfloat16", "compiled": True} if cls is LeanAdamW else {}
@@ -209,20 +215,22 @@ def _host_syncs(device: torch.device) -> str:
     return "; ".join(f"{name}: {n} {where}".rstrip() for name, (n, where) in found.items())
 
 
-@check("mixed precision (bf16, no clip): host syncs of a step, eager and compiled")
+@check("mixed precision (bf16, no clip; norm measured): host syncs of a step, eager, compiled")
 def _mixed_precision_syncs(device: torch.device) -> str:
     if device.type != "cuda":
         return "no CUDA"
     found = {}
-    for name, compile, keep in (
-        ("eager", False, False),
-        ("compiled", True, False),
-        ("compiled remainders", True, True),
+    for name, compile, keep, max_norm in (
+        ("eager", False, False, None),
+        ("compiled", True, False, None),
+        ("compiled remainders", True, True, None),
+        ("eager, max_norm 0 (the default: the norm measured)", False, False, 0.0),
+        ("compiled, max_norm 0", True, False, 0.0),
     ):
         parts = _parts(device, 4, 64, torch.bfloat16)
         settings = MixedPrecision(compile=compile, store_param_remainders=keep)
         opt = MixedPrecisionOptimizersContainer(
-            parts, torch.optim.AdamW, KW, settings=settings, max_norm=None
+            parts, torch.optim.AdamW, KW, settings=settings, max_norm=max_norm
         )
         found[name] = _syncs(_stepper(parts, opt))
     assert all(n == 0 for n, _ in found.values()), found

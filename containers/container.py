@@ -6,7 +6,8 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
     commit    gate.commit                      an uncommitted step changes nothing
     measure   precision.grad_norm, one sync    the global norm for the clip, which is also the
               or all_finite, one sync          non-finite check; or (no clip) one read that
-              or nonfinite_flag, no sync       only checks, left to fused kernels as a flag
+              or nonfinite_flag, no sync       only checks; on CUDA both left to fused kernels
+                                               as a flag (the norm's squares summed in fp64)
     decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
     report    last_report (StepReport)         committed, why skipped, norm, scale
@@ -36,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.contract import StateView, defaults_of, with_step_hooks
+from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
@@ -44,12 +46,6 @@ from containers.state.fsdp1 import FlatShards, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
-
-KERNEL_SKIP_DEVICES = frozenset({"cuda"})
-"""Device types whose steps leave the non-finite skip to the kernels: where a host sync costs
-(a GPU waits for the host's launches after it). On a CPU the host's decision is free, and a
-step that hands the kernels a flag took 1.16x as long (IQR 1.14-1.18; 8 parts of 1.05M
-parameters, 1 thread, fused AdamW: torch's found_inf handling is per tensor there)."""
 
 
 @dataclass(eq=False)
@@ -62,7 +58,7 @@ class Unit:
     optimizers: list[Optimizer] = field(default_factory=list)
 
 
-class OptimizersContainer(ContainerState, Optimizer, Stateful):
+class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
     """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts.
 
     Each unit (a model part, unless the timing splits finer) gets one inner optimizer per
@@ -85,7 +81,8 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             None (default) does not clip.
         skip_nonfinite: skip a step whose loss (given to `backward`) or gradients hold inf
             or NaN, so that none reaches the weights or the optimizer state; costs one host
-            sync per step (per unit inside backward) where nothing else needs the norm.
+            sync per step (per unit inside backward), none on CUDA where torch's fused
+            kernels can skip on a device flag (`containers.decision`).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
             norm counts every gradient element once over it (`containers.norm`). None:
             one stage over the world.
@@ -164,7 +161,9 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
-        self._found_inf: torch.Tensor | None = None  # the flag a kernel-skipped step left
+        # The flag a kernel-skipped step left, and its norm: read when the report is asked.
+        self._found_inf: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None
         self.last_report = StepReport()
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -251,7 +250,7 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._found_inf = None
+        self._found_inf = self._norm = None
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:
@@ -273,6 +272,15 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal)
         norm, value, finite = None, None, True
+        kernels = self.skip_nonfinite and self.leaves_skip_to_kernels(self.optimizers)
+        if self.max_norm is not None and kernels:
+            # Squares summed in fp64 cannot overflow: the norm is finite iff every gradient
+            # is, so it is the exact flag itself (no second pass, no host decision).
+            norm = self.precision.grad_norm(params, self.global_norm, exact=True)
+            found = (~norm.isfinite()).float()
+            if self._local_norm:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            return self._left_to_kernels(found, norm.float())
         if self.max_norm is not None:
             norm, value, finite = self._measure(params)
         elif self.skip_nonfinite:
@@ -280,12 +288,8 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             # world agrees, as a norm would.
             world = dist.is_initialized() and dist.get_world_size() > 1
             grads, groups = [p.grad for p in params], [None] if world else []
-            if self.leaves_skip_to_kernels(self.optimizers):
-                # No host sync: the kernels read the flag, the report waits for it.
-                found = nonfinite_flag(grads, groups)
-                self._with_hooks(lambda: self.precision.apply(self.optimizers, found_inf=found))
-                self._found_inf = found
-                return StepReport(**self.precision.report())
+            if kernels:
+                return self._left_to_kernels(nonfinite_flag(grads, groups))
             finite = all_finite(grads, groups)
         refusal = self._refusal() if finite else None
         self.precision.decided(applied=finite and refusal is None, overflow=not finite)
@@ -309,71 +313,6 @@ class OptimizersContainer(ContainerState, Optimizer, Stateful):
             self.ema.update()
             self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
-
-    def leaves_skip_to_kernels(
-        self, optimizers: Sequence[Optimizer], per_unit: bool = False
-    ) -> bool:
-        """Whether a step without a clip (or a unit's, `per_unit`) may leave its non-finite
-        skip to the update kernels of `optimizers` (`Precision.skips_in_kernel`): nothing else
-        follows the decision (no step hooks around it, no EMA, no refusal, a gate with nothing
-        to do after the update), on a device of `KERNEL_SKIP_DEVICES`."""
-        hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
-        return (
-            self._params[0].device.type in KERNEL_SKIP_DEVICES
-            and not hooks
-            and self.ema is None
-            and not self.precision.may_refuse
-            and type(self.gate).after_apply is Gate.after_apply
-            and self.precision.skips_in_kernel(optimizers)
-        )
-
-    @property
-    def last_report(self) -> StepReport:
-        """What the last `step()` did. A step that left its non-finite skip to the kernels
-        is reported here, when asked: the one host sync it needs."""
-        found, self._found_inf = self._found_inf, None
-        if found is not None and found:
-            self._last_report = StepReport(
-                committed=False,
-                skipped="non-finite loss or gradients",
-                nonfinite=True,
-                **self.precision.report(),
-            )
-        return self._last_report
-
-    @last_report.setter
-    def last_report(self, report: StepReport) -> None:
-        self._last_report = report
-
-    def _refusal(self) -> str | None:
-        """The precision's refusal of this step's update (`Precision.refusal`), agreed by
-        the world: ranks hold different shards and stages, and must skip alike."""
-        if not self.precision.may_refuse:
-            return None
-        why = self.precision.refusal(self.optimizers)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            found = torch.tensor(float(why is not None), device=self._params[0].device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            if found and why is None:
-                why = "another rank's update could overflow its float16 weights"
-        return why
-
-    def _measure(self, params: list[torch.Tensor], exact: bool = False) -> tuple[Any, float, bool]:
-        """The global norm, its value and whether the step may apply. The norm is the
-        non-finite check too (a clip needs it anyway), and its value the step's one host
-        sync. Where it is not finite, it is measured again in fp64 (`exact`), where only a
-        non-finite gradient makes it so (a finite one beyond ~1.8e19 overflows fp32 squares:
-        it must neither skip the step nor zero the clip)."""
-        norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
-        bad = (~norm.isfinite()).to(norm.dtype)
-        if self.skip_nonfinite and self._local_norm:
-            # Plain tensors without a mesh keep a local norm, as torch's clip does; the
-            # skip must still be the world's, or the ranks' trainers would part ways.
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        value, skip = torch.stack([norm, bad]).tolist()
-        if skip and self.skip_nonfinite and not exact:
-            return self._measure(params, exact=True)
-        return norm.float(), value, not (skip and self.skip_nonfinite)
 
     def _with_hooks(self, apply: Callable[[], None]) -> None:
         with_step_hooks(

@@ -245,11 +245,18 @@ def sum_of_squares(
 def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of squares of `tensors`' elements in fp64 (on `device`): finite for any finite
     fp32/bf16/fp16 values (their squares are below 1.2e77), so non-finite only if an element
-    is. One norm per tensor: this runs only when the fp32 sum was not finite."""
-    sums = [torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors if t.numel()]
+    is. One multi-tensor kernel per device and dtype on CUDA (each element widened to fp64
+    before it is squared: torch's `_foreach_norm` with `dtype`), a norm per tensor elsewhere."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    sums = [
+        torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum().to(device)
+        for group in by_kind.values()
+    ]
     if not sums:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([s.to(device) for s in sums]).sum()
+    return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import math
 import re
 from collections import OrderedDict
 
@@ -25,7 +26,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-import containers.container as container_module
+import containers.decision as decision_module
 from components.resume import ConfigSettings
 from containers import (
     LeanAdamW,
@@ -610,10 +611,13 @@ def test_dcp_saved_on_4_fsdp2_ranks_loads_identically_on_1_2_and_3(tmp_path):
 def _container(kind: str, parts: list[nn.Module]) -> OptimizersContainer:
     kwargs = {"lr": 1e-2}
     if kind.endswith("_kernels"):  # fused, the skip left to the kernels as on CUDA
-        container_module.KERNEL_SKIP_DEVICES = frozenset({"cuda", "cpu"})  # (this rank's)
+        decision_module.KERNEL_SKIP_DEVICES = frozenset({"cuda", "cpu"})  # (this rank's)
         kind, kwargs = kind.removesuffix("_kernels"), {**kwargs, "fused": True}
-    if kind == "mixed_precision":
-        return MixedPrecisionOptimizersContainer(parts, torch.optim.AdamW, kwargs)
+    if kind.startswith("mixed_precision"):  # (its default max_norm 0: the norm measured)
+        max_norm = 1.0 if kind.endswith("clipped") else 0.0
+        return MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, kwargs, max_norm=max_norm
+        )
     if kind == "in_backward":
         return OptimizersInBackwardContainer(parts, torch.optim.AdamW, kwargs)
     max_norm = None if kind == "default_unclipped" else 1.0  # unclipped: the check, no norm
@@ -658,12 +662,14 @@ def _skip_pair(kind: str) -> tuple[dict, dict]:
     "kind",
     [
         "default",
+        "default_kernels",
         "default_unclipped",
         "default_unclipped_kernels",
         "in_backward",
         "in_backward_kernels",
         "mixed_precision",
         "mixed_precision_kernels",
+        "mixed_precision_clipped_kernels",
     ],
 )
 def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_bitwise(kind):
@@ -702,7 +708,7 @@ def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
     (in backward) one unit's. (CUDA's path, taken here on a CPU.)"""
     container = OptimizersInBackwardContainer if timing == "in_backward" else OptimizersContainer
     assert not container(three_parts(), cls, kwargs).leaves_skip_to_kernels([])  # a CPU's
-    monkeypatch.setattr(container_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(decision_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
     runs = []
     for on_host in (False, True):
         parts = three_parts()
@@ -712,6 +718,52 @@ def test_a_skip_left_to_the_fused_kernels_is_the_host_decided_skip_bitwise(
         assert opt.leaves_skip_to_kernels(opt.optimizers, per_unit=per_unit) is not on_host
         runs.append(poisoned_run(parts, opt))
     assert_skipped_alike(*runs, per_unit=timing == "in_backward")
+
+
+def test_a_clipped_step_left_to_the_kernels_is_torchs_clip_by_the_fp64_norm_bitwise(
+    monkeypatch,
+):
+    """With a clip, fused groups skip in the kernel on the norm itself (its squares summed in
+    fp64, finite iff every gradient is), no host decision: the weights and state are torch's
+    fused AdamW after torch's clip by that norm, bit for bit; a NaN skips the step, the
+    report (read when asked) says so with the norm; a finite 1e20, whose fp32 square would
+    overflow, is clipped and applied. (CUDA's path, taken here on a CPU.)"""
+    monkeypatch.setattr(decision_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    parts, ref_parts = three_parts(), three_parts()
+    opt = OptimizersContainer(parts, torch.optim.AdamW, kwargs, max_norm=1.0)
+    assert opt.leaves_skip_to_kernels(opt.optimizers)
+    ref_params = [p for part in ref_parts for p in part.parameters()]
+    ref = torch.optim.AdamW(ref_params, **kwargs)
+    norms = []
+    for step in range(4):
+        for each in (parts, ref_parts):
+            for part in each:
+                part.zero_grad()
+            forward(each, batch(step)).square().mean().backward()
+            grad = each[1].mid.weight.grad
+            grad[0, 0] = {1: float("nan"), 2: 1e20}.get(step, grad[0, 0])
+        opt.step()
+        squares = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in ref_params]
+        norms.append(torch.stack([n.square() for n in squares]).sum().sqrt().float())
+        if step != 1:
+            torch.nn.utils.clip_grads_with_norm_(ref_params, 1.0, norms[-1])
+            ref.step()
+        report = opt.last_report
+        assert report.committed is (step != 1) and report.nonfinite is (step == 1), report
+        if step == 1:
+            assert math.isnan(report.grad_norm) and "global norm nan" in report.skipped, report
+        else:
+            assert report.grad_norm == norms[-1].item(), report
+    assert 1e19 < norms[2].item() < float("inf")  # applied: the step counts say so below
+    for p, q in zip((p for part in parts for p in part.parameters()), ref_params):
+        assert torch.equal(p, q) and p.isfinite().all()
+    state, theirs = opt.state_dict(), ref.state_dict()["state"]
+    names = [name for part in ref_parts for name, _ in part.named_parameters()]
+    for i, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[f"state.{name}.{key}"], theirs[i][key]), (name, key)
+    assert theirs[0]["step"] == 3
 
 
 def test_in_backward_skips_only_the_units_whose_gradients_are_not_finite():

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import containers.container as container_module
+import containers.decision as decision_module
 from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
 from config import MixedPrecision as MP
@@ -379,7 +379,7 @@ def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
     the graph (`compile`) on the container's flag, with no host sync (CUDA's path, taken
     here on a CPU); deciding on the host first gives the same masters, moments, step counts,
     weights and reports: a skip on the first step, a whole step's and one unit's."""
-    monkeypatch.setattr(container_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(decision_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
     settings = MP(compile=compile, store_param_remainders=remainders)
     runs = []
     for on_host in (False, True):
