@@ -371,14 +371,18 @@ class _DecidesOnHost(MasterWeights):
     ("compile", "remainders"), [(False, False), (True, False), (True, True)],
     ids=["eager", "compiled", "compiled_remainders"],
 )  # fmt: skip
-@pytest.mark.parametrize("timing", ["after", "in_backward"])
+@pytest.mark.parametrize(
+    ("timing", "max_norm"), [("after", None), ("after", 0.0), ("in_backward", None)],
+    ids=["after", "after_norm_measured", "in_backward"],
+)  # fmt: skip
 def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
-    compile, remainders, timing, monkeypatch
+    compile, remainders, timing, max_norm, monkeypatch
 ):
     """bf16 without loss scaling or a clip: the flat groups skip in the kernels (eager) or
-    the graph (`compile`) on the container's flag, with no host sync (CUDA's path, taken
-    here on a CPU); deciding on the host first gives the same masters, moments, step counts,
-    weights and reports: a skip on the first step, a whole step's and one unit's."""
+    the graph (`compile`) on the container's flag (or, the norm measured, on the norm with
+    fp64 squares), with no host sync (CUDA's path, taken here on a CPU); deciding on the host
+    first gives the same masters, moments, step counts, weights and reports: a skip on the
+    first step, a whole step's and one unit's."""
     monkeypatch.setattr(decision_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
     settings = MP(compile=compile, store_param_remainders=remainders)
     runs = []
@@ -387,7 +391,7 @@ def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
         precision = (_DecidesOnHost if on_host else MasterWeights)(settings)
         mp = MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True}, precision=precision,
-            timing=InBackward() if timing == "in_backward" else None, max_norm=None,
+            timing=InBackward() if timing == "in_backward" else None, max_norm=max_norm,
         )  # fmt: skip
         per_unit = timing == "in_backward"
         assert mp.leaves_skip_to_kernels(mp.optimizers, per_unit=per_unit) is not on_host
