@@ -49,10 +49,10 @@ class Decision:
     def leaves_skip_to_kernels(
         self, optimizers: Sequence[Optimizer], per_unit: bool = False
     ) -> bool:
-        """Whether a step without a clip (or a unit's, `per_unit`) may leave its non-finite
-        skip to the update kernels of `optimizers` (`Precision.skips_in_kernel`): nothing else
-        follows the decision (no step hooks around it, no EMA, no refusal, a gate with nothing
-        to do after the update), on a device of `KERNEL_SKIP_DEVICES`."""
+        """Whether a step (or a unit's, `per_unit`) may leave its non-finite skip to the
+        update kernels of `optimizers` (`Precision.skips_in_kernel`): nothing else follows
+        the decision (no step hooks around it, no EMA, no refusal, a gate with nothing to do
+        after the update), on a device of `KERNEL_SKIP_DEVICES`."""
         hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
             self._params[0].device.type in KERNEL_SKIP_DEVICES
