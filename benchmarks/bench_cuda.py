@@ -465,12 +465,13 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         contenders["check on, inf-norm flag"] = None
         runs["check on, inf-norm flag"] = lambda step=step: _with_flag(_norm_flag, step)
         if device.type == "cuda":  # (on a CPU: a compile for nothing, the host decides there)
-            contenders["flag alone, compiled"] = contenders["check on, compiled flag"] = None
-            runs["flag alone, compiled"] = lambda g=grads: _compiled_flag(g, [])
-            parts = copy.deepcopy(base)
-            _give(parts, _grads(parts, 0))
-            step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
-            runs["check on, compiled flag"] = lambda step=step: _with_flag(_compiled_flag, step)
+            for name, flag in (("compiled", _compiled_flag), ("fp64-norm", _fp64_norm_flag)):
+                contenders[f"flag alone, {name}"] = contenders[f"check on, {name} flag"] = None
+                runs[f"flag alone, {name}"] = lambda g=grads, flag=flag: flag(g, [])
+                parts = copy.deepcopy(base)
+                _give(parts, _grads(parts, 0))
+                step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
+                runs[f"check on, {name} flag"] = lambda step=step, flag=flag: _with_flag(flag, step)
         times = _interleaved(device, runs, repeats, 5)
         numel = sum(p.numel() for m in base for p in m.parameters())
         t0 = statistics.median(times["fused"])
@@ -506,6 +507,14 @@ def _compiled_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
     if groups:
         raise ValueError(f"_compiled_flag: one process only, got groups {groups}")
     return _flag_graph()(tensors)
+
+
+def _fp64_norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
+    """The flag from the norm with fp64 squares (`exact_sum_of_squares`: one multi-tensor
+    kernel, read only, finite iff every element is), as a clipped step takes it."""
+    if groups:
+        raise ValueError(f"_fp64_norm_flag: one process only, got groups {groups}")
+    return (~exact_sum_of_squares(tensors, tensors[0].device).isfinite()).float()
 
 
 @functools.cache
