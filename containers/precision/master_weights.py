@@ -10,9 +10,10 @@ update paths, each unscaling and clipping in the same multiply and writing the m
   `store_param_remainders` a master is its bf16 parameter and an int16 remainder
   (`remainders`), and the moments may be bf16 (`LeanAdam(W)` groups);
 - every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
-Without a norm to measure (no clip), no dynamic loss scale and every group flat, the skip is
-left to the kernels and the graph instead (`skips_in_kernel`): no host sync. The state hooks
-(masters and scaler in the checkpoint) are `master_state`'s.
+With no dynamic loss scale, no fp32 sums and every group flat, the skip is left to the
+kernels and the graph instead (`skips_in_kernel`; on CUDA, `containers.decision`): no host
+sync, the norm (if measured) a device flag; a clip above 0 reads it once for its factor. The
+state hooks (masters and scaler in the checkpoint) are `master_state`'s.
 """
 
 from __future__ import annotations

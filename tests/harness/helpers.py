@@ -34,6 +34,23 @@ def sharded_three_parts(seed: int = 0) -> list[nn.Module]:
     return parts
 
 
+def loose_params(shapes: list[tuple[int, ...]], seed: int = 0) -> list[torch.Tensor]:
+    """Leaf tensors of `shapes` (seeded), the last one transposed: not contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in shapes]
+    params[-1] = params[-1].t()
+    return [p.requires_grad_() for p in params]
+
+
+def same_grads(step: int, *params: list[torch.Tensor]) -> None:
+    """The same seeded gradients for each list of `params` (contiguous, as backward gives)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for ps in zip(*params):
+        grad = torch.randn(ps[0].shape, generator=g).to(memory_format=torch.contiguous_format)
+        for p in ps:
+            p.grad = grad.clone()
+
+
 def forward(parts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     for part in parts:
         x = part(x)

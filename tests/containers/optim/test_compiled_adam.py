@@ -10,17 +10,22 @@ from components.optimizer import build_optimizers
 from config import ConfigError
 from config import Optimizer as OptimizerConfig
 from containers import LeanAdam, LeanAdamW, OptimizersContainer, OptimizersInBackwardContainer
-from tests.harness.helpers import assert_same, compiled_calls, full_state, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    compiled_calls,
+    full_state,
+    loose_params,
+    same_grads,
+    three_parts,
+    train,
+)
 
 # A large tensor, a small one, a 3-d one, one not contiguous (stepped alone, widened).
 SHAPES = [(300, 1000), (33,), (3, 5, 7), (64, 48)]
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
-    params[3] = params[3].t()
-    return [p.requires_grad_() for p in params]
+    return loose_params(SHAPES, seed)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -55,10 +60,7 @@ def test_a_compiled_step_is_the_fused_step_within_a_few_ulp_in_the_moments_dtype
     compiled = cls(ours, moment_dtype=moment_dtype, compiled=True, **kwargs)
     ref = cls(ref_params, moment_dtype=moment_dtype, fused=True, **kwargs)
     for step in range(4):
-        g = torch.Generator().manual_seed(100 + step)
-        for a, b in zip(ours, ref_params):
-            a.grad = torch.randn(a.shape, generator=g).to(memory_format=torch.contiguous_format)
-            b.grad = a.grad.clone()
+        same_grads(step, ours, ref_params)
         compiled.step()
         ref.step()
         for a, b in zip(ours, ref_params):

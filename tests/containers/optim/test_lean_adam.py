@@ -19,7 +19,15 @@ from containers import (
     ParamGroupRule,
 )
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, full, sharded_three_parts, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    full,
+    loose_params,
+    same_grads,
+    sharded_three_parts,
+    three_parts,
+    train,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # A tensor spanning several chunks, one not contiguous, small ones batched into one chunk.
@@ -27,10 +35,7 @@ SHAPES = [(700, 1000), (33,), (3, 5, 7), (64, 48)]
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
-    params[3] = params[3].t()  # not contiguous: widened whole
-    return [p.requires_grad_() for p in params]
+    return loose_params(SHAPES, seed)
 
 
 @pytest.mark.parametrize(
@@ -51,10 +56,7 @@ def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
     ref = torch_cls(ref_params, fused=True, **kwargs)
     names = (*MOMENTS, "max_exp_avg_sq") if kwargs.get("amsgrad") else MOMENTS
     for step in range(4):
-        g = torch.Generator().manual_seed(100 + step)
-        for a, b in zip(lean_params, ref_params):
-            a.grad = torch.randn(a.shape, generator=g).to(memory_format=torch.contiguous_format)
-            b.grad = a.grad.clone()
+        same_grads(step, lean_params, ref_params)
         lean.step()
         ref.step()
         for a, b in zip(lean_params, ref_params):
