@@ -138,11 +138,11 @@ def _nonfinite_skips(device: torch.device) -> str:
     return f"{len(seen)} cases skipped"
 
 
-@check("nonfinite_flag and the fp64-squares norm: nan, inf, -inf found anywhere; 3e38 not")
+@check("nonfinite_flag, the aminmax flag, the fp64-squares norm: nan, inf, -inf found; 3e38 not")
 def _flag(device: torch.device) -> str:
     seen = []
     # (the compiled candidate of the timing table too, on CUDA, where it is timed)
-    flags = [nonfinite_flag] + ([_compiled_flag] if device.type == "cuda" else [])
+    flags = [nonfinite_flag, _aminmax_flag] + ([_compiled_flag] if device.type == "cuda" else [])
     for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0), (3e38, 0.0)):
         for where in range(3):
             ts = [torch.randn(n, device=device) for n in (7, 1 << 20, 65537)]
@@ -464,6 +464,14 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
         contenders["check on, inf-norm flag"] = None
         runs["check on, inf-norm flag"] = lambda step=step: _with_flag(_norm_flag, step)
+        # Each tensor's smallest and largest element, read once (a reduction kernel each,
+        # NaN kept, exact: no square to overflow).
+        contenders["flag alone, aminmax"] = contenders["check on, aminmax flag"] = None
+        runs["flag alone, aminmax"] = lambda g=grads: _aminmax_flag(g, [])
+        parts = copy.deepcopy(base)
+        _give(parts, _grads(parts, 0))
+        step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
+        runs["check on, aminmax flag"] = lambda step=step: _with_flag(_aminmax_flag, step)
         if device.type == "cuda":  # (on a CPU: a compile for nothing, the host decides there)
             for name, flag in (("compiled", _compiled_flag), ("fp64-norm", _fp64_norm_flag)):
                 contenders[f"flag alone, {name}"] = contenders[f"check on, {name} flag"] = None
@@ -498,6 +506,17 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
 def _norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
     """The flag from each tensor's largest magnitude (NaN kept): read-only, one output each."""
     return (~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite()).any().float()
+
+
+def _aminmax_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
+    """The flag from each tensor's smallest and largest element (NaN kept): read-only and
+    exact (finite iff every element is), two outputs a tensor."""
+    if groups:
+        raise ValueError(f"_aminmax_flag: one process only, got groups {groups}")
+    extremes = [x for t in tensors if t.numel() for x in torch.aminmax(t)]
+    if not extremes:
+        return torch.zeros((), device=tensors[0].device if tensors else None)
+    return (~torch.stack(extremes).isfinite().all()).float()
 
 
 def _compiled_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
