@@ -3,8 +3,10 @@ size, before any process group exists). Each error names the keys, the values an
 
 from __future__ import annotations
 
+import dataclasses
+
 from config.errors import ConfigError
-from config.job_config import JobConfig, Training
+from config.job_config import JobConfig, MixedPrecision, Training
 from config.optimizer_config import Optimizer as OptimizerConfig
 
 __all__ = ["accumulation_steps", "cross_check", "fsdp_mixed_precision", "steps_in_backward"]
@@ -185,6 +187,28 @@ def cross_check(cfg: JobConfig) -> None:
             "gradients across replica groups, but the masters would step on this group's own "
             "fp32 sums; use grad_accumulation_dtype 'param_dtype' with [fault_tolerance]"
         )
+    if container != "mixed_precision":
+        # Only the mixed-precision container reads the section: a key set for another would
+        # be silently ignored (e.g. param_dtype, and the run trains in fp32).
+        for f in dataclasses.fields(MixedPrecision):
+            if getattr(mp, f.name) != f.default:
+                problems.append(
+                    f"[mixed_precision] {f.name} = {getattr(mp, f.name)!r}: only [optimizer] "
+                    f"container = 'mixed_precision' reads [mixed_precision], and container = "
+                    f"{container!r}; set container = 'mixed_precision' or leave the key out"
+                )
+                break
+    if container == "mixed_precision" and mp.store_param_remainders:
+        users = [("[ema] enable = true", ema.enable)]
+        users += [
+            ("[fault_tolerance] semi_sync_method = 'diloco'", ft.semi_sync_method == "diloco")
+        ]
+        if named := [key for key, on in users if on]:
+            problems.append(
+                f"[mixed_precision] store_param_remainders = true with {' and '.join(named)}: "
+                "the fp32 masters then exist only inside the step, where the EMA cannot read "
+                "them nor DiLoCo's outer step write them; set store_param_remainders = false"
+            )
     conflict = _policy_conflict(cfg)
     if conflict is not None:
         problems.append(conflict)

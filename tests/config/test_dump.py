@@ -14,7 +14,7 @@ from config import JobConfig, load_job_config, to_toml
 ODD = [
     *("--job.dump_folder", 'quote " back \\ del \x7f tab \t é'),
     *("--lr_scheduler.decay_ratio", "0.25", "--optimizer.momentum", "0.5"),
-    *("--mixed_precision.max_scale", "1e30", "--training.max_norm", "0"),
+    *("--optimizer.eps", "1e-30", "--training.max_norm", "0"),
 ]
 
 

@@ -408,6 +408,29 @@ CLI_ERRORS = [
         r"fragment_sync_delay = 2: a fragment's average must land before the next .*"
         r"use at most 1",
     ),
+    (
+        [
+            "--optimizer.container=mixed_precision",
+            "--mixed_precision.store_param_remainders",
+            "--ema.enable",
+        ],
+        r"\[mixed_precision\] store_param_remainders = true with \[ema\] enable = true: the "
+        r"fp32 masters .* set store_param_remainders = false",
+    ),
+    (
+        [
+            "--optimizer.container=mixed_precision",
+            "--mixed_precision.store_param_remainders",
+            "--fault_tolerance.enable",
+            "--fault_tolerance.semi_sync_method=diloco",
+        ],
+        r"store_param_remainders = true with \[fault_tolerance\] semi_sync_method = 'diloco'",
+    ),
+    (
+        ["--mixed_precision.param_dtype", "float16"],
+        r"\[mixed_precision\] param_dtype = 'float16': only \[optimizer\] container = "
+        r"'mixed_precision' reads \[mixed_precision\], and container = 'default'; set",
+    ),
     # Missing or unreadable file.
     (["--job.config_file", "/nonexistent/job.toml"], r"config_file = '/nonexistent/job\.toml'"),
     (["--job.config_file", "/"], r"\[job\] config_file = '/': cannot read it"),
