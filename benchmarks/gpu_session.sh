@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A GPU session's checks in one device call (a lease is 15 minutes, start included):
+#
+#   bash benchmarks/gpu_session.sh            # on the GPU machine: ~5-8 minutes
+#   QUICK=1 bash benchmarks/gpu_session.sh    # here, on a CPU: the same steps, tiny (~2 min)
+#
+# 1. bench_cuda.py: the checks (PASS/FAIL) and the timed tables (issue 28's flags, lean state,
+#    compiled mixed precision); 2. its --profile; 3. train.py on the machine's device, one
+#    process: the debug job, mixed precision with remainders + bf16 moments compiled, and the
+#    in-backward job, 30 steps with checkpoints every 10, then the same command resumed from
+#    step 20 must log steps 21-30 as the first run did (loss, grad norm, ...). Six files go to
+#    $OUT (the device tool's folder that comes back: at most 8), else ./gpu-out; the last lines
+#    (also summary.txt) say what held.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+quick=${QUICK:+--quick}
+steps=30
+[ -n "$quick" ] && steps=6
+every=$((steps / 3))
+summary=()
+
+summary+=("$($py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")")
+timeout 420 $py benchmarks/bench_cuda.py $quick 2>&1 | tee "$out/bench_cuda.txt"
+summary+=("bench_cuda: exit ${PIPESTATUS[0]}, $(grep -c '^PASS' "$out/bench_cuda.txt") PASS, $(grep -c '^FAIL' "$out/bench_cuda.txt") FAIL")
+timeout 180 $py benchmarks/bench_cuda.py $quick --profile > "$out/profile.txt" 2>&1
+summary+=("bench_cuda --profile: exit $?")
+
+# A run's log lines of the steps after 2/3 of the run, without what may differ on a resume
+# (the time, speed and memory fields).
+steps_of() {
+    grep -E "INFO step +[0-9]+ " "$1" |
+        sed -E 's/^.*INFO //; s/ +(tokens_per_s|step_time_s|peak_memory_gib|eta_s) [^ ]+//g' |
+        awk -v from=$((2 * every)) '$2 > from'
+}
+
+# Train `name` for `steps` steps with checkpoints, then resume it from step 2/3 of the way:
+# the steps after must log the same. Both runs' logs go to $out/<name>.log.
+resumes() {
+    local name=$1
+    shift
+    local dump="/tmp/gpu-session/$name"
+    rm -rf "$dump"
+    mkdir -p "$dump"
+    local args=(--job.dump_folder "$dump" --training.steps "$steps" --metrics.log_freq 1
+        --lr_scheduler.warmup_steps 2 --checkpoint.enable --checkpoint.interval "$every" "$@")
+    [ -n "$quick" ] && args+=(--model.flavor tiny --training.seq_len 32 --training.local_batch_size 2)
+    timeout 240 $py train.py "${args[@]}" > "$dump/first.log" 2>&1
+    local first=$?
+    rm -rf "$dump/checkpoint/step-$steps"
+    timeout 240 $py train.py "${args[@]}" > "$dump/resumed.log" 2>&1
+    local second=$?
+    { echo "== first run"; cat "$dump/first.log"; echo "== resumed"; cat "$dump/resumed.log"; } \
+        > "$out/$name.log"
+    local a b same=FAIL
+    a=$(steps_of "$dump/first.log")
+    b=$(steps_of "$dump/resumed.log")
+    [ -n "$a" ] && [ "$a" == "$b" ] && [ "$(echo "$b" | wc -l)" -eq "$every" ] && same=PASS
+    summary+=("$same  train.py $name: exits $first/$second, steps $((2 * every + 1))-$steps of the resumed run as the first's ($(echo "$b" | grep -c .) lines)")
+}
+
+resumes debug --job.config_file config/debug.toml
+resumes lean_mixed_precision --job.config_file config/mixed_precision.toml \
+    --mixed_precision.compile --mixed_precision.store_param_remainders \
+    --optimizer.moment_dtype bfloat16
+resumes in_backward --job.config_file config/in_backward.toml
+
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
