@@ -270,6 +270,9 @@ class FaultTolerance:
 
 @dataclass(kw_only=True)
 class MixedPrecision:
+    """The mixed-precision container's settings (`[optimizer] container = "mixed_precision"`;
+    another container refuses a key set here, which it would not read)."""
+
     param_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     """Dtype the model parameters are kept in."""
 
