@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# A GPU session's checks in one device call (a lease is 15 minutes, start included):
+# A GPU session's checks as prepared device calls (a lease is 15 minutes, start included; a
+# call at most 10):
 #
-#   bash benchmarks/gpu_session.sh            # on the GPU machine: ~5-8 minutes
-#   QUICK=1 bash benchmarks/gpu_session.sh    # here, on a CPU: the same steps, tiny (~2 min)
+#   bash benchmarks/gpu_session.sh bench      # bench_cuda.py and its --profile (< 10 min)
+#   bash benchmarks/gpu_session.sh train      # train.py resumed bitwise, 3 jobs (< 10 min)
+#   QUICK=1 bash benchmarks/gpu_session.sh    # both, here on a CPU, tiny (~30 s)
 #
-# 1. bench_cuda.py: the checks (PASS/FAIL) and the timed tables (issue 28's flags, lean state,
-#    compiled mixed precision); 2. its --profile; 3. train.py on the machine's device, one
-#    process: the debug job, mixed precision with remainders + bf16 moments compiled, and the
-#    in-backward job, 30 steps with checkpoints every 10, then the same command resumed from
-#    step 20 must log steps 21-30 as the first run did (loss, grad norm, ...). Six files go to
-#    $OUT (the device tool's folder that comes back: at most 8), else ./gpu-out; the last lines
-#    (also summary.txt) say what held.
+# bench: bench_cuda.py's checks (PASS/FAIL) and timed tables (issue 28's flags, lean state,
+# compiled mixed precision), then its --profile. train: train.py on the machine's device, one
+# process: the debug job, mixed precision with remainders + bf16 moments compiled, and the
+# in-backward job, 30 steps with checkpoints every 10, then the same command resumed from
+# step 20 must log steps 21-30 as the first run did (loss, grad norm, ...). Files go to $OUT
+# (the device tool's folder that comes back: at most 8), else ./gpu-out; the last lines (also
+# summary.txt) say what held.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -23,12 +25,16 @@ steps=30
 every=$((steps / 3))
 summary=()
 
+parts=${1:-bench train}
+
 summary+=("$($py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")")
-timeout 420 $py benchmarks/bench_cuda.py $quick 2>&1 | tee "$out/bench_cuda.txt"
-summary+=("bench_cuda: exit ${PIPESTATUS[0]}, $(grep -c '^PASS' "$out/bench_cuda.txt") PASS, $(grep -c '^FAIL' "$out/bench_cuda.txt") FAIL")
-timeout 180 $py benchmarks/bench_cuda.py $quick --profile > "$out/profile.txt" 2>&1
-summary+=("bench_cuda --profile: exit $?")
+if [[ $parts == *bench* ]]; then
+    timeout 400 $py benchmarks/bench_cuda.py $quick 2>&1 | tee "$out/bench_cuda.txt"
+    summary+=("bench_cuda: exit ${PIPESTATUS[0]}, $(grep -c '^PASS' "$out/bench_cuda.txt") PASS, $(grep -c '^FAIL' "$out/bench_cuda.txt") FAIL")
+    timeout 170 $py benchmarks/bench_cuda.py $quick --profile > "$out/profile.txt" 2>&1
+    summary+=("bench_cuda --profile: exit $?")
+fi
 
 # A run's log lines of the steps after 2/3 of the run, without what may differ on a resume
 # (the time, speed and memory fields).
@@ -49,10 +55,10 @@ resumes() {
     local args=(--job.dump_folder "$dump" --training.steps "$steps" --metrics.log_freq 1
         --lr_scheduler.warmup_steps 2 --checkpoint.enable --checkpoint.interval "$every" "$@")
     [ -n "$quick" ] && args+=(--model.flavor tiny --training.seq_len 32 --training.local_batch_size 2)
-    timeout 240 $py train.py "${args[@]}" > "$dump/first.log" 2>&1
+    timeout 90 $py train.py "${args[@]}" > "$dump/first.log" 2>&1
     local first=$?
     rm -rf "$dump/checkpoint/step-$steps"
-    timeout 240 $py train.py "${args[@]}" > "$dump/resumed.log" 2>&1
+    timeout 90 $py train.py "${args[@]}" > "$dump/resumed.log" 2>&1
     local second=$?
     { echo "== first run"; cat "$dump/first.log"; echo "== resumed"; cat "$dump/resumed.log"; } \
         > "$out/$name.log"
@@ -63,10 +69,12 @@ resumes() {
     summary+=("$same  train.py $name: exits $first/$second, steps $((2 * every + 1))-$steps of the resumed run as the first's ($(echo "$b" | grep -c .) lines)")
 }
 
-resumes debug --job.config_file config/debug.toml
-resumes lean_mixed_precision --job.config_file config/mixed_precision.toml \
-    --mixed_precision.compile --mixed_precision.store_param_remainders \
-    --optimizer.moment_dtype bfloat16
-resumes in_backward --job.config_file config/in_backward.toml
+if [[ $parts == *train* ]]; then
+    resumes debug --job.config_file config/debug.toml
+    resumes lean_mixed_precision --job.config_file config/mixed_precision.toml \
+        --mixed_precision.compile --mixed_precision.store_param_remainders \
+        --optimizer.moment_dtype bfloat16
+    resumes in_backward --job.config_file config/in_backward.toml
+fi
 
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
