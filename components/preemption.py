@@ -84,10 +84,13 @@ class StopRequest:
 
 
 def watch_parent(poll_seconds: float = 0.5) -> None:
-    """Exit this process soon after its launcher dies (only under a launcher)."""
+    """Exit this process soon after its launcher dies (only under a launcher), also one that
+    died before this ran (while the rank imported torch): train.py's launcher names its pid
+    (`LAUNCHER_ENV`); under torchrun, which names none, the parent at this call is watched."""
     if not any(v in os.environ for v in _LAUNCHED_BY):
         return
-    parent = os.getppid()
+    ours = os.environ.get(LAUNCHER_ENV, "")
+    parent = int(ours) if ours.isdigit() else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -382,6 +382,31 @@ def test_sigkill_of_the_launcher_alone_leaves_no_rank_alive(tmp_path, torchrun):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_ranks_whose_launcher_died_while_they_started_exit(tmp_path):
+    """train.py's launcher SIGKILLed as soon as its ranks exist (still importing torch): they
+    exit as they reach train.main, rather than wait for the process group until the init
+    timeout (300 s) with the launcher's store gone."""
+    proc = start(2, [*BASE, "--job.dump_folder", str(tmp_path), *LONG], torchrun=False)
+    ranks: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline, "the launcher started no ranks"
+            ranks = worker_pids(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks.values()):
+            assert time.monotonic() < deadline, "a rank started by a dead launcher lives on"
+            time.sleep(0.05)
+        assert not (tmp_path / "checkpoint").exists()
+    finally:
+        kill_tree(proc.pid)
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
