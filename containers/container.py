@@ -276,11 +276,8 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         if self.max_norm is not None and kernels:
             # Squares summed in fp64 cannot overflow: the norm is finite iff every gradient
             # is, so it is the exact flag itself (no second pass, no host decision).
-            norm = self.precision.grad_norm(params, self.global_norm, exact=True)
-            found = (~norm.isfinite()).float()
-            if self._local_norm:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            return self._left_to_kernels(found, norm.float())
+            norm, found = self._norm_and_flag(params, exact=True)
+            return self._left_to_kernels(found.float(), norm.float())
         if self.max_norm is not None:
             norm, value, finite = self._measure(params)
         elif self.skip_nonfinite:

@@ -107,13 +107,21 @@ class Decision:
         sync. Where it is not finite, it is measured again in fp64 (`exact`), where only a
         non-finite gradient makes it so (a finite one beyond ~1.8e19 overflows fp32 squares:
         it must neither skip the step nor zero the clip)."""
+        norm, bad = self._norm_and_flag(params, exact)
+        value, skip = torch.stack([norm, bad]).tolist()
+        if skip and self.skip_nonfinite and not exact:
+            return self._measure(params, exact=True)
+        return norm.float(), value, not (skip and self.skip_nonfinite)
+
+    def _norm_and_flag(
+        self, params: list[torch.Tensor], exact: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global norm (`exact`: squares summed in fp64) and whether it is not finite (a
+        device tensor of the norm's dtype), no host sync."""
         norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
         bad = (~norm.isfinite()).to(norm.dtype)
         if self.skip_nonfinite and self._local_norm:
             # Plain tensors without a mesh keep a local norm, as torch's clip does; the
             # skip must still be the world's, or the ranks' trainers would part ways.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        value, skip = torch.stack([norm, bad]).tolist()
-        if skip and self.skip_nonfinite and not exact:
-            return self._measure(params, exact=True)
-        return norm.float(), value, not (skip and self.skip_nonfinite)
+        return norm, bad
