@@ -369,17 +369,9 @@ def test_sigkill_of_the_launcher_alone_leaves_no_rank_alive(tmp_path, torchrun):
         _wait_for_steps(proc, tmp_path)
         ranks = worker_pids(proc.pid)
         assert len(ranks) == 2
-        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: ranks run in their own sessions
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in ranks.values()):
-            assert time.monotonic() < deadline, "a rank outlived its launcher by 10 s"
-            time.sleep(0.05)
+        _kill_launcher_alone(proc, ranks, within=10)
     finally:
-        kill_tree(proc.pid)
-        for pid in ranks.values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _end(proc, ranks)
 
 
 def test_ranks_whose_launcher_died_while_they_started_exit(tmp_path):
@@ -393,18 +385,29 @@ def test_ranks_whose_launcher_died_while_they_started_exit(tmp_path):
         while len(ranks) < 2:
             assert time.monotonic() < deadline, "the launcher started no ranks"
             ranks = worker_pids(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks.values()):
-            assert time.monotonic() < deadline, "a rank started by a dead launcher lives on"
-            time.sleep(0.05)
+        _kill_launcher_alone(proc, ranks, within=30)
         assert not (tmp_path / "checkpoint").exists()
     finally:
-        kill_tree(proc.pid)
-        for pid in ranks.values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _end(proc, ranks)
+
+
+def _kill_launcher_alone(proc: subprocess.Popen, ranks: dict[int, int], within: float) -> None:
+    """SIGKILL the launcher only (its ranks run in their own sessions); every rank must have
+    ended `within` seconds later."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + within
+    while any(_alive(pid) for pid in ranks.values()):
+        assert time.monotonic() < deadline, f"a rank outlived its launcher by {within} s"
+        time.sleep(0.05)
+
+
+def _end(proc: subprocess.Popen, ranks: dict[int, int]) -> None:
+    """Whatever is left of a launcher and its ranks, killed."""
+    kill_tree(proc.pid)
+    for pid in ranks.values():
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
