@@ -589,6 +589,16 @@ COMPILED = {
         torch.bfloat16, _compiled("float32", max_norm=None), MP, ("", "")
     ),
 }  # fmt: skip
+LEAN = {
+    FP32: CONTENDERS[FP32],
+    "AdamW, bf16 moments": CONTENDERS["AdamW, bf16 moments, one pass"],
+    MP: CONTENDERS[MP],
+    "mixed precision, remainders + bf16 moments": CONTENDERS[
+        "mixed precision, remainders + bf16 moments, one pass"
+    ],
+}
+"""`bench_lean_state.py`'s rows that a GPU times (its through-scratch/one-pass pairs are the
+CPU's question: `containers.optim.cpu_adam`)."""
 ISSUE_25 = {MP: " <= 2.00", "mixed precision, fp32 masters + moments, compile": " <= 1.20"}
 """Issue 25's goals against one fp32 fused AdamW: eager mixed precision, compiled."""
 
@@ -598,9 +608,9 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     step (`[mixed_precision] compile = true`) with fp32 and bf16 moments."""
     # (compiled rows on a GPU only: on a CPU inductor's first compile takes longer than the
     # smoke run, and its figures are another question, bench_mixed_precision.py's)
-    contenders = {**CONTENDERS, **(COMPILED if device.type == "cuda" else {})}
+    contenders = {**LEAN, **(COMPILED if device.type == "cuda" else {})}
     runs = {}
-    for name, (dtype, build, _, _) in contenders.items():
+    for name, (dtype, build, *_) in contenders.items():
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device, dtype)
         runs[name] = (model, build(model))
@@ -621,7 +631,7 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
 
     times = _interleaved(device, {n: stepper(*r) for n, r in runs.items()}, repeats, 5)
     rows = []
-    for name, (_, _, baseline, goals) in contenders.items():
+    for name, (_, _, baseline, goals, *_) in contenders.items():
         param_bytes, kept = steady_bytes(*runs[name])
         t, t0 = statistics.median(times[name]), statistics.median(times[baseline or name])
         rows.append(

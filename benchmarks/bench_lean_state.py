@@ -47,6 +47,7 @@ from containers import (  # noqa: E402
     load_planner,
 )
 from containers.norm import SCRATCH_NUMEL, local  # noqa: E402
+from containers.optim import cpu_adam  # noqa: E402
 
 POLICIES = {"float32": "fp32 moments (today)", "bfloat16": "bf16 moments"}
 DEBUG = ["--job.config_file", "config/debug.toml"]
@@ -74,18 +75,24 @@ def _mixed(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
     return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
-# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param)
+# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param,
+# whether `containers.optim.cpu_adam` may step it: False times torch's path through scratch)
+TODAY, MP_TODAY = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
 CONTENDERS = {
-    "AdamW, fp32 moments (today)": (torch.float32, _default(False), None, ("", "")),
-    "AdamW, bf16 moments": (
-        torch.float32, _default(True), "AdamW, fp32 moments (today)", ("<= 4.2", "")
+    TODAY: (torch.float32, _default(False), None, ("", ""), False),
+    "AdamW, bf16 moments, through fp32 scratch (before)": (
+        torch.float32, _default(True), TODAY, ("<= 4.2", ""), False
     ),
-    "mixed precision, fp32 masters + moments (today)": (
-        torch.bfloat16, _mixed(False), None, ("", "")
+    "AdamW, bf16 moments, one pass": (torch.float32, _default(True), TODAY, ("<= 4.2", ""), True),
+    MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", ""), False),
+    "mixed precision, fp32 masters + moments, one pass": (
+        torch.bfloat16, _mixed(False), MP_TODAY, ("", ""), True
     ),
-    "mixed precision, remainders + bf16 moments": (
-        torch.bfloat16, _mixed(True), "mixed precision, fp32 masters + moments (today)",
-        ("", "<= 8.5"),
+    "mixed precision, remainders + bf16 moments, through fp32 scratch (before)": (
+        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5"), False
+    ),
+    "mixed precision, remainders + bf16 moments, one pass": (
+        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5"), True
     ),
 }  # fmt: skip
 
@@ -112,7 +119,7 @@ def steady_bytes(model: nn.Module, opt: OptimizersContainer) -> tuple[int, int]:
 def step_table(width: int, layers: int, repeats: int, steps: int) -> str:
     torch.set_num_threads(1)
     runs = {}
-    for name, (dtype, build, _, _) in CONTENDERS.items():
+    for name, (dtype, build, *_) in CONTENDERS.items():
         model = _model(width, layers, dtype)
         runs[name] = (model, build(model))
     numel = sum(p.numel() for p in runs[next(iter(runs))][0].parameters())
@@ -122,16 +129,18 @@ def step_table(width: int, layers: int, repeats: int, steps: int) -> str:
         order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
         for name in order:
             model, opt = runs[name]
+            one_pass = CONTENDERS[name][4]
             elapsed = 0.0
             for k in range(steps + 1):  # the first makes the state
                 for p, g in zip(model.parameters(), grads):
                     p.grad = g.to(p.dtype)  # fresh, as backward gives: the step frees it
-                start = time.perf_counter()
-                opt.step()
-                elapsed += (time.perf_counter() - start) if k else 0.0
+                with contextlib.nullcontext() if one_pass else cpu_adam.disabled():
+                    start = time.perf_counter()
+                    opt.step()
+                    elapsed += (time.perf_counter() - start) if k else 0.0
             times[name].append(elapsed / steps)
     rows = []
-    for name, (_, _, baseline, goals) in CONTENDERS.items():
+    for name, (_, _, baseline, goals, _) in CONTENDERS.items():
         param_bytes, kept = steady_bytes(*runs[name])
         base_bytes, base_kept = steady_bytes(*runs[baseline or name])
         t, t0 = statistics.median(times[name]), statistics.median(times[baseline or name])

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from containers.norm import local, scratch
+from containers.optim import cpu_adam
 from containers.optim.compiled_adam import compiled_adam
 from containers.precision import remainders as rem
 
 if TYPE_CHECKING:
     from containers.precision.flat_adam import FlatGroup
 
-__all__ = ["step_chunks", "step_compiled"]
+__all__ = ["step_chunks", "step_compiled", "step_one_pass"]
 
 
 def step_compiled(
@@ -68,6 +69,10 @@ def step_chunks(
     """`FlatGroup.step`'s eager path (its counts already advanced): torch's fused kernel
     over fp32 scratch, chunk by chunk; drops each gradient once it is cast. Where `found_inf`
     is set the kernel changes nothing (masters and moments round-trip exactly)."""
+    lib = cpu_adam.kernel() if _one_pass(flat, grads, found_inf) else None
+    if lib is not None:
+        step_one_pass(lib, flat, group, decoupled, factor, grads, found_inf)
+        return
     buf = flat.buffers
     beta1, beta2 = group["betas"]
     update = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -112,3 +117,51 @@ def step_chunks(
             buf["remainder"][start:stop].copy_(master.view(torch.int32))
         else:
             torch._foreach_copy_(cast_to, flat.pieces(c, flat.cast_from))
+
+
+def step_one_pass(
+    lib: cpu_adam.Library,
+    flat: FlatGroup,
+    group: dict,
+    decoupled: bool,
+    factor: float,
+    grads: list[torch.Tensor | None],
+    found_inf: torch.Tensor | None,
+) -> None:
+    """`step_chunks`' result on a CPU in one pass a tensor (`containers.optim.cpu_adam`):
+    each gradient read where it lies, masters (or parameters and remainders) and moments read
+    and written in their own dtypes, no scratch; drops each gradient once it is stepped."""
+    buf = flat.buffers
+    beta1, beta2 = group["betas"]
+    hyper = cpu_adam.settings(
+        lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+        eps=group["eps"], step=float(buf["step"][0]), factor=factor,
+    )  # fmt: skip
+    kept = "remainder" if flat.remainders else "master"
+    views = flat.views
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        cpu_adam.update(
+            lib, hyper, grad=g, exp_avg=views["exp_avg"][i], exp_avg_sq=views["exp_avg_sq"][i],
+            param=local(flat.model[i]), **{kept: views[kept][i]}, adamw=decoupled,
+            maximize=group.get("maximize", False), found_inf=found_inf,
+        )  # fmt: skip
+        grads[i] = None
+        flat.model[i].grad = None
+
+
+def _one_pass(
+    flat: FlatGroup, grads: list[torch.Tensor | None], found_inf: torch.Tensor | None
+) -> bool:
+    """Whether `step_one_pass` can step `flat` now: on a CPU, bf16 parameters, fp32 or bf16
+    gradients, every tensor contiguous, the flag (if any) an fp32 value in host memory."""
+    if flat.buffers["exp_avg"].device.type != "cpu" or flat._low_dtype != torch.bfloat16:
+        return False
+    if found_inf is not None and found_inf.dtype != torch.float32:
+        return False
+    wanted = (torch.float32, torch.bfloat16)
+    return all(
+        g is None or (g.dtype in wanted and g.is_contiguous() and local(p).is_contiguous())
+        for g, p in zip(grads, flat.model)
+    )

@@ -1,0 +1,137 @@
+/* One Adam/AdamW update in one pass over the storage a container keeps on a CPU: fp32 or bf16
+ * gradients, fp32 masters (and a bf16 copy of them) or bf16 parameters with 16-bit remainders,
+ * fp32 or bf16 moments. The arithmetic is fp32 and, operation for operation and rounding for
+ * rounding, that of the vector loop of torch's fused CPU kernel (`torch._fused_adam(w)_`);
+ * `cpu_adam.py` builds this file, checks that claim against the installed torch before using
+ * it, and says why it exists. Compiled with -ffp-contract=off: every fused multiply-add below
+ * is written out, and no other may be formed. */
+#include <math.h>
+#include <stdint.h>
+
+typedef union {
+  float f;
+  uint32_t u;
+} Bits;
+
+static inline float widen(uint16_t b) {
+  Bits x;
+  x.u = (uint32_t)b << 16;
+  return x.f;
+}
+
+/* To bf16, rounding to nearest even as torch's copy does; NaN becomes 0xFFFF (its vector path). */
+static inline uint16_t narrow(float f) {
+  Bits x;
+  x.f = f;
+  uint32_t r = (x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16;
+  return f != f ? (uint16_t)0xFFFF : (uint16_t)r;
+}
+
+typedef struct {
+  float factor, sign, wd, decay, coeff, b2, c2, bc2s, eps, neg_step;
+  int small;
+} Consts;
+
+enum { MASTER = 0, MASTER_AND_PARAM = 1, REMAINDER = 2 };
+
+/* Always inlined with constant kinds, so each combination is its own vectorized loop. */
+static inline __attribute__((always_inline)) void update(
+    int64_t n, float *restrict master, int16_t *restrict rem, uint16_t *restrict param,
+    const void *restrict grad, void *restrict exp_avg, void *restrict exp_avg_sq,
+    const Consts *k, const int bf16_grad, const int bf16_moments, const int mode, const int l2) {
+  const float factor = k->factor, sign = k->sign, wd = k->wd, decay = k->decay;
+  const float coeff = k->coeff, b2 = k->b2, c2 = k->c2, bc2s = k->bc2s, eps = k->eps;
+  const float neg_step = k->neg_step;
+  const int small = k->small;
+  const uint16_t *g16 = grad;
+  const float *g32 = grad;
+  uint16_t *m16 = exp_avg, *v16 = exp_avg_sq;
+  float *m32 = exp_avg, *v32 = exp_avg_sq;
+  for (int64_t i = 0; i < n; i++) {
+    /* (x 1.0f is exact: no branch for an unscaled or minimized gradient) */
+    float g = (bf16_grad ? widen(g16[i]) : g32[i]) * factor * sign;
+    float p;
+    if (mode == REMAINDER) {
+      /* the master's bits: the parameter's, shifted up, plus the signed remainder */
+      Bits x;
+      x.u = ((uint32_t)param[i] << 16) + (uint32_t)(int32_t)rem[i];
+      p = x.f;
+    } else {
+      p = master[i];
+    }
+    if (l2)
+      g = fmaf(p, wd, g); /* Adam's L2 term, contracted as torch's build contracts it */
+    else
+      p = p * decay; /* AdamW (1.0f without weight decay) */
+    float m = bf16_moments ? widen(m16[i]) : m32[i];
+    float v = bf16_moments ? widen(v16[i]) : v32[i];
+    /* m.lerp_(g, 1 - beta1), from the nearer end */
+    m = fmaf(coeff, g - m, small ? m : g);
+    v = fmaf(c2 * g, g, v * b2);
+    p = p + neg_step * m / (sqrtf(v) / bc2s + eps);
+    if (bf16_moments) {
+      m16[i] = narrow(m);
+      v16[i] = narrow(v);
+    } else {
+      m32[i] = m;
+      v32[i] = v;
+    }
+    if (mode == REMAINDER) {
+      /* round half away from zero into the parameter; what is left is the remainder */
+      Bits x;
+      x.f = p;
+      int32_t high = (int32_t)(x.u + 0x8000u) >> 16;
+      rem[i] = (int16_t)(x.u - ((uint32_t)high << 16));
+      param[i] = (uint16_t)high;
+    } else {
+      master[i] = p;
+      if (mode == MASTER_AND_PARAM) param[i] = narrow(p);
+    }
+  }
+}
+
+#define CASE(g, m, mode, l2)                                                                  \
+  case (g) | (m) << 1 | (mode) << 2 | (l2) << 4:                                             \
+    update(n, master, rem, param, grad, exp_avg, exp_avg_sq, &k, g, m, mode, l2);            \
+    break;
+#define CASES_MODE(g, m, l2) CASE(g, m, MASTER, l2) CASE(g, m, MASTER_AND_PARAM, l2) CASE(g, m, REMAINDER, l2)
+#define CASES_MOMENTS(g, l2) CASES_MODE(g, 0, l2) CASES_MODE(g, 1, l2)
+#define CASES(l2) CASES_MOMENTS(0, l2) CASES_MOMENTS(1, l2)
+
+/* The argument layout below; cpu_adam.py refuses a library whose number differs from its own. */
+int oc_adam_abi(void) { return 1; }
+
+/* hyper: lr, beta1, beta2, weight_decay, eps, step, factor, in double as torch's kernel takes
+ * them; flags: bit 0 AdamW, bit 1 maximize; kinds: bit 0 bf16 gradients, bit 1 bf16 moments,
+ * bits 2-3 the mode. Returns 1 (nothing written) where *found_inf is set, -1 for unknown kinds,
+ * else 0. */
+int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
+            void *exp_avg, void *exp_avg_sq, const double *hyper, int flags, int kinds,
+            const float *found_inf) {
+  if (found_inf && *found_inf != 0.0f) return 1;
+  const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], wd = hyper[3];
+  const double eps = hyper[4], step = hyper[5];
+  const int adamw = flags & 1, l2 = !adamw && wd != 0.0;
+  /* the scalars in double, then each rounded once to float, as torch's kernel has them */
+  const double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
+  const float w = (float)(1 - beta1);
+  Consts k;
+  k.factor = (float)hyper[6];
+  k.sign = (flags & 2) ? -1.0f : 1.0f;
+  k.wd = (float)wd;
+  k.decay = adamw && wd != 0.0 ? (float)(1 - lr * wd) : 1.0f;
+  k.small = fabsf(w) < 0.5f;
+  k.coeff = k.small ? w : w - 1.0f;
+  k.b2 = (float)beta2;
+  k.c2 = (float)(1 - beta2);
+  k.bc2s = (float)sqrt(bc2);
+  k.eps = (float)eps;
+  k.neg_step = (float)(-(lr / bc1));
+  switch (kinds | l2 << 4) {
+    CASES(0)
+    CASES(1)
+    default:
+      return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,365 @@
+"""Adam/AdamW on a CPU in one pass over lean or mixed-precision storage (`cpu_adam.c`).
+
+Torch's CPU kernels step fp32 parameters only beside fp32 moments, so lean state on a CPU went
+through fp32 scratch: widen the bf16 moments, run `torch._fused_adamw_`, round them back (and
+for mixed precision: cast the gradients in, join the remainders, split them, copy the masters
+out), a pass of memory traffic each. That made a step with half the state 1.3-2x slower than
+today's fp32 one (benchmarks/README.md). `cpu_adam.c` reads and writes each element's storage
+once, in its own dtype, and computes exactly what the vector loop of torch's fused kernel
+computes on the widened values, so every container's result stays bitwise what it was, at
+0.80x (AdamW, bf16 moments) and 0.85x (mixed precision, remainders) today's fp32 step.
+
+What keeps a runtime-built kernel safe here (each point tested):
+- Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), with
+  the system's C compiler (`$CC`, split as a shell would, else `cc`; plain C99 on one thread,
+  used where torch steps on one thread: no OpenMP runtime beside torch's), for this CPU
+  (`-march=native`), cached by source, compiler and CPU in a directory that must belong to
+  this user and be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
+  `~/.cache/optimizer-containers`); written under a temporary name and renamed, so ranks that
+  build at once each see a whole file; a cached file that does not load is built again.
+- Before use, its argument layout number (`oc_adam_abi`) must be this module's, and a
+  self-check steps random values through it and through torch's fused kernel: it is used only
+  if they agree bit for bit (a torch built with other contractions falls back, never drifts).
+- Every call checks what the C code trusts: devices, dtypes, contiguity and that every tensor
+  has the gradient's numel, raising ValueError before anything is written.
+- Any failure to build or load (no compiler, a failed build, a foreign cache, a failed check):
+  one warning line, and torch's path as before. `OPTIMIZER_CONTAINERS_CPU_ADAM=0`, or
+  `disabled()`, chooses torch's path (benchmarks time both side by side).
+
+Torch's fused kernel runs each tensor's last `numel % 16` elements through a scalar loop whose
+roundings depend on how torch was compiled; callers step those through torch (`body_numel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "Library",
+    "Settings",
+    "body_numel",
+    "cached",
+    "disabled",
+    "kernel",
+    "library",
+    "load",
+    "settings",
+    "update",
+]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-std=c99", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno")
+ABI = 1
+"""The argument layout `update` passes; the library's `oc_adam_abi()` must return it."""
+HYPER = 7
+"""Doubles in `Settings`: lr, beta1, beta2, weight_decay, eps, step, factor."""
+VECTOR = 16
+"""Elements of torch's fused kernel's vector loop: it steps the rest of a tensor apart."""
+
+MASTER, MASTER_AND_PARAM, REMAINDER = 0, 1, 2
+
+Settings = ctypes.Array
+"""A group's hyperparameters packed for the kernel (`settings`)."""
+Library = ctypes.CDLL
+"""The built kernel (`kernel()`)."""
+
+_state: dict[str, Library | None] = {}  # "lib": the checked library, or None
+_off = [os.environ.get("OPTIMIZER_CONTAINERS_CPU_ADAM", "1") == "0"]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within: `kernel()` is None, so every caller takes torch's path."""
+    before, _off[0] = _off[0], True
+    try:
+        yield
+    finally:
+        _off[0] = before
+
+
+def kernel() -> Library | None:
+    """The kernel where it is the faster path: `library()` while torch steps on one CPU
+    thread (as the trainer's ranks do: OMP_NUM_THREADS=1), else None. With more threads
+    torch's kernels split each pass over them, and the one pass stays on one thread: a split
+    of our own would share the cores with torch's OpenMP workers, which spin after each
+    parallel region (measured: 2 threads 1.38 ms where 1 took 1.26)."""
+    return library() if torch.get_num_threads() == 1 else None
+
+
+def library() -> Library | None:
+    """The built and self-checked kernel (built at the first call), or None (not usable
+    here, or `disabled`)."""
+    if _off[0]:
+        return None
+    if "lib" not in _state:
+        _state["lib"] = load(SOURCE)
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def body_numel(n: int) -> int:
+    """Of `n` elements, how many torch's fused kernel steps in its vector loop."""
+    return n - n % VECTOR
+
+
+def settings(
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    step: float,
+    factor: float = 1.0,
+) -> Settings:
+    """Hyperparameters for `update`, as torch's fused kernel takes them (`step` the count
+    after this step's increment; `factor` multiplies each gradient first)."""
+    values = (float(lr), beta1, beta2, weight_decay, eps, float(step), factor)
+    return (ctypes.c_double * HYPER)(*values)
+
+
+def update(
+    lib: Library,
+    hyper: Settings,
+    *,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    master: torch.Tensor | None = None,
+    param: torch.Tensor | None = None,
+    remainder: torch.Tensor | None = None,
+    adamw: bool,
+    maximize: bool = False,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """One update of contiguous CPU tensors of one numel: `master` (fp32) in place, and
+    `param` (bf16) set to it rounded; or with `remainder` (int16), the master held as `param`
+    and `remainder` (`containers.precision.remainders`). Gradients fp32 or bf16, moments
+    fp32 or bf16. Nothing is written where `found_inf` (one fp32 value on the CPU) is set.
+
+    Raises:
+        ValueError: a tensor the kernel would misread (device, dtype, layout, numel), before
+            anything is written.
+    """
+    mode = REMAINDER if remainder is not None else MASTER if param is None else MASTER_AND_PARAM
+    tensors = (master, remainder, param, grad, exp_avg, exp_avg_sq)
+    _check(tensors, mode, found_inf, hyper)
+    kinds = (grad.dtype == torch.bfloat16) | (exp_avg.dtype == torch.bfloat16) << 1 | mode << 2
+    flags = int(adamw) | int(maximize) << 1
+    flag = found_inf.data_ptr() if found_inf is not None else None
+
+    ptrs = [t.data_ptr() if t is not None else None for t in tensors]
+    lib.oc_adam(grad.numel(), *ptrs, hyper, flags, kinds, flag)
+
+
+_NAMES = ("master", "remainder", "param", "grad", "exp_avg", "exp_avg_sq")
+_FLOATS = (torch.float32, torch.bfloat16)
+_WANTED = {  # mode -> the dtypes each of _NAMES may have (None: not given)
+    MASTER: ((torch.float32,), None, None, _FLOATS, _FLOATS, _FLOATS),
+    MASTER_AND_PARAM: ((torch.float32,), None, (torch.bfloat16,), _FLOATS, _FLOATS, _FLOATS),
+    REMAINDER: (None, (torch.int16,), (torch.bfloat16,), _FLOATS, _FLOATS, _FLOATS),
+}
+
+
+def _check(
+    tensors: tuple[torch.Tensor | None, ...],
+    mode: int,
+    found_inf: torch.Tensor | None,
+    hyper: Settings,
+) -> None:
+    """Raise ValueError unless every tensor is what `oc_adam` will read and write (a few
+    microseconds a call: the checks are the cheap ones, the message is made on failure)."""
+    n = tensors[3].numel()  # type: ignore[union-attr]
+    for name, t, dtypes in zip(_NAMES, tensors, _WANTED[mode]):
+        if t is None or dtypes is None:
+            if t is not dtypes:  # one given, the other not
+                raise ValueError(
+                    "cpu_adam.update: give master (and param, to set it to the master "
+                    f"rounded), or param and remainder; {name} is "
+                    f"{'missing' if t is None else 'extra'}"
+                )
+        elif t.dtype not in dtypes or not t.is_cpu or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(_misread(name, t, dtypes, n))
+    if tensors[5].dtype != tensors[4].dtype:  # type: ignore[union-attr]
+        raise ValueError(
+            f"cpu_adam.update: exp_avg_sq is a {tensors[5].dtype} tensor and exp_avg a "  # type: ignore[union-attr]
+            f"{tensors[4].dtype} one; both moments have one dtype"  # type: ignore[union-attr]
+        )
+    if found_inf is not None and (
+        found_inf.dtype != torch.float32 or not found_inf.is_cpu or found_inf.numel() != 1
+    ):
+        raise ValueError(
+            f"cpu_adam.update: found_inf is {found_inf.dtype} x {found_inf.numel()} on "
+            f"{found_inf.device}; expected one float32 value on the CPU"
+        )
+    if not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
+        raise ValueError(f"cpu_adam.update: hyper is {hyper!r}; make it with settings()")
+
+
+def _misread(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], n: int) -> str:
+    if t.numel() != n:
+        return (
+            f"cpu_adam.update: {name} has {t.numel()} elements and grad {n}; every tensor of "
+            "one update has the same number"
+        )
+    return (
+        f"cpu_adam.update: {name} is a {t.dtype} tensor on {t.device} (contiguous: "
+        f"{t.is_contiguous()}); expected a contiguous CPU tensor of "
+        f"{' or '.join(map(str, dtypes))}"
+    )
+
+
+def load(source: Path) -> Library | None:
+    """`source` built (or taken from the cache), loaded and checked; None, with one warning
+    line saying why, if any of that fails."""
+    try:
+        lib = _open(source)
+    except Exception as e:  # every failure to build or load is a fallback, never a crash
+        logger.warning("cpu_adam: not used (%s); CPU lean steps take torch's slower path", e)
+        return None
+    bad = _self_check(lib)
+    if bad:
+        logger.warning(
+            "cpu_adam: disagrees with this torch's fused Adam/AdamW kernel (%s); CPU lean "
+            "steps take torch's slower path",
+            bad,
+        )
+        return None
+    return lib
+
+
+def _open(source: Path) -> Library:
+    """The library of `source` from the cache, built if it is not there or does not load."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    target = cached(cc, source)
+    if not _ours(target):
+        _compile(cc, source, target)
+    try:
+        return _dlopen(target)
+    except (OSError, AttributeError) as e:
+        logger.warning("cpu_adam: cached %s did not load (%s); building it again", target, e)
+        target.unlink()
+        _compile(cc, source, target)
+        return _dlopen(target)
+
+
+def cached(cc: list[str], source: Path) -> Path:
+    """Where the library of `source` built by `cc` for this CPU is kept."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, check=True, timeout=60)
+    key = hashlib.sha256(
+        source.read_bytes() + version.stdout + shlex.join(cc + list(FLAGS)).encode()
+    )
+    key.update((platform.machine() + _cpu_flags()).encode())
+    return _cache() / f"cpu_adam-{key.hexdigest()[:16]}.so"
+
+
+def _dlopen(target: Path) -> Library:
+    lib = ctypes.CDLL(str(target))
+    lib.oc_adam_abi.restype = ctypes.c_int
+    if lib.oc_adam_abi() != ABI:
+        # (not a broken file: building the same source again would not change it)
+        raise RuntimeError(f"{target} has argument layout {lib.oc_adam_abi()}, this module's {ABI}")
+    fn = lib.oc_adam
+    fn.restype = ctypes.c_int
+    pointer = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int64, *[pointer] * 7, ctypes.c_int, ctypes.c_int, pointer]
+    return lib
+
+
+def _cache() -> Path:
+    """The cache directory, made private to this user if new; refused if another user owns
+    it or others may write to it (a library planted there would run inside the trainer)."""
+    given = os.environ.get("OPTIMIZER_CONTAINERS_CACHE")
+    if given:
+        path = Path(given)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME")
+        path = (Path(base) if base else Path.home() / ".cache") / "optimizer-containers"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(
+            f"cache {path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: "
+            f"it must be this user's ({os.getuid()}) and writable by no one else; set "
+            "OPTIMIZER_CONTAINERS_CACHE to such a directory"
+        )
+    return path
+
+
+def _ours(target: Path) -> bool:
+    """Whether `target` exists as this user's file that no one else may write (else it is
+    removed, to be built again)."""
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return False
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return True
+    target.unlink()
+    return False
+
+
+def _compile(cc: list[str], source: Path, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [*cc, *FLAGS, "-fPIC", "-shared", str(source), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise OSError(f"`{shlex.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("cpu_adam: built %s", target)
+
+
+def _cpu_flags() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    return platform.processor()
+
+
+def _self_check(lib: Library) -> str:
+    """'' if the kernel steps random values exactly as torch's fused kernel does on their
+    fp32 widening (AdamW and Adam with L2, minimized or not, bf16 moments and gradients),
+    else what differed."""
+    gen = torch.Generator().manual_seed(0)
+    n = 64 * VECTOR
+    for adamw in (True, False):
+        for maximize in (False, True):
+            p = torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen).bfloat16()
+            m = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+            v = (torch.rand(n, generator=gen) * 0.1).bfloat16()
+            hyper = dict(lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
+            wide = [p.clone(), m.float(), v.float()]
+            fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+            fused(
+                [wide[0]], [g.float() * 0.5], [wide[1]], [wide[2]], [], [torch.tensor(3.0)],
+                amsgrad=False, maximize=maximize, **hyper,
+            )  # fmt: skip
+            h = settings(step=3.0, factor=0.5, **hyper)
+            update(
+                lib, h, grad=g, exp_avg=m, exp_avg_sq=v, master=p, adamw=adamw, maximize=maximize
+            )
+            for name, ours, theirs in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), wide):
+                if not torch.equal(ours, theirs.to(ours.dtype)):
+                    return f"{name} (adamw={adamw}, maximize={maximize})"
+    return ""
