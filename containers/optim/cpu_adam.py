@@ -15,8 +15,9 @@ What keeps a runtime-built kernel safe here (each point tested):
   used where torch steps on one thread: no OpenMP runtime beside torch's), for this CPU
   (`-march=native`), cached by source, compiler and CPU in a directory that must belong to
   this user and be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
-  `~/.cache/optimizer-containers`); written under a temporary name and renamed, so ranks that
-  build at once each see a whole file; a cached file that does not load is built again.
+  `~/.cache/optimizer-containers/kernels`); written under a temporary name and renamed, so
+  ranks that build at once each see a whole file; a cached file that does not load is built
+  again.
 - Before use, its argument layout number (`oc_adam_abi`) must be this module's, and a
   self-check steps random values through it and through torch's fused kernel: it is used only
   if they agree bit for bit (a torch built with other contractions falls back, never drifts).
@@ -287,7 +288,8 @@ def _cache() -> Path:
         path = Path(given)
     else:
         base = os.environ.get("XDG_CACHE_HOME")
-        path = (Path(base) if base else Path.home() / ".cache") / "optimizer-containers"
+        # (a directory of its own: the data cache shares the parent, made with any umask)
+        path = (Path(base) if base else Path.home() / ".cache") / "optimizer-containers" / "kernels"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
