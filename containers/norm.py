@@ -268,11 +268,18 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
-    for t in [*tensors, None]:
-        if piece and (t is None or size + t.numel() > SCRATCH_NUMEL):
+    if not tensors:
+        return norms
+    # A tensor larger than the kept buffer goes in pieces of it: a larger buffer is a new
+    # allocation, on a CPU page-faulted in at every step (4 x 16 MiB: 19 ms of a 37 ms step).
+    kept = scratch_numel(tensors[0].device)
+    flat = (t.reshape(-1) for t in tensors)
+    cuts = (f[lo : lo + kept] for f in flat for lo in range(0, f.numel(), kept))
+    for t in [*cuts, None]:
+        if piece and (t is None or size + t.numel() > kept):
             buffer = scratch(piece[0].device, size)
             views = list(torch.split(buffer, [x.numel() for x in piece]))
-            torch._foreach_copy_(views, [x.reshape(-1) for x in piece])
+            torch._foreach_copy_(views, piece)
             norms.append(torch.dot(buffer, buffer))
             piece, size = [], 0
         if t is not None:
