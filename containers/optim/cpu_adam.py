@@ -7,7 +7,8 @@ out), a pass of memory traffic each. That made a step with half the state 1.3-2x
 today's fp32 one (benchmarks/README.md). `cpu_adam.c` reads and writes each element's storage
 once, in its own dtype, and computes exactly what the vector loop of torch's fused kernel
 computes on the widened values, so every container's result stays bitwise what it was, at
-0.80x (AdamW, bf16 moments) and 0.85x (mixed precision, remainders) today's fp32 step.
+0.80-0.94x (AdamW, bf16 moments) and 0.84-0.87x (mixed precision, remainders) today's fp32
+step at one thread.
 
 What keeps a runtime-built kernel safe here (each point tested):
 - Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), with

@@ -7,8 +7,8 @@ into fp32 scratch, stepped there with the parameter and gradient by torch's fuse
 nearest. So a lean step is, bit for bit, torch's fused step on the fp32 values of the bf16
 moments followed by rounding them (tests hold this), and the parameters themselves stay fp32.
 On a CPU `containers.optim.cpu_adam` computes the same bits in one pass over the bf16 moments
-(the widening and rounding passes cost more than the update: 1.6x the fp32 step, against
-0.85x), and torch's kernel steps only each tensor's last `numel % 16` elements.
+(the widening and rounding passes cost more than the update: 1.3-1.6x the fp32 step,
+against 0.8-0.94x), and torch's kernel steps only each tensor's last `numel % 16` elements.
 
 Neither torch's fused nor its foreach AdamW takes bf16 moments beside fp32 parameters on a CPU
 ("expected scalar type Float but found BFloat16"), and `Optimizer.load_state_dict` casts every
