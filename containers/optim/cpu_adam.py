@@ -57,6 +57,7 @@ __all__ = [
     "kernel",
     "library",
     "load",
+    "readable_flag",
     "settings",
     "update",
 ]
@@ -200,15 +201,20 @@ def _check(
             f"cpu_adam.update: exp_avg_sq is a {tensors[5].dtype} tensor and exp_avg a "  # type: ignore[union-attr]
             f"{tensors[4].dtype} one; both moments have one dtype"  # type: ignore[union-attr]
         )
-    if found_inf is not None and (
-        found_inf.dtype != torch.float32 or not found_inf.is_cpu or found_inf.numel() != 1
-    ):
+    if not readable_flag(found_inf):
         raise ValueError(
             f"cpu_adam.update: found_inf is {found_inf.dtype} x {found_inf.numel()} on "
             f"{found_inf.device}; expected one float32 value on the CPU"
         )
     if not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
         raise ValueError(f"cpu_adam.update: hyper is {hyper!r}; make it with settings()")
+
+
+def readable_flag(found_inf: torch.Tensor | None) -> bool:
+    """Whether `update` can read `found_inf`: none, or one fp32 value in host memory."""
+    return found_inf is None or (
+        found_inf.dtype == torch.float32 and found_inf.is_cpu and found_inf.numel() == 1
+    )
 
 
 def _misread(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], n: int) -> str:

@@ -219,7 +219,7 @@ def lean_adam(
         batch.clear()
         filled = 0
 
-    one_pass = not amsgrad and _flag_readable(found_inf)
+    one_pass = not amsgrad and cpu_adam.readable_flag(found_inf)
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         ms = [local(moment[i]) for moment in moments]
@@ -282,13 +282,6 @@ def step_compiled(
         )  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
-
-
-def _flag_readable(found_inf: torch.Tensor | None) -> bool:
-    """Whether `cpu_adam` can read `found_inf` (none, or one fp32 value in host memory)."""
-    return found_inf is None or (
-        found_inf.device.type == "cpu" and found_inf.dtype == torch.float32
-    )
 
 
 def _step_whole(

@@ -2,7 +2,9 @@
 
 Eager (`step_chunks`): each chunk of low-precision gradients cast into fp32 scratch, multiplied
 (unscale x clip), stepped by one torch fused Adam/AdamW call on the chunk's flat slices (bf16
-moments and remainders widened into the scratch beside it) and written back.
+moments and remainders widened into the scratch beside it) and written back. On a CPU stepping
+on one thread the same bits come from one pass a tensor (`step_one_pass`,
+`containers.optim.cpu_adam`): each storage read and written once in its own dtype.
 
 Compiled (`step_compiled`, `[mixed_precision] compile = true` or `implementation =
 "compiled"`): one inductor graph (`containers.optim.compiled_adam`) over the group's tensors
@@ -158,7 +160,7 @@ def _one_pass(
     gradients, every tensor contiguous, the flag (if any) an fp32 value in host memory."""
     if flat.buffers["exp_avg"].device.type != "cpu" or flat._low_dtype != torch.bfloat16:
         return False
-    if found_inf is not None and found_inf.dtype != torch.float32:
+    if not cpu_adam.readable_flag(found_inf):
         return False
     wanted = (torch.float32, torch.bfloat16)
     return all(
