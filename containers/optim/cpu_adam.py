@@ -13,7 +13,7 @@ step at one thread.
 What keeps a runtime-built kernel safe here (each point tested):
 - Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), with
   the system's C compiler (`$CC`, split as a shell would, else `cc`; plain C99 on one thread,
-  used where torch steps on one thread: no OpenMP runtime beside torch's), for this CPU
+  used where torch steps on few, `MAX_THREADS`: no OpenMP runtime beside torch's), for this CPU
   (`-march=native`), cached by source, compiler and CPU in a directory that must belong to
   this user and be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
   `~/.cache/optimizer-containers/kernels`); written under a temporary name and renamed, so
@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "MAX_THREADS",
     "Library",
     "Settings",
     "body_numel",
@@ -73,6 +74,15 @@ HYPER = 7
 VECTOR = 16
 """Elements of torch's fused kernel's vector loop: it steps the rest of a tensor apart."""
 
+MAX_THREADS = 2
+"""The most torch threads at which the one pass (on one thread) is used. It stays on one
+thread: a split over threads of our own shares the cores with torch's OpenMP workers, which
+spin after each parallel region (2 threads 1.38 ms where 1 took 1.26, 2M elements). Yet at 2
+torch threads it still beats torch's kernels on both (AdamW, bf16 moments: 13.4 against 15.0
+ms; mixed precision, remainders + bf16 moments: 17.3 against 30.1; 16.8M parameters), since
+it moves 20-28 bytes a parameter where they move ~52 or more. Beyond 2, not measured here (a
+2-core machine): torch's kernels, which scale with the threads."""
+
 MASTER, MASTER_AND_PARAM, REMAINDER = 0, 1, 2
 
 Settings = ctypes.Array
@@ -95,12 +105,10 @@ def disabled() -> Iterator[None]:
 
 
 def kernel() -> Library | None:
-    """The kernel where it is the faster path: `library()` while torch steps on one CPU
-    thread (as the trainer's ranks do: OMP_NUM_THREADS=1), else None. With more threads
-    torch's kernels split each pass over them, and the one pass stays on one thread: a split
-    of our own would share the cores with torch's OpenMP workers, which spin after each
-    parallel region (measured: 2 threads 1.38 ms where 1 took 1.26)."""
-    return library() if torch.get_num_threads() == 1 else None
+    """The kernel where it is the faster path: `library()` while torch steps on at most
+    `MAX_THREADS` CPU threads (the trainer's ranks step on one: OMP_NUM_THREADS=1), else
+    None (torch's path)."""
+    return library() if torch.get_num_threads() <= MAX_THREADS else None
 
 
 def library() -> Library | None:

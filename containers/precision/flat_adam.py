@@ -10,7 +10,7 @@ them (`Tensor.set_`, so every holder of a master still holds it) and the optimiz
 entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
-chunk's flat slices (on a CPU stepping on one thread, the same bits in one pass a tensor:
+chunk's flat slices (on a CPU stepping on few threads, the same bits in one pass a tensor:
 `flat_step.step_one_pass`). With `[mixed_precision] compile = true` the group steps instead as one
 inductor graph over its tensors where they lie (`containers.precision.flat_step`): each
 gradient read once, masters, moments and parameters written in the same pass, no scratch; a

@@ -3,7 +3,7 @@
 Eager (`step_chunks`): each chunk of low-precision gradients cast into fp32 scratch, multiplied
 (unscale x clip), stepped by one torch fused Adam/AdamW call on the chunk's flat slices (bf16
 moments and remainders widened into the scratch beside it) and written back. On a CPU stepping
-on one thread the same bits come from one pass a tensor (`step_one_pass`,
+on few threads the same bits come from one pass a tensor (`step_one_pass`,
 `containers.optim.cpu_adam`): each storage read and written once in its own dtype.
 
 Compiled (`step_compiled`, `[mixed_precision] compile = true` or `implementation =
