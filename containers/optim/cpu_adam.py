@@ -13,7 +13,7 @@ step at one thread.
 What keeps a runtime-built kernel safe here (each point tested):
 - Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), with
   the system's C compiler (`$CC`, split as a shell would, else `cc`; plain C99 on one thread,
-  used where torch steps on few, `MAX_THREADS`: no OpenMP runtime beside torch's), for this CPU
+  used where torch steps on few, `kernel()`: no OpenMP runtime beside torch's), for this CPU
   (`-march=native`), cached by source, compiler and CPU in a directory that must belong to
   this user and be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
   `~/.cache/optimizer-containers/kernels`); written under a temporary name and renamed, so
@@ -75,12 +75,15 @@ VECTOR = 16
 """Elements of torch's fused kernel's vector loop: it steps the rest of a tensor apart."""
 
 MAX_THREADS = 2
-"""The most torch threads at which the one pass (on one thread) is used. It stays on one
-thread: a split over threads of our own shares the cores with torch's OpenMP workers, which
-spin after each parallel region (2 threads 1.38 ms where 1 took 1.26, 2M elements). Yet at 2
-torch threads it still beats torch's kernels on both (AdamW, bf16 moments: 13.4 against 15.0
-ms; mixed precision, remainders + bf16 moments: 17.3 against 30.1; 16.8M parameters), since
-it moves 20-28 bytes a parameter where they move ~52 or more. Beyond 2, not measured here (a
+"""The most torch threads at which the one pass (on one thread) steps lean storage. It stays
+on one thread: a split over threads of our own shares the cores with torch's OpenMP workers,
+which spin after each parallel region (2 threads 1.38 ms where 1 took 1.26, 2M elements). Yet
+at 2 torch threads it beats torch's kernels on lean state, which they widen through scratch
+(~52 bytes a parameter moved against 20-28): AdamW with bf16 moments 13.4 against 15.0 ms,
+mixed precision with remainders + bf16 moments 17.3 against 30.1 (4 x 4M parameters); 27.2
+against 28.8 and 20.3 against 34.0 on 291 transformer-shaped tensors (8.5M). fp32 state it
+steps at one thread only: at 2, torch's kernels were as fast on 4 x 4M (18.5 against 18.7 ms)
+and faster on the 291 tensors (15.8 against 16.9). Beyond 2 threads, not measured here (a
 2-core machine): torch's kernels, which scale with the threads."""
 
 MASTER, MASTER_AND_PARAM, REMAINDER = 0, 1, 2
@@ -104,11 +107,12 @@ def disabled() -> Iterator[None]:
         _off[0] = before
 
 
-def kernel() -> Library | None:
-    """The kernel where it is the faster path: `library()` while torch steps on at most
-    `MAX_THREADS` CPU threads (the trainer's ranks step on one: OMP_NUM_THREADS=1), else
-    None (torch's path)."""
-    return library() if torch.get_num_threads() <= MAX_THREADS else None
+def kernel(lean: bool = True) -> Library | None:
+    """The kernel where it is the faster path, else None (torch's path): `library()` while
+    torch steps on one CPU thread (the trainer's ranks: OMP_NUM_THREADS=1), and for `lean`
+    storage (bf16 moments or remainders, which torch's path widens through scratch) on up to
+    `MAX_THREADS`."""
+    return library() if torch.get_num_threads() <= (MAX_THREADS if lean else 1) else None
 
 
 def library() -> Library | None:

@@ -220,27 +220,33 @@ def lean_adam(
         filled = 0
 
     one_pass = not amsgrad and cpu_adam.readable_flag(found_inf)
+    stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         ms = [local(moment[i]) for moment in moments]
         if p.dtype != torch.float32 or not all(t.is_contiguous() for t in (p, g, *ms)):
             _step_whole(kernel, p, g, ms, steps[i], amsgrad, settings)
             continue
-        flat = [t.view(-1) for t in (p, g, *ms)]
-        begin = 0
-        cpu = one_pass and p.device.type == "cpu" and g.dtype == torch.float32
-        if cpu and p.numel() >= cpu_adam.VECTOR and (lib := cpu_adam.kernel()) is not None:
+        n, begin = p.numel(), 0
+        cpu = one_pass and p.is_cpu and g.dtype == torch.float32 and n >= cpu_adam.VECTOR
+        if cpu and (lib := cpu_adam.kernel()) is not None:
             # one pass over the bf16 moments (the kernel is built at the first CPU step);
             # torch's kernel steps the tail (`body_numel`)
-            begin = cpu_adam.body_numel(p.numel())
-            body = [t[:begin] for t in flat]
+            begin = cpu_adam.body_numel(n)
+            count = float(steps[i])
+            if count not in stepped:
+                stepped[count] = cpu_adam.settings(**hyper, step=count)
+            body = (p, g, *ms) if begin == n else [t.view(-1)[:begin] for t in (p, g, *ms)]
             cpu_adam.update(
-                lib, cpu_adam.settings(**hyper, step=float(steps[i])), master=body[0],
-                grad=body[1], exp_avg=body[2], exp_avg_sq=body[3], adamw=decoupled_weight_decay,
-                maximize=maximize, found_inf=found_inf,
+                lib, stepped[count], master=body[0], grad=body[1], exp_avg=body[2],
+                exp_avg_sq=body[3], adamw=decoupled_weight_decay, maximize=maximize,
+                found_inf=found_inf,
             )  # fmt: skip
-        for start in range(begin, p.numel(), chunk):
-            stop = min(start + chunk, p.numel())
+            if begin == n:
+                continue
+        flat = [t.view(-1) for t in (p, g, *ms)]
+        for start in range(begin, n, chunk):
+            stop = min(start + chunk, n)
             if filled + stop - start > chunk:
                 flush()
             pieces = [t[start:stop] for t in flat]

@@ -71,7 +71,8 @@ def step_chunks(
     """`FlatGroup.step`'s eager path (its counts already advanced): torch's fused kernel
     over fp32 scratch, chunk by chunk; drops each gradient once it is cast. Where `found_inf`
     is set the kernel changes nothing (masters and moments round-trip exactly)."""
-    lib = cpu_adam.kernel() if _one_pass(flat, grads, found_inf) else None
+    lean = flat.lean or flat.remainders
+    lib = cpu_adam.kernel(lean) if _one_pass(flat, grads, found_inf) else None
     if lib is not None:
         step_one_pass(lib, flat, group, decoupled, factor, grads, found_inf)
         return

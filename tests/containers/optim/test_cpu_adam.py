@@ -143,8 +143,10 @@ def test_a_set_flag_writes_nothing(lib):
 def test_the_containers_take_it_where_torch_steps_on_few_threads(lib):
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(cpu_adam.MAX_THREADS)
-        assert cpu_adam.kernel() is lib
+        torch.set_num_threads(1)
+        assert cpu_adam.kernel() is lib and cpu_adam.kernel(lean=False) is lib
+        torch.set_num_threads(cpu_adam.MAX_THREADS)  # lean state only, which torch widens
+        assert cpu_adam.kernel() is lib and cpu_adam.kernel(lean=False) is None
         torch.set_num_threads(cpu_adam.MAX_THREADS + 1)  # torch's kernels scale, this does not
         assert cpu_adam.kernel() is None
     finally:
