@@ -29,6 +29,7 @@ from containers import (
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     Precision,
+    norm,
 )
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from tests.harness.dist import run_ranks
@@ -410,3 +411,23 @@ def _flag_on_ranks(on_host: bool) -> float:
 @pytest.mark.parametrize("on_host", [True, False], ids=["host", "device_kernel"])
 def test_the_flag_is_the_worlds(on_host):
     assert run_ranks(2, _flag_on_ranks, on_host) == [1.0, 1.0]
+
+
+def test_low_precision_gradients_larger_than_the_scratch_buffer_go_through_it(monkeypatch):
+    """A gradient larger than the kept buffer is measured in pieces of it: a buffer of its own
+    size would be a new allocation every step (page-faulted in: half a CPU step)."""
+    kept = norm.scratch_numel(torch.device("cpu"))
+    asked: list[int] = []
+    scratch = norm.scratch
+
+    def recording(device: torch.device, numel: int) -> torch.Tensor:
+        asked.append(numel)
+        return scratch(device, numel)
+
+    monkeypatch.setattr(norm, "scratch", recording)
+    torch.manual_seed(0)
+    grads = [torch.randn(2 * kept + 5).bfloat16(), torch.randn(3, 7).bfloat16()]
+    total = norm.sum_of_squares(grads, None, 0, torch.device("cpu"))
+    assert asked and max(asked) <= kept
+    exact = sum(g.double().square().sum() for g in grads)
+    assert torch.isclose(total.double(), exact, rtol=1e-4)  # (fp32 sums of 2M squares)
