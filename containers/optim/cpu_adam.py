@@ -80,8 +80,8 @@ on one thread: a split over threads of our own shares the cores with torch's Ope
 which spin after each parallel region (2 threads 1.38 ms where 1 took 1.26, 2M elements). Yet
 at 2 torch threads it beats torch's kernels on lean state, which they widen through scratch
 (~52 bytes a parameter moved against 20-28): AdamW with bf16 moments 13.4 against 15.0 ms,
-mixed precision with remainders + bf16 moments 17.3 against 30.1 (4 x 4M parameters); 27.2
-against 28.8 and 20.3 against 34.0 on 291 transformer-shaped tensors (8.5M). fp32 state it
+mixed precision with remainders + bf16 moments 17.3 against 30.1 (4 x 4M parameters); 12.3
+against 18.1 and 13.8 against 24.4 on 291 transformer-shaped tensors (8.5M). fp32 state it
 steps at one thread only: at 2, torch's kernels were as fast on 4 x 4M (18.5 against 18.7 ms)
 and faster on the 291 tensors (15.8 against 16.9). Beyond 2 threads, not measured here (a
 2-core machine): torch's kernels, which scale with the threads."""
