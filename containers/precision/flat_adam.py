@@ -43,7 +43,7 @@ from containers.norm import local, scratch_numel, shaped_like
 from containers.optim.lean import moment_dtype_of
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
-from containers.precision.flat_step import step_chunks, step_compiled
+from containers.precision.flat_step import one_pass, step_chunks, step_compiled, step_one_pass
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -343,7 +343,8 @@ class FlatGroup:
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
+        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk (on a
+        CPU where `flat_step.one_pass` has its kernel: one pass a tensor, the same bits), or
         all in one inductor pass if `compiled` (and the gradients are low precision); drop
         each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
         sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out).
@@ -358,6 +359,8 @@ class FlatGroup:
         compiled = compiled or group.get("compiled", False)  # `implementation = "compiled"`
         if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
             step_compiled(self, group, decoupled, factor, grads, found_inf)
+        elif (lib := one_pass(self, grads, found_inf)) is not None:
+            step_one_pass(lib, self, group, decoupled, factor, grads, found_inf)
         else:
             step_chunks(self, group, decoupled, factor, grads, found_inf)
         if found_inf is not None:

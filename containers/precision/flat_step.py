@@ -28,7 +28,7 @@ from containers.precision import remainders as rem
 if TYPE_CHECKING:
     from containers.precision.flat_adam import FlatGroup
 
-__all__ = ["step_chunks", "step_compiled", "step_one_pass"]
+__all__ = ["one_pass", "step_chunks", "step_compiled", "step_one_pass"]
 
 
 def step_compiled(
@@ -71,11 +71,6 @@ def step_chunks(
     """`FlatGroup.step`'s eager path (its counts already advanced): torch's fused kernel
     over fp32 scratch, chunk by chunk; drops each gradient once it is cast. Where `found_inf`
     is set the kernel changes nothing (masters and moments round-trip exactly)."""
-    lean = flat.lean or flat.remainders
-    lib = cpu_adam.kernel(lean) if _one_pass(flat, grads, found_inf) else None
-    if lib is not None:
-        step_one_pass(lib, flat, group, decoupled, factor, grads, found_inf)
-        return
     buf = flat.buffers
     beta1, beta2 = group["betas"]
     update = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -131,7 +126,7 @@ def step_one_pass(
     grads: list[torch.Tensor | None],
     found_inf: torch.Tensor | None,
 ) -> None:
-    """`step_chunks`' result on a CPU in one pass a tensor (`containers.optim.cpu_adam`):
+    """`step_chunks`' result on a CPU in one pass a tensor (`lib`: `one_pass`'s kernel):
     each gradient read where it lies, masters (or parameters and remainders) and moments read
     and written in their own dtypes, no scratch; drops each gradient once it is stepped."""
     buf = flat.buffers
@@ -154,17 +149,20 @@ def step_one_pass(
         flat.model[i].grad = None
 
 
-def _one_pass(
+def one_pass(
     flat: FlatGroup, grads: list[torch.Tensor | None], found_inf: torch.Tensor | None
-) -> bool:
-    """Whether `step_one_pass` can step `flat` now: on a CPU, bf16 parameters, fp32 or bf16
-    gradients, every tensor contiguous, the flag (if any) an fp32 value in host memory."""
+) -> cpu_adam.Library | None:
+    """The kernel for `step_one_pass` if it can step `flat` now (on a CPU, bf16 parameters,
+    fp32 or bf16 gradients, every tensor contiguous, the flag (if any) an fp32 value in host
+    memory) and is the faster path there (`cpu_adam.kernel`), else None."""
     if flat.buffers["exp_avg"].device.type != "cpu" or flat._low_dtype != torch.bfloat16:
-        return False
+        return None
     if not cpu_adam.readable_flag(found_inf):
-        return False
+        return None
     wanted = (torch.float32, torch.bfloat16)
-    return all(
+    if not all(
         g is None or (g.dtype in wanted and g.is_contiguous() and local(p).is_contiguous())
         for g, p in zip(grads, flat.model)
-    )
+    ):
+        return None
+    return cpu_adam.kernel(lean=flat.lean or flat.remainders)
