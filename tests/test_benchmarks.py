@@ -27,3 +27,29 @@ def test_bench_cuda_quick_passes_its_checks_on_this_machine(capsys):
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.count("PASS") == len(bench_cuda.CHECKS)
     assert "check on" in out and "bf16 moments" in out
+
+
+def test_moment_codes_blocks_move_whole_with_rows_and_32_column_cuts():
+    """What the 8-bit design rests on: a code's blocks lie within a row, 32 columns wide, so a
+    shard cut between rows (FSDP2, TP) or at a multiple of 32 columns holds the same values
+    as the whole tensor coded at once; a cut inside a block does not (the check can fail)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from benchmarks.bench_moment_codes import CODES
+
+    torch.manual_seed(0)
+    t = torch.randn(6, 96) * 10 ** (-8 * torch.rand(6, 96))  # wide ranges within each block
+    coded = 0
+    for name, pair in CODES.items():
+        for code, x in zip(pair, (t, t.square())):
+            if code is None:
+                continue
+            whole = code(x)
+            assert torch.equal(code(whole), whole), name  # what it holds, it holds again
+            assert torch.equal(torch.cat([code(x[:2]), code(x[2:])]), whole), name
+            assert torch.equal(torch.cat([code(x[:, :64]), code(x[:, 64:])], 1), whole), name
+            if name != "e5m2":  # blocks: a cut at column 48 splits one
+                assert not torch.equal(torch.cat([code(x[:, :48]), code(x[:, 48:])], 1), whole)
+            coded += 1
+    assert coded == 9
