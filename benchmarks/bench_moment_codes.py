@@ -17,8 +17,9 @@ resharded. The codes:
 - `m8`: `exp_avg` as int8 times a power-of-two scale per block (the smallest with every
   |value| / scale <= 127); `exp_avg_sq` kept fp32.
 - `m8-v8log`: and `exp_avg_sq` as an 8-bit logarithm below its block's maximum, kept in fp32:
-  255 steps over 40 octaves, rounded in the log domain; 0 stays 0, smaller values are raised to
+  254 steps over 40 octaves, rounded in the log domain; 0 stays 0, smaller values are raised to
   the lowest step (an overestimate: a smaller update, never a division by `eps` alone).
+  These two are `containers.optim.moment_codes`, the codes built.
 - `m8-v8float`: `exp_avg_sq` as a float of 3 mantissa bits over the 32 octaves below its
   block's maximum exponent (bf16-exact values), rounded to nearest; `-up`: rounded up.
 - `e5m2`: no blocks and no scales: each element a float of its own, `exp_avg` with a sign, 5
@@ -40,6 +41,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from containers.optim import moment_codes
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -60,21 +63,22 @@ def _unrows(blocks: torch.Tensor, like: torch.Tensor, last: int) -> torch.Tensor
     return blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(like.shape)
 
 
-def int8_pow2(t: torch.Tensor) -> torch.Tensor:
-    """int8 times the block's smallest power-of-two scale that holds its largest |value|."""
-    b, last = _rows(t)
-    top = b.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
-    scale = torch.exp2(torch.ceil(torch.log2(top / 127)))
-    return _unrows((b / scale).round().clamp(-127, 127) * scale, t, last)
+def _coded(encode: Callable, decode: Callable, code_dtype: torch.dtype) -> Code:
+    """What a code of `containers.optim.moment_codes` holds of a tensor (the one built)."""
+
+    def held(t: torch.Tensor) -> torch.Tensor:
+        code = torch.empty(t.shape, dtype=code_dtype)
+        scale = torch.empty(moment_codes.scale_shape(t.shape))
+        encode(t, code, scale)
+        out = torch.empty_like(t)
+        decode(code, scale, out)
+        return out
+
+    return held
 
 
-def log8(t: torch.Tensor, octaves: float = 40.0) -> torch.Tensor:
-    """255 log-spaced steps below the block's maximum (kept exactly), 0 kept 0."""
-    b, last = _rows(t.clamp_min(0))
-    top = b.amax(-1, keepdim=True).clamp_min(2.0**-126)
-    code = ((b / top).clamp_min(2.0**-octaves).log2() * (-255 / octaves)).round()
-    held = torch.where(b > 0, torch.exp2(code * (-octaves / 255)) * top, torch.zeros_like(b))
-    return _unrows(held, t, last)
+int8_pow2 = _coded(moment_codes.encode_signed, moment_codes.decode_signed, torch.int8)
+log8 = _coded(moment_codes.encode_log, moment_codes.decode_log, torch.uint8)
 
 
 def float8_below_max(t: torch.Tensor, up: bool = False) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""8-bit codes for Adam's moments, in blocks that a checkpoint can reshard exactly.
+
+A block is 32 consecutive elements of a row (the tensor's last dimension; the last block of a
+row may be shorter), with a scale of its own: so no block crosses a cut between rows (FSDP2's,
+tensor parallelism's) or a column cut at a multiple of 32, and codes and scales saved as
+tensors of their own move whole between layouts. Measured in train.py's debug job
+(`benchmarks/bench_moment_codes.py`, where these functions are the `m8-v8log` code):
+- the first moment, signed: `int8` times a power of two a block, the smallest that holds the
+  block's largest magnitude (|code| <= 127; exact powers, so decoding is one multiply);
+- the second moment, >= 0: `uint8` logarithm below the block's maximum, which is kept exactly
+  in fp32: code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum (254 steps over 40
+  octaves); a smaller nonzero value takes code 255, an overestimate (a smaller update, never a
+  division by `eps` alone). Rounded in the log domain: every linearly rounded code of this
+  moment measured 3-5% worse.
+Encoding compares with fixed fp32 thresholds, so a value's code is the same on every device;
+a decoded tensor encodes to the same codes and scales again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "LOG_OCTAVES",
+    "decode_log",
+    "decode_signed",
+    "encode_log",
+    "encode_signed",
+    "scale_shape",
+]
+
+BLOCK = 32
+LOG_OCTAVES = 40.0
+_STEPS = 254  # codes 1..255
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a tensor's block scales: its rows, then the blocks of a row."""
+    if len(shape) == 0:
+        return (1,)
+    return (*shape[:-1], -(-shape[-1] // BLOCK))
+
+
+@functools.cache
+def _log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of codes 0..255 as fractions of the maximum, and the 254 thresholds
+    between consecutive codes 1..255 (their geometric means), descending."""
+    c = torch.arange(256, dtype=torch.float64)
+    values = torch.exp2(-(c - 1) * (LOG_OCTAVES / _STEPS))
+    values[0] = 0.0
+    between = torch.exp2(
+        -(torch.arange(1, 255, dtype=torch.float64) - 0.5) * (LOG_OCTAVES / _STEPS)
+    )
+    return values.float().to(device), between.float().to(device)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (rows, blocks, BLOCK), a zero-padded copy if its rows are not whole blocks."""
+    last = t.shape[-1] if t.dim() else 1
+    r = t.reshape(-1, last)
+    if last % BLOCK:
+        r = torch.nn.functional.pad(r, (0, -last % BLOCK))
+    return r.view(r.shape[0], r.shape[1] // BLOCK, BLOCK)
+
+
+def _write(out: torch.Tensor, blocks: torch.Tensor) -> None:
+    last = out.shape[-1] if out.dim() else 1
+    out.copy_(blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(out.shape))
+
+
+def _check(
+    values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> None:
+    if code.shape != values.shape or code.dtype != dtype:
+        raise ValueError(
+            f"moment code: want {dtype} of shape {tuple(values.shape)}, got {code.dtype} of "
+            f"shape {tuple(code.shape)}"
+        )
+    want = scale_shape(values.shape)
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(
+            f"moment scales: want float32 of shape {want} (blocks of {BLOCK} a row), got "
+            f"{scale.dtype} of shape {tuple(scale.shape)}"
+        )
+    if not (values.device == code.device == scale.device):
+        raise ValueError(
+            f"moment code: values on {values.device}, codes on {code.device}, scales on "
+            f"{scale.device}; expected one device"
+        )
+
+
+@torch.no_grad()
+def encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write the int8 codes of `values` into `code` and each block's power of two into
+    `scale` (an all-zero block takes 2^-126 and codes 0)."""
+    _check(values, code, scale, torch.int8)
+    if not values.numel():
+        return
+    b = _rows(values.float())
+    top = b.abs().amax(-1, keepdim=True) / 127
+    # The smallest power of two >= top: frexp gives top = m 2^e with m in [0.5, 1).
+    m, e = torch.frexp(top.clamp_min(2.0**-126))
+    power = torch.ldexp(torch.ones_like(m), e - (m == 0.5).to(e.dtype))
+    _write(code, (b / power).round_().clamp_(-127, 127).to(torch.int8))
+    scale.copy_(power.reshape(scale.shape))
+
+
+def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the values of int8 `code` with block scales `scale` into `out`."""
+    _decode(code, scale, out, torch.int8, lambda c: c.float())
+
+
+@torch.no_grad()
+def encode_log(values: torch.Tensor, code: torch.Tensor, top: torch.Tensor) -> None:
+    """Write the uint8 log codes of `values` (>= 0) into `code` and each block's maximum
+    into `top` (see the module docstring)."""
+    _check(values, code, top, torch.uint8)
+    if not values.numel():
+        return
+    if bool((values < 0).any()):
+        raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
+    b = _rows(values.float())
+    peak = b.amax(-1, keepdim=True)
+    ratio = b / peak.clamp_min(torch.finfo(torch.float32).tiny)
+    _, between = _log_tables(values.device)
+    # Codes 1..255 by how many thresholds lie above the ratio (searchsorted wants ascending).
+    below = torch.searchsorted(between.flip(0), ratio.contiguous(), right=True)
+    c = (255 - below).to(torch.uint8)
+    _write(code, torch.where(b > 0, c, torch.zeros_like(c)))
+    top.copy_(peak.reshape(top.shape))
+
+
+def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the values of uint8 log `code` below block maxima `top` into `out`."""
+    _decode(code, top, out, torch.uint8, lambda c: _log_tables(c.device)[0][c.long()])
+
+
+@torch.no_grad()
+def _decode(
+    code: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    fraction: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """`out` = each block's `fraction(code)` x its scale."""
+    _check(out, code, scale, dtype)
+    if out.numel():
+        _write(out, fraction(_rows(code)) * scale.reshape(-1, scale.shape[-1], 1))
