@@ -41,26 +41,13 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from containers.optim import moment_codes
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BLOCK = 32
+from containers.optim import moment_codes  # noqa: E402
+from containers.optim.moment_codes import as_blocks, from_blocks  # noqa: E402
+
 Code = Callable[[torch.Tensor], torch.Tensor]  # fp32 local shard -> the values the code holds
-
-
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """`t` as (rows, blocks, BLOCK), each row zero-padded to whole blocks; and the row length."""
-    last = t.shape[-1] if t.dim() else 1
-    r = t.reshape(-1, last)
-    if last % BLOCK:
-        r = torch.cat([r, r.new_zeros(r.shape[0], -last % BLOCK)], 1)
-    return r.view(r.shape[0], -1, BLOCK), last
-
-
-def _unrows(blocks: torch.Tensor, like: torch.Tensor, last: int) -> torch.Tensor:
-    return blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(like.shape)
 
 
 def _coded(encode: Callable, decode: Callable, code_dtype: torch.dtype) -> Code:
@@ -84,7 +71,7 @@ log8 = _coded(moment_codes.encode_log, moment_codes.decode_log, torch.uint8)
 def float8_below_max(t: torch.Tensor, up: bool = False) -> torch.Tensor:
     """A float of 3 mantissa bits over the 32 octaves below the block's maximum exponent;
     smaller nonzero values raised to the lowest, 0 kept 0."""
-    b, last = _rows(t.clamp_min(0))
+    b = as_blocks(t.clamp_min(0))
 
     def held_at(a: torch.Tensor) -> torch.Tensor:
         ulp = torch.exp2(torch.floor(torch.log2(a)) - 3)
@@ -94,7 +81,7 @@ def float8_below_max(t: torch.Tensor, up: bool = False) -> torch.Tensor:
     top = held_at(b.amax(-1, keepdim=True).clamp_min(2.0**-126))
     a = torch.maximum(b, torch.exp2(torch.floor(torch.log2(top)) - 31))
     held = held_at(a)
-    return _unrows(torch.where(b > 0, held, torch.zeros_like(b)), t, last)
+    return from_blocks(torch.where(b > 0, held, torch.zeros_like(b)), t.shape)
 
 
 def minifloat(t: torch.Tensor, lo: int, hi: int, mantissa: int) -> torch.Tensor:

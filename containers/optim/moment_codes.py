@@ -26,10 +26,12 @@ import torch
 __all__ = [
     "BLOCK",
     "LOG_OCTAVES",
+    "as_blocks",
     "decode_log",
     "decode_signed",
     "encode_log",
     "encode_signed",
+    "from_blocks",
     "scale_shape",
 ]
 
@@ -58,7 +60,7 @@ def _log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return values.float().to(device), between.float().to(device)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_blocks(t: torch.Tensor) -> torch.Tensor:
     """`t` as (rows, blocks, BLOCK), a zero-padded copy if its rows are not whole blocks."""
     last = t.shape[-1] if t.dim() else 1
     r = t.reshape(-1, last)
@@ -67,9 +69,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return r.view(r.shape[0], r.shape[1] // BLOCK, BLOCK)
 
 
-def _write(out: torch.Tensor, blocks: torch.Tensor) -> None:
-    last = out.shape[-1] if out.dim() else 1
-    out.copy_(blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(out.shape))
+def from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`as_blocks`' inverse: the tensor of `shape` that `blocks` (padding dropped) hold."""
+    last = shape[-1] if len(shape) else 1
+    return blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(shape)
 
 
 def _check(
@@ -100,12 +103,12 @@ def encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor)
     _check(values, code, scale, torch.int8)
     if not values.numel():
         return
-    b = _rows(values.float())
+    b = as_blocks(values.float())
     top = b.abs().amax(-1, keepdim=True) / 127
     # The smallest power of two >= top: frexp gives top = m 2^e with m in [0.5, 1).
     m, e = torch.frexp(top.clamp_min(2.0**-126))
     power = torch.ldexp(torch.ones_like(m), e - (m == 0.5).to(e.dtype))
-    _write(code, (b / power).round_().clamp_(-127, 127).to(torch.int8))
+    code.copy_(from_blocks((b / power).round_().clamp_(-127, 127), code.shape))
     scale.copy_(power.reshape(scale.shape))
 
 
@@ -123,14 +126,14 @@ def encode_log(values: torch.Tensor, code: torch.Tensor, top: torch.Tensor) -> N
         return
     if bool((values < 0).any()):
         raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
-    b = _rows(values.float())
+    b = as_blocks(values.float())
     peak = b.amax(-1, keepdim=True)
     ratio = b / peak.clamp_min(torch.finfo(torch.float32).tiny)
     _, between = _log_tables(values.device)
     # Codes 1..255 by how many thresholds lie above the ratio (searchsorted wants ascending).
     below = torch.searchsorted(between.flip(0), ratio.contiguous(), right=True)
     c = (255 - below).to(torch.uint8)
-    _write(code, torch.where(b > 0, c, torch.zeros_like(c)))
+    code.copy_(from_blocks(torch.where(b > 0, c, torch.zeros_like(c)), code.shape))
     top.copy_(peak.reshape(top.shape))
 
 
@@ -150,4 +153,5 @@ def _decode(
     """`out` = each block's `fraction(code)` x its scale."""
     _check(out, code, scale, dtype)
     if out.numel():
-        _write(out, fraction(_rows(code)) * scale.reshape(-1, scale.shape[-1], 1))
+        blocks = fraction(as_blocks(code)) * scale.reshape(-1, scale.shape[-1], 1)
+        out.copy_(from_blocks(blocks, out.shape))
