@@ -83,7 +83,8 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
         outer = OptimizerConfig(
             name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
             momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
-            moment_dtype=cfg.optimizer.moment_dtype,  # lean state: the outer momentum too
+            # lean state: the outer momentum too (in bf16 where the inner moments are coded)
+            moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
         )  # fmt: skip
         cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
         diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}

@@ -12,7 +12,7 @@ __all__ = ["AdjustLR", "Implementation", "MomentDtype", "NSDtype", "Optimizer", 
 Implementation = Literal["auto", "fused", "foreach", "for-loop", "compiled"]
 NSDtype = Literal["auto", "bfloat16", "float32"]
 AdjustLR = Literal["original", "match_rms_adamw"]
-MomentDtype = Literal["float32", "bfloat16"]
+MomentDtype = Literal["float32", "bfloat16", "8bit"]
 
 
 @dataclass(kw_only=True)
@@ -134,7 +134,9 @@ class Optimizer:
     """Dtype Adam/AdamW keep their two moments in, and SGD/Muon their momentum: "bfloat16"
     halves their memory (Adam: 4 bytes a parameter instead of 8); the update is still fp32
     math (Adam: torch's fused kernel on each chunk of moments widened to fp32; SGD, Muon: per
-    tensor), rounded back to nearest. Checkpoints of either load into either."""
+    tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
+    AdamW, not under mixed precision or FSDP1): 8-bit codes in blocks of 32 within a row, 2.25
+    bytes a parameter (`containers.optim.coded_adam`); 1-D parameters keep bf16 moments."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and

@@ -42,7 +42,7 @@ from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
 from containers.state.container_state import ContainerState
-from containers.state.fsdp1 import FlatShards, refuse_optimizers
+from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
@@ -139,6 +139,8 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         ]
         if self.flat_shards:  # before `assign`, whose 2-D check would blame the rules
             refuse_optimizers([optimizer_cls, *(r.optimizer_cls for r in param_groups)])
+            refuse_coded([optimizer_kwargs, *(r.overrides for r in param_groups),
+                          *(r.optimizer_kwargs for r in param_groups)])  # fmt: skip
         assigned = assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs)
         self.units: list[Unit] = []
         self.optimizers: list[Optimizer] = []

@@ -1,10 +1,11 @@
 """What the optimizers with lean state share: the `moment_dtype` a param group keeps its
 elementwise state in (Adam's moments, SGD's and Muon's momentum), and a load that keeps it.
 
-`moment_dtype` is a group setting ("float32" or "bfloat16"), so param groups may differ; it is
-the optimizer's own storage choice, like its kernel: a load converts to it, never adopts the
-dict's. Torch's `Optimizer.load_state_dict` casts every state tensor to its parameter's dtype,
-so a resume would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
+`moment_dtype` is a group setting ("float32" or "bfloat16"; Adam's moments also "8bit",
+`containers.optim.coded_adam`), so param groups may differ; it is the optimizer's own storage
+choice, like its kernel: a load converts to it, never adopts the dict's. Torch's
+`Optimizer.load_state_dict` casts every state tensor to its parameter's dtype, so a resume
+would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from containers.optim.coded_adam import CODED, coded, decode_moment, encode_moment
+
 __all__ = ["MOMENT_DTYPES", "check_moment_dtype", "load_keeping_dtypes", "moment_dtype_of"]
 
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -22,17 +25,28 @@ MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
-    """The dtype a group keeps its elementwise state in (torch's classes: float32)."""
-    return MOMENT_DTYPES[group.get("moment_dtype", "float32")]
-
-
-def check_moment_dtype(group: dict[str, Any]) -> None:
-    """Raise ValueError unless the group's `moment_dtype` is one of `MOMENT_DTYPES`."""
+    """The dtype a group keeps its elementwise state in (torch's classes: float32; a coded
+    group's moments that are not coded: `coded_adam.FALLBACK`)."""
     name = group.get("moment_dtype", "float32")
-    if name not in MOMENT_DTYPES:
+    return torch.bfloat16 if name == CODED else MOMENT_DTYPES[name]
+
+
+def check_moment_dtype(group: dict[str, Any], owner: str = "", codes: bool = False) -> None:
+    """Raise ValueError unless the group's `moment_dtype` is one of `MOMENT_DTYPES` (or,
+    where `codes`, Adam's "8bit"); `owner` names the optimizer in the message."""
+    name = group.get("moment_dtype", "float32")
+    if codes and name == CODED:
+        return
+    if name == CODED:
         raise ValueError(
-            f"moment_dtype = {name!r}: expected one of {sorted(MOMENT_DTYPES)} (the dtype "
-            "the optimizer's elementwise state is kept in)"
+            f"{owner} moment_dtype = {name!r}: 8-bit codes are Adam's and AdamW's moments; "
+            "use 'bfloat16' (2 bytes a value) for this optimizer's state"
+        )
+    if name not in MOMENT_DTYPES:
+        known = [*sorted(MOMENT_DTYPES), *([CODED] if codes else [])]
+        raise ValueError(
+            f"moment_dtype = {name!r}: expected one of {known} (how the optimizer's "
+            "elementwise state is kept)"
         )
 
 
@@ -43,15 +57,36 @@ def load_keeping_dtypes(
     load: Callable[[dict[str, Any]], None],
 ) -> None:
     """Torch's load (`load`, the class's `load_state_dict`) with the state entries `names` held
-    out of it, then set in each group's own `moment_dtype`, one tensor at a time."""
+    out of it, then set in each group's own `moment_dtype`, one tensor at a time (coded
+    moments decoded, or encoded, where the dict's differ from the group's)."""
     own = [g.get("moment_dtype", "float32") for g in opt.param_groups]
     kept = {k: {n: v for n, v in st.items() if n in names} for k, st in state_dict["state"].items()}
     rest = {
         k: {n: v for n, v in st.items() if n not in names} for k, st in state_dict["state"].items()
     }
-    load({**state_dict, "state": rest})
+    # Converted before anything changes: a dict that does not convert leaves `opt` as it was.
+    moments = {}
     for group, name, then in zip(opt.param_groups, own, state_dict["param_groups"]):
-        group["moment_dtype"] = name
         for p, k in zip(group["params"], then["params"]):
             for n, v in kept.get(k, {}).items():
-                opt.state[p][n] = v.to(device=p.device, dtype=MOMENT_DTYPES[name])
+                moments[p, n] = _kept_as(name, n, v, p)
+    load({**state_dict, "state": rest})
+    for group, name in zip(opt.param_groups, own):
+        group["moment_dtype"] = name
+    for (p, n), v in moments.items():
+        opt.state[p][n] = v
+
+
+def _kept_as(policy: str, name: str, value: Any, p: torch.Tensor) -> Any:
+    """State `name` of `p` as a group of `moment_dtype = policy` keeps it."""
+    if policy == CODED:
+        if isinstance(value, dict) and coded(p):
+            if value["code"].shape != p.shape:
+                raise ValueError(
+                    f"optimizer state {name}: codes of shape {tuple(value['code'].shape)} for "
+                    f"a parameter of shape {tuple(p.shape)}; load the state of this model"
+                )
+            return {k: v.to(device=p.device) for k, v in value.items()}
+        return encode_moment(name, decode_moment(name, value, torch.float32), p)
+    dtype = MOMENT_DTYPES[policy]
+    return decode_moment(name, value, dtype).to(device=p.device, dtype=dtype)

@@ -15,7 +15,8 @@ Neither torch's fused nor its foreach AdamW takes bf16 moments beside fp32 param
 state tensor to its parameter's dtype: a resume would hold the whole state in fp32 again. Here
 a load keeps (or converts to) each group's `moment_dtype`, one tensor at a time.
 
-`moment_dtype` is a group setting ("float32" or "bfloat16"), so param groups may differ; it is
+`moment_dtype` is a group setting ("float32", "bfloat16", or "8bit": 8-bit codes in blocks,
+`containers.optim.coded_adam`), so param groups may differ; it is
 the optimizer's own storage choice, like its kernel: a load converts to it, never adopts the
 dict's. A "float32" group steps exactly as torch's class does; a lean one with the fused
 kernel, whatever its `foreach`/`fused` say (an unset `fused` becomes True, so `step` is kept
@@ -32,6 +33,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
+from containers.optim.coded_adam import CODED, check_blocks, coded_adam, new_moments
 from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
@@ -51,7 +53,7 @@ class _Lean:
         compiled: bool = False,
         **kwargs: Any,
     ):
-        check_moment_dtype({"moment_dtype": moment_dtype})
+        check_moment_dtype({"moment_dtype": moment_dtype}, type(self).__name__, codes=True)
         # Before torch's constructor adds the groups, so each takes the default.
         self._moment_dtype, self._compiled = moment_dtype, compiled
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -60,21 +62,45 @@ class _Lean:
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("moment_dtype", self._moment_dtype)
         param_group.setdefault("compiled", self._compiled)
-        check_moment_dtype(param_group)
-        if param_group["compiled"] and param_group.get("amsgrad", self.defaults["amsgrad"]):  # type: ignore[attr-defined]
+        name = type(self).__name__
+        check_moment_dtype(param_group, name, codes=True)
+        amsgrad = param_group.get("amsgrad", self.defaults["amsgrad"])  # type: ignore[attr-defined]
+        if param_group["compiled"] and (amsgrad or param_group["moment_dtype"] == CODED):
             raise ValueError(
-                f"{type(self).__name__}: compiled = True with amsgrad = True: the compiled "
-                "step is Adam's and AdamW's without amsgrad; set one of them False"
+                f"{name}: compiled = True with amsgrad = True or moment_dtype = '8bit': the "
+                "compiled step is Adam's and AdamW's without amsgrad over float moments; set "
+                "compiled = False"
             )
+        if amsgrad and param_group["moment_dtype"] == CODED:
+            raise ValueError(
+                f"{name}: moment_dtype = '8bit' with amsgrad = True: the codes are of exp_avg "
+                "and exp_avg_sq; set amsgrad = False or moment_dtype = 'bfloat16'"
+            )
+        if param_group["moment_dtype"] == CODED:
+            params = param_group["params"]
+            if not isinstance(params, (torch.Tensor, set)):  # (a generator: read it once)
+                param_group["params"] = params = list(params)
+            for p in [params] if isinstance(params, torch.Tensor) else params:
+                check_blocks(p)
         lean = param_group["moment_dtype"] != "float32" or param_group["compiled"]
         if lean and param_group.get("fused") is None:
             # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
             param_group["fused"] = True
         super().add_param_group(param_group)  # type: ignore[misc]
 
-    def _init_group(self, group: dict[str, Any], params: list, *lists: list) -> bool:
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list,
+        grads: list,
+        exp_avgs: list,
+        exp_avg_sqs: list,
+        max_exp_avg_sqs: list,
+        steps: list,
+    ) -> bool:
         """Torch's `_init_group`, with a new parameter's moments created in the group's dtype
-        (one at a time: no fp32 copy of the group's state is ever made)."""
+        (one at a time: no fp32 copy of the group's state is ever made). Its arguments are
+        spelled out as torch's are: `containers.state.initial` counts them."""
         dtype = moment_dtype_of(group)
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
@@ -85,12 +111,17 @@ class _Lean:
                 "step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
                 if fused_step
                 else torch.tensor(0.0, dtype=_get_scalar_dtype()),
-                **{
-                    name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                    for name in MOMENTS[: 3 if group["amsgrad"] else 2]
-                },
+                **(
+                    new_moments(p)
+                    if group["moment_dtype"] == CODED
+                    else {
+                        name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                        for name in MOMENTS[: 3 if group["amsgrad"] else 2]
+                    }
+                ),
             }
-        return super()._init_group(group, params, *lists)  # type: ignore[misc]
+        lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        return super()._init_group(group, *lists)  # type: ignore[misc]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -118,11 +149,11 @@ class _Lean:
 
 
 class LeanAdam(_Lean, torch.optim.Adam):
-    """`torch.optim.Adam` with `moment_dtype` ("float32" or "bfloat16") per group."""
+    """`torch.optim.Adam` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
 
 
 class LeanAdamW(_Lean, torch.optim.AdamW):
-    """`torch.optim.AdamW` with `moment_dtype` ("float32" or "bfloat16") per group."""
+    """`torch.optim.AdamW` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
 
 
 def step_group(
@@ -149,6 +180,9 @@ def step_group(
     )  # fmt: skip
     if group.get("compiled"):
         step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
+        return
+    if group.get("moment_dtype") == CODED:
+        step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
         return
     if group.get("moment_dtype", "float32") != "float32":
         lean_adam(
@@ -288,6 +322,36 @@ def step_compiled(
         )  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+@torch.no_grad()
+def step_coded(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[Any],
+    exp_avg_sqs: list[Any],
+    steps: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    settings: dict[str, Any],
+) -> None:
+    """An "8bit" group's update: its coded moments through `coded_adam`, the bf16 moments
+    of its small parameters through `lean_adam`."""
+    is_coded = [isinstance(m, dict) for m in exp_avgs]
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    plain, codes = ([[t for t, c in zip(ts, is_coded) if c is want] for ts in lists]
+                    for want in (False, True))  # fmt: skip
+    if plain[0]:
+        lean_adam(*plain[:4], [], plain[4], found_inf=found_inf, **settings)
+    if not codes[0]:
+        return
+    torch._foreach_add_(codes[4], 1)
+    decoupled = settings["decoupled_weight_decay"]
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
+    coded_adam(*codes[:4], codes[4], kernel=kernel,
+               settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
+    if found_inf is not None:
+        torch._foreach_sub_(codes[4], [found_inf] * len(codes[4]))
 
 
 def _step_whole(

@@ -22,14 +22,14 @@ class LeanSGD(torch.optim.SGD):
     """`torch.optim.SGD` with `moment_dtype` ("float32" or "bfloat16") per group."""
 
     def __init__(self, params: Any, *args: Any, moment_dtype: str = "float32", **kwargs: Any):
-        check_moment_dtype({"moment_dtype": moment_dtype})
+        check_moment_dtype({"moment_dtype": moment_dtype}, "LeanSGD")
         self._moment_dtype = moment_dtype  # before torch's constructor adds the groups
         super().__init__(params, *args, **kwargs)
         self.defaults["moment_dtype"] = moment_dtype
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("moment_dtype", self._moment_dtype)
-        check_moment_dtype(param_group)
+        check_moment_dtype(param_group, "LeanSGD")
         super().add_param_group(param_group)
 
     @torch.no_grad()

@@ -179,7 +179,7 @@ class ShardedMuon(torch.optim.Muon):
         for group in self.param_groups:
             group.setdefault("ns_dtype", ns_dtype)
             group.setdefault("moment_dtype", moment_dtype)
-            check_moment_dtype(group)
+            check_moment_dtype(group, "ShardedMuon")
             if group["ns_dtype"] not in ("auto", "bfloat16", "float32"):
                 raise ValueError(
                     f"ns_dtype = {group['ns_dtype']!r}: use 'auto', 'bfloat16' (torch's Muon) "

@@ -108,6 +108,12 @@ class FlatGroup:
         chunk_numel: int | None,
         remainders: bool,
     ) -> None:
+        if group.get("moment_dtype") == "8bit":
+            raise ValueError(
+                "moment_dtype = '8bit' under mixed precision: its moments live in flat "
+                "buffers that a chunk cuts anywhere, not in rows of blocks; use moment_dtype "
+                "= 'bfloat16' (with store_param_remainders: 8 bytes a parameter)"
+            )
         # By position: torch's load_state_dict replaces the group dicts (an LR scheduler
         # then sets lr in the new ones).
         self.opt, self.index, self.model = opt, _position(opt, group), list(model)

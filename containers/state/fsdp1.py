@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim import Optimizer
 
-__all__ = ["ELEMENTWISE", "FlatShards", "refuse_optimizers"]
+__all__ = ["ELEMENTWISE", "FlatShards", "refuse_coded", "refuse_optimizers"]
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
@@ -268,4 +268,17 @@ def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
                 "(it would compute another update on a piece of a matrix); shard with FSDP2 "
                 "([parallelism] data_parallel_shard_impl = 'fsdp2'), or use one of "
                 f"{', '.join(c.__name__ for c in ELEMENTWISE)}"
+            )
+
+
+def refuse_coded(settings: Iterable[Mapping[str, Any] | None]) -> None:
+    """Raise ValueError if any of `settings` (optimizer kwargs, group overrides) keeps
+    8-bit moments: their blocks are a parameter's rows, which FSDP1's slices do not have."""
+    for kwargs in settings:
+        if kwargs and kwargs.get("moment_dtype") == "8bit":
+            raise ValueError(
+                "moment_dtype = '8bit' on FSDP1 parameters: the codes' blocks are 32 elements "
+                "of a parameter's row, and FSDP1 hands the optimizer 1-D slices cut anywhere; "
+                "shard with FSDP2 ([parallelism] data_parallel_shard_impl = 'fsdp2') or keep "
+                "moment_dtype = 'bfloat16'"
             )

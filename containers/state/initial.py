@@ -89,12 +89,18 @@ def _groups(
 def _zero_grad(p: torch.Tensor) -> torch.Tensor:
     """A zero gradient shaped like `p` that owns no parameter-sized memory."""
     piece = local(p)
-    zero = torch.zeros((), dtype=piece.dtype, device=piece.device).expand(piece.shape)
+    return _placed_as(
+        p, torch.zeros((), dtype=piece.dtype, device=piece.device).expand(piece.shape)
+    )
+
+
+def _placed_as(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """`piece` (shaped as `p`'s local one) placed as `p`, if `p` is a DTensor."""
     if isinstance(p, DTensor):
         return DTensor.from_local(
-            zero, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
-    return zero
+    return piece
 
 
 def _init_group_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.Tensor, State]:
@@ -110,11 +116,13 @@ def _init_group_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch
 def _meta_init_group_states(
     opt: Optimizer, params: list[torch.Tensor]
 ) -> dict[torch.Tensor, State]:
-    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values."""
+    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values. A sharded
+    parameter's stand-in is a DTensor placed as it is, so state not shaped like the
+    parameter (coded moments' block scales) takes the whole tensor's shape, as saved."""
     stand_ins = {}
     for p in params:
-        meta = torch.empty_like(local(p).detach(), device="meta")
-        meta.grad = torch.empty_like(meta)
+        meta = _placed_as(p, torch.empty_like(local(p).detach(), device="meta"))
+        meta.grad = _placed_as(p, torch.empty_like(local(meta)))
         stand_ins[p] = meta
     return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=True), meta=True), stand_ins)
 
@@ -209,7 +217,7 @@ def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> 
         return type(value)(0)
     if not isinstance(value, torch.Tensor):
         return value
-    full_shape = value.shape == local(p).shape and value.dim() > 0
+    full_shape = local(value).shape == local(p).shape and value.dim() > 0
     if not materialize:
         if value.dim() == 0:
             return torch.zeros((), dtype=value.dtype)

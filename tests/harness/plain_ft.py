@@ -4,8 +4,10 @@
 
 No train.py and no project scheduler: a `torch.optim.lr_scheduler.LambdaLR` on an
 `FTOptimizersContainer`, healed through torchft's own `register_state_dict_fn`, as a torch
-user would write it. Each committed step appends `{"step", "lr", "params"}` to
-OUT/replica_REPLICA.jsonl (`params`: every weight's bytes, hex, so equality is bitwise).
+user would write it; its AdamW keeps its moments in 8-bit codes (`LeanAdamW`,
+`moment_dtype = "8bit"`), so a heal also carries codes and block scales. Each committed
+step appends `{"step", "lr", "params"}` to OUT/replica_REPLICA.jsonl (`params`: every
+weight's bytes, hex, so equality is bitwise).
 - `die AT`: the process exits (code 3) right after committing step AT, as if killed.
 - `hold STEP FILE`: wait before step STEP while FILE exists (the test removes it).
 The restarted process writes OUT/ready_REPLICA just before its first quorum.
@@ -25,7 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchft import Manager
 from torchft.process_group import ProcessGroupGloo
 
-from containers import FTOptimizersContainer
+from containers import FTOptimizersContainer, LeanAdamW
 from tests.harness.helpers import batch, forward, three_parts
 
 
@@ -52,7 +54,8 @@ def main(argv: list[str]) -> None:
         init_sync=False,
     )
     parts = three_parts()
-    container = FTOptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2}, ft_manager=manager)
+    kwargs = {"lr": 1e-2, "moment_dtype": "8bit"}
+    container = FTOptimizersContainer(parts, LeanAdamW, kwargs, ft_manager=manager)
     # Fresh, this scheduler's lr is 1e-2; a healed peer's is far below it.
     scheduler = LambdaLR(container, lambda step: 0.7**step)
 

@@ -477,7 +477,8 @@ def test_a_users_own_loop_with_a_plain_lambda_lr_heals_bitwise(tmp_path):
     """torch's load contract under torchft: a user's loop (no train.py, no project scheduler)
     with a plain `LambdaLR`; the group killed after step 2 restarts fresh (lr 1e-2) and heals
     from the survivor at step 6 or later: its first step runs at the survivor's lr, and both
-    groups' weights stay bitwise equal to the end."""
+    groups' weights stay bitwise equal to the end (so the healed 8-bit moments, codes and
+    scales, are the survivor's)."""
     job = FTJob(tmp_path, 1)
     both, hold = tmp_path / "both", tmp_path / "hold"
     both.touch(), hold.touch()

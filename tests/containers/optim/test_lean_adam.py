@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import containers.optim.lean_adam as lean_adam
-from config import ConfigError, ParamGroup
+from config import ConfigError, MixedPrecision, ParamGroup
 from config import Optimizer as OptimizerConfig
 from containers import (
     LeanAdam,
@@ -93,11 +95,12 @@ def _container(seed: int = 0, timing: str = "after", **lean) -> tuple[list, Opti
     return parts, cls(parts, LeanAdamW, kwargs, param_groups=rules)
 
 
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
 @pytest.mark.parametrize("timing", ["after", "in_backward"])
-def test_containers_step_lean_groups_as_one_lean_optimizer_per_part(timing):
+def test_containers_step_lean_groups_as_one_lean_optimizer_per_part(timing, moments):
     """The grouped step (one kernel call per bucket) and the in-backward timing give what each
     part's own LeanAdamW gives; per-group dtypes hold (biases and norms kept fp32 here)."""
-    parts, container = _container(timing=timing)
+    parts, container = _container(timing=timing, moment_dtype=moments)
     ref_parts = three_parts(0)
     refs = []
     for part in ref_parts:
@@ -105,7 +108,7 @@ def test_containers_step_lean_groups_as_one_lean_optimizer_per_part(timing):
         rest = [p for n, p in part.named_parameters() if "bias" in n or "norm" in n]
         groups = [{"params": decay}]
         groups += [{"params": rest, "weight_decay": 0.0, "moment_dtype": "float32"}] if rest else []
-        refs.append(LeanAdamW(groups, lr=1e-2, fused=True, moment_dtype="bfloat16"))
+        refs.append(LeanAdamW(groups, lr=1e-2, fused=True, moment_dtype=moments))
 
     class Each:
         def zero_grad(self):
@@ -122,16 +125,21 @@ def test_containers_step_lean_groups_as_one_lean_optimizer_per_part(timing):
         for (name, p), q in zip(part.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), name
     sd = container.state_dict()
-    assert sd["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+    if moments == "8bit":
+        assert sd["state.embed.weight.exp_avg.code"].dtype == torch.int8
+        assert sd["state.embed.weight.exp_avg_sq.scale"].shape == (7, 1)  # a block a row
+    else:
+        assert sd["state.embed.weight.exp_avg"].dtype == torch.bfloat16
     assert sd["state.embed.bias.exp_avg"].dtype == torch.float32
     assert not any(k.endswith(".moment_dtype") for k in sd)  # storage, not a hyperparameter
 
 
-def test_a_lean_state_loads_without_a_copy_and_resumes_bitwise():
-    parts, container = _container()
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+def test_a_lean_state_loads_without_a_copy_and_resumes_bitwise(moments):
+    parts, container = _container(moment_dtype=moments)
     train(parts, container, 3)
     sd = container.state_dict()
-    resumed_parts, resumed = _container(seed=1)
+    resumed_parts, resumed = _container(seed=1, moment_dtype=moments)
     for src, dst in zip(parts, resumed_parts):
         dst.load_state_dict(src.state_dict())
     resumed.load_state_dict(sd)
@@ -168,31 +176,48 @@ def test_policies_convert_both_ways_on_load():
             assert torch.equal(widened[key], value.float()), key
 
 
-def _sharded_lean(seed: int) -> tuple[list[nn.Module], OptimizersContainer]:
+def _sharded_lean(seed: int, moments: str) -> tuple[list[nn.Module], OptimizersContainer]:
     parts = sharded_three_parts(seed)
     return parts, OptimizersContainer(
-        parts, LeanAdamW, {"lr": 1e-2, "fused": True, "moment_dtype": "bfloat16"}
+        parts, LeanAdamW, {"lr": 1e-2, "fused": True, "moment_dtype": moments}
     )
 
 
-def _save_lean(path: str) -> dict:
-    parts, container = _sharded_lean(0)
+def _save_lean(path: str, moments: str) -> tuple[dict, str]:
+    parts, container = _sharded_lean(0, moments)
     train(parts, container, 3, rank=dist.get_rank())
     dcp.save({"optim": container}, checkpoint_id=path)
-    return {k: full(v) for k, v in container.state_dict().items()}
+    # 8-bit codes: a row cut inside a block (tensor parallel on columns) is refused when built.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cut = nn.Parameter(distribute_tensor(torch.zeros(4, 40), mesh, [Shard(1)]))
+    try:
+        LeanAdamW([cut], moment_dtype=moments)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {k: full(v) for k, v in container.state_dict().items()}, refused
 
 
-def _load_lean(path: str) -> dict:
-    _, container = _sharded_lean(1)
+def _load_lean(path: str, moments: str) -> dict:
+    _, container = _sharded_lean(1, moments)
     dcp.load({"optim": container}, checkpoint_id=path)
     return {k: full(v) for k, v in container.state_dict().items()}
 
 
-def test_bf16_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path):
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path, moments):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(2, _save_lean, path)[0]
-    assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
-    assert_same(run_ranks(3, _load_lean, path)[0], saved)
+    saved, refused = run_ranks(2, _save_lean, path, moments)[0]
+    if moments == "8bit":
+        assert saved["state.mid.weight.exp_avg_sq.code"].dtype == torch.uint8
+        scale = saved["state.mid.weight.exp_avg_sq.scale"]
+        assert scale.shape == (9, 1) and scale.count_nonzero() == 9  # rows 5 + 4, then 3 x 3
+        assert "shape (4, 40) is sharded on its last dimension" in refused
+        assert "at column 20, inside a block of 32" in refused
+    else:
+        assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
+        assert not refused  # bf16 moments are elementwise: any cut will do
+    assert_same(run_ranks(3, _load_lean, path, moments)[0], saved)
 
 
 @pytest.mark.parametrize(
@@ -212,12 +237,28 @@ def test_bf16_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
             OptimizerConfig(moment_dtype="bfloat16", implementation="foreach"),
             r"implementation = 'foreach': bf16 moments .* use implementation 'auto' or 'fused'",
         ),
+        (
+            OptimizerConfig(name="SGD", momentum=0.9, moment_dtype="8bit"),
+            r"moment_dtype = '8bit': 8-bit codes are Adam's and AdamW's moments, not SGD's",
+        ),
+        (
+            OptimizerConfig(name="Muon", moment_dtype="8bit"),
+            r"not Muon's state; use moment_dtype = 'bfloat16'",
+        ),
+        (
+            OptimizerConfig(moment_dtype="8bit", implementation="compiled"),
+            r"implementation = 'compiled' with \[optimizer\] moment_dtype = '8bit'",
+        ),
+        (
+            OptimizerConfig(moment_dtype="8bit", container="mixed_precision"),
+            r"moment_dtype = '8bit' under mixed precision: .* use moment_dtype = 'bfloat16'",
+        ),
     ],
 )
-def test_bf16_moments_where_they_do_not_apply_are_refused_by_name(cfg, match):
+def test_lean_moments_where_they_do_not_apply_are_refused_by_name(cfg, match):
     from components.optimizer import build_optimizers, build_precision
 
-    precision = build_precision(cfg)
+    precision = build_precision(cfg, MixedPrecision())
     parts = [precision.cast_model(part) for part in three_parts()]
     with pytest.raises(ConfigError, match=match):
         build_optimizers(parts, cfg, precision=precision)

@@ -1,0 +1,193 @@
+"""Adam's moments in 8-bit codes: `moment_dtype = "8bit"`, 2.25 bytes a parameter.
+
+A group of `LeanAdam(W)` with `moment_dtype = "8bit"` keeps, for each parameter of two or more
+dimensions, `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code": uint8,
+"scale": fp32}`: the codes of `containers.optim.moment_codes`, one scale a block of 32 within
+a row (measured within 1% of fp32 moments: `benchmarks/bench_moment_codes.py`). Parameters of
+fewer dimensions (biases, norm weights: few bytes, and a 1-D shard may cut any block) keep
+bf16 moments. For a sharded parameter the scales are a DTensor placed as the parameter over
+the whole tensor's blocks, so DCP reshards codes and scales element for element wherever rows
+are cut; a shard that cuts a row inside a block is refused when its state is made.
+
+A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused kernel there
+with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
+torch's fused step on the decoded moments followed by encoding them (tests hold it). Encoding
+what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
+
+from containers.norm import local, scratch, scratch_numel
+from containers.optim.moment_codes import (
+    BLOCK,
+    decode_log,
+    decode_signed,
+    encode_log,
+    encode_signed,
+    scale_shape,
+)
+
+__all__ = [
+    "CODED",
+    "check_blocks",
+    "coded",
+    "coded_adam",
+    "decode_moment",
+    "encode_moment",
+    "new_moments",
+]
+
+CODED = "8bit"
+"""The `moment_dtype` of coded moments."""
+
+Codec = tuple[torch.dtype, Callable[..., None], Callable[..., None]]
+_CODECS: dict[str, Codec] = {
+    "exp_avg": (torch.int8, encode_signed, decode_signed),
+    "exp_avg_sq": (torch.uint8, encode_log, decode_log),
+}
+FALLBACK = torch.bfloat16
+"""The dtype of the moments of a parameter too small to code (fewer than 2 dimensions)."""
+
+
+def coded(p: torch.Tensor) -> bool:
+    """Whether a coded group keeps `p`'s moments in codes (else in `FALLBACK`)."""
+    return p.dim() >= 2
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def check_blocks(p: torch.Tensor) -> None:
+    """Raise ValueError if a shard of `p` (on any rank) cuts a row inside a block: its codes
+    could not move whole between layouts."""
+    if not isinstance(p, DTensor) or not coded(p):
+        return
+    last = p.dim() - 1
+    if not any(isinstance(pl, Shard) and pl.dim in (-1, last) for pl in p.placements):
+        return  # cuts between rows only
+    scales = scale_shape(p.shape)
+    mesh = tuple(p.device_mesh.shape)
+    # Every rank's piece (torch's own split, private: it takes a coordinate other than ours).
+    for coordinate in itertools.product(*map(range, mesh)):
+        shape, offset = _piece(p.shape, mesh, list(coordinate), p.placements)
+        s_shape, s_offset = _piece(scales, mesh, list(coordinate), p.placements)
+        if tuple(s_shape) != scale_shape(tuple(shape)) or offset[-1] != BLOCK * s_offset[-1]:
+            raise ValueError(
+                f"moment_dtype = '8bit': a parameter of shape {tuple(p.shape)} is sharded on "
+                f"its last dimension ({p.placements}) at column {offset[-1]}, inside a block "
+                f"of {BLOCK}; shard it on another dimension, give each shard a multiple of "
+                f"{BLOCK} columns, or keep its group's moment_dtype = 'bfloat16'"
+            )
+
+
+def _scales(p: torch.Tensor) -> torch.Tensor:
+    """Zero block scales for `p`: a DTensor placed as `p` over the whole tensor's blocks."""
+    piece = local(p)
+    s = torch.zeros(scale_shape(piece.shape), dtype=torch.float32, device=piece.device)
+    if not isinstance(p, DTensor):
+        return s
+    shape = scale_shape(p.shape)
+    return DTensor.from_local(
+        s, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )  # fmt: skip
+
+
+def new_moments(p: torch.Tensor) -> dict[str, Any]:
+    """Zero `exp_avg` and `exp_avg_sq` for `p` in a coded group."""
+    return {n: _new_moment(n, p) for n in _CODECS}
+
+
+def _new_moment(name: str, p: torch.Tensor) -> Any:
+    if not coded(p):
+        return torch.zeros_like(p, dtype=FALLBACK)
+    return {"code": torch.zeros_like(p, dtype=_CODECS[name][0]), "scale": _scales(p)}
+
+
+def encode_moment(name: str, values: torch.Tensor, p: torch.Tensor) -> Any:
+    """`values` (of `p`'s moment `name`, any float dtype) as a coded group keeps them."""
+    if not coded(p):
+        return values.to(device=p.device, dtype=FALLBACK)
+    if name not in _CODECS:
+        raise ValueError(
+            f"moment_dtype = '8bit' codes {sorted(_CODECS)}, not {name!r} (amsgrad): set "
+            "amsgrad = False or keep this group's moment_dtype = 'bfloat16'"
+        )
+    _, encode, _ = _CODECS[name]
+    out = _new_moment(name, p)
+    encode(local(values).to(device=local(p).device), local(out["code"]), local(out["scale"]))
+    return out
+
+
+def decode_moment(name: str, value: Any, dtype: torch.dtype) -> Any:
+    """A coded moment (`{"code", "scale"}`) as a tensor of `dtype`; any other as it is."""
+    if not isinstance(value, dict):
+        return value
+    _, _, decode = _CODECS[name]
+    code, scale = value["code"], value["scale"]
+    out = torch.empty_like(code, dtype=torch.float32)
+    decode(local(code), local(scale), local(out))
+    return out.to(dtype)
+
+
+@torch.no_grad()
+def coded_adam(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[dict[str, torch.Tensor]],
+    exp_avg_sqs: list[dict[str, torch.Tensor]],
+    steps: list[torch.Tensor],
+    *,
+    kernel: Callable[..., None],
+    settings: dict[str, Any],
+) -> None:
+    """Torch's fused `kernel` over coded moments, a run of rows at a time (see the module
+    docstring). `steps` hold the count this update is (the caller adds and takes back)."""
+    for i, param in enumerate(params):
+        p, g = local(param), local(grads[i])
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+        if not p.numel():
+            continue
+        last = p.shape[-1]
+        rows = p.numel() // last
+        if not all(t.is_contiguous() for t in (p, g, *codes)):
+            _step_rows(kernel, settings, p, g, codes, steps[i])
+            continue
+        per = max(1, scratch_numel(p.device) // (2 * last))
+        flat = [t.view(rows, -1) for t in (p, g, *codes)]
+        for start in range(0, rows, per):
+            _step_rows(kernel, settings, *(t[start : start + per] for t in flat[:2]),
+                       [t[start : start + per] for t in flat[2:]], steps[i])  # fmt: skip
+
+
+def _step_rows(
+    kernel: Callable[..., None],
+    settings: dict[str, Any],
+    p: torch.Tensor,
+    g: torch.Tensor,
+    codes: list[torch.Tensor],
+    step: torch.Tensor,
+) -> None:
+    """Decode, step and encode one run of rows (`codes`: exp_avg's code and scale, then
+    exp_avg_sq's)."""
+    if p.is_contiguous():
+        n = p.numel()
+        buffer = scratch(p.device, 2 * n)
+        m, v = buffer[:n].view(p.shape), buffer[n:].view(p.shape)
+    else:  # the fused kernel pairs elements in memory order: the moments laid out as `p`
+        m, v = (torch.empty_like(p, dtype=torch.float32) for _ in range(2))
+    decode_signed(codes[0], codes[1], m)
+    decode_log(codes[2], codes[3], v)
+    kernel([p], [g], [m], [v], [], [step], **settings)
+    encode_signed(m, codes[0], codes[1])
+    encode_log(v, codes[2], codes[3])

@@ -1,0 +1,132 @@
+"""`moment_dtype = "8bit"`: Adam's moments in 8-bit codes, torch's fused kernel on the decoded
+values, kept through loads, resharded element for element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import containers.optim.coded_adam as coded_adam
+from containers import LeanAdam, LeanAdamW
+from containers.optim import moment_codes
+from tests.harness.helpers import (
+    assert_same,
+    full,
+    loose_params,
+    same_grads,
+)
+
+# Rows over several runs of the scratch, 1-D (bf16 moments), 3-D, one not contiguous.
+SHAPES = [(300, 100), (33,), (3, 5, 70), (64, 48)]
+KW = {"lr": 1e-2, "fused": True, "moment_dtype": "8bit"}
+
+
+def _held(name: str, values: torch.Tensor) -> torch.Tensor:
+    """What an 8-bit group holds of a moment: its code decoded (1-D: rounded to bf16)."""
+    if values.dim() < 2:
+        return values.bfloat16().float()
+    signed = name == "exp_avg"
+    code = torch.empty_like(values, dtype=torch.int8 if signed else torch.uint8)
+    scale = torch.empty(moment_codes.scale_shape(values.shape))
+    out = torch.empty_like(values)
+    if signed:
+        moment_codes.encode_signed(values, code, scale)
+        moment_codes.decode_signed(code, scale, out)
+    else:
+        moment_codes.encode_log(values, code, scale)
+        moment_codes.decode_log(code, scale, out)
+    return out
+
+
+def _value(state: dict, name: str) -> torch.Tensor:
+    return coded_adam.decode_moment(name, state[name], torch.float32).float()
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (LeanAdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        (LeanAdam, {"lr": 1e-2, "weight_decay": 0.1, "maximize": True, "betas": (0.8, 0.99)}),
+    ],
+)
+def test_an_8bit_step_is_torchs_fused_step_on_the_decoded_moments_coded_again(
+    cls, kwargs, monkeypatch
+):
+    monkeypatch.setattr(coded_adam, "scratch_numel", lambda _: 1 << 13)  # 40 rows a run
+    coded_params, ref_params = loose_params(SHAPES), loose_params(SHAPES)
+    opt = cls(coded_params, moment_dtype="8bit", **kwargs)
+    torch_cls = torch.optim.AdamW if cls is LeanAdamW else torch.optim.Adam
+    ref = torch_cls(ref_params, fused=True, **kwargs)
+    for step in range(4):
+        same_grads(step, coded_params, ref_params)
+        opt.step()
+        ref.step()
+        for a, b in zip(coded_params, ref_params):
+            assert torch.equal(a, b), (step, tuple(a.shape))
+            for name in ("exp_avg", "exp_avg_sq"):
+                held = _held(name, ref.state[b][name])
+                assert torch.equal(_value(opt.state[a], name), held), (step, name)
+                ref.state[b][name].copy_(held)  # the reference goes on from the held values
+            assert torch.equal(opt.state[a]["step"], ref.state[b]["step"])
+    kept = opt.state[coded_params[0]]
+    assert kept["exp_avg"]["code"].dtype == torch.int8
+    assert kept["exp_avg_sq"]["code"].dtype == torch.uint8
+    assert opt.state[coded_params[1]]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_8bit_moments_take_2_25_bytes_a_parameter_and_a_flagged_step_changes_nothing():
+    params = loose_params([(64, 128), (96, 64)])
+    opt = LeanAdamW(params, **KW)
+    same_grads(0, params)
+    opt.step()
+    tensors = [t for p in params for m in opt.state[p].values() if isinstance(m, dict)
+               for t in m.values()]  # fmt: skip
+    numel = sum(p.numel() for p in params)
+    assert sum(t.numel() * t.element_size() for t in tensors) == 2.25 * numel
+
+    before = [p.detach().clone() for p in params], {k: full(v) for k, v in _flat(opt).items()}
+    same_grads(1, params)
+    opt.found_inf = torch.ones(())  # as a GradScaler (or the container's check) sets it
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
+    assert_same(_flat(opt), before[1])
+
+
+def _flat(opt: torch.optim.Optimizer) -> dict:
+    out: dict = {}
+    for i, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            for k, v in value.items() if isinstance(value, dict) else [("", value)]:
+                out[f"{i}.{name}.{k}"] = v
+    return out
+
+
+def test_an_optimizers_state_converts_between_8bit_and_float_moments_both_ways():
+    plain_params, coded_params = loose_params(SHAPES), loose_params(SHAPES)
+    plain = torch.optim.AdamW(plain_params, lr=1e-2, fused=True)
+    coded = LeanAdamW(coded_params, **KW)
+    for step in range(2):
+        same_grads(step, plain_params, coded_params)
+        plain.step()
+        coded.step()
+
+    into_coded = LeanAdamW(loose_params(SHAPES), **KW)
+    into_coded.load_state_dict(plain.state_dict())  # fp32 -> codes
+    into_bf16 = LeanAdamW(loose_params(SHAPES), lr=1e-2, moment_dtype="bfloat16")
+    into_bf16.load_state_dict(coded.state_dict())  # codes -> bf16
+    pairs = zip(plain_params, coded_params, into_coded.param_groups[0]["params"],
+                into_bf16.param_groups[0]["params"])  # fmt: skip
+    for p, c, to_coded, to_bf16 in pairs:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_value(into_coded.state[to_coded], name),
+                               _held(name, plain.state[p][name]))  # fmt: skip
+            assert into_bf16.state[to_bf16][name].dtype == torch.bfloat16
+            assert torch.equal(into_bf16.state[to_bf16][name],
+                               _value(coded.state[c], name).bfloat16())  # fmt: skip
+    assert into_coded.param_groups[0]["moment_dtype"] == "8bit"  # the run's own storage
+
+
+def test_amsgrad_with_8bit_moments_is_refused_before_any_state():
+    params = loose_params([(4, 40)])
+    with pytest.raises(ValueError, match=r"moment_dtype = '8bit' with amsgrad = True"):
+        LeanAdamW(params, amsgrad=True, **KW)
