@@ -216,7 +216,12 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
             f"missing keys {describe_keys(missing)}; unexpected keys "
             f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
         )
-    if converted := dtype_changes(ours, saved):
+    forms = [
+        state.converted_on_load([k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")])
+        for name, state in states.items()
+        if isinstance(state, OptimizersContainer)
+    ]
+    if converted := "; ".join(filter(None, [dtype_changes(ours, saved), *forms])):
         logger.info("checkpoint %s: converted on load: %s", path, converted)
 
 

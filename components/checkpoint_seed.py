@@ -207,6 +207,7 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     """
     names = [n for n in (("model", "optimizer") if model_only else states) if n in states]
     optimizer = states.get("optimizer")
+    forms = ""
     with forgetting_on_failure(dict(states)):
         if not model_only and isinstance(optimizer, OptimizersContainer):
             # First: the template the state dicts below give may depend on the seed's keys.
@@ -215,6 +216,7 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
                 optimizer.check_checkpoint_keys(keys)
             except ValueError as e:
                 raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
+            forms = optimizer.converted_on_load(keys)
         flat, mapping = flatten_state_dict({n: states[n].state_dict() for n in names})
         fill = {}
         for key in flat:
@@ -225,7 +227,7 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
                 fill[key] = source
         unused = _check(seed, flat, fill, model_only)
         saved = {k: seed.saved[source] for k, source in fill.items()}
-        if converted := dtype_changes(flat, saved):
+        if converted := "; ".join(filter(None, [dtype_changes(flat, saved), forms])):
             logger.info("%s: converted on load: %s", seed.path, converted)
         _load(seed, flat, fill)
         nested = unflatten_state_dict(flat, mapping)

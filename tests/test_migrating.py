@@ -28,6 +28,7 @@ from components.checkpoint_seed import open_seed
 from components.job import validate_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config
+from containers.optim.coded_adam import encode_moment
 from scripts.convert import _read_all
 from scripts.convert import main as convert
 from tests.harness.dist import run_ranks
@@ -213,18 +214,27 @@ def _load_each(runs: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
     return [load_job_state(dump, argv) for dump, argv in runs]
 
 
-def test_a_seed_of_fp32_moments_into_bf16_moments_is_converted_and_said_once(seeded, tmp_path):
+def test_a_seed_of_fp32_moments_into_8bit_moments_is_converted_and_said_once(seeded, tmp_path):
+    """fp32 moments seed an 8-bit run: matrices' moments coded, vectors' rounded to bf16
+    (what an 8-bit group keeps of them), both said in one line."""
     dump = tmp_path / "lean"
     argv = [*ARGS, "--job.dump_folder", str(dump), "--checkpoint.initial_load_path"]
     argv += [str(seeded.source), "--checkpoint.initial_load_model_only", "false"]
-    ranks = run_ranks(
-        2, train_resumed, [*argv, "--optimizer.moment_dtype", "bfloat16"], timeout=240
-    )
+    ranks = run_ranks(2, train_resumed, [*argv, "--optimizer.moment_dtype", "8bit"], timeout=240)
     assert [r["code"] for r in ranks] == [0, 0]
     log = (dump / "train.log").read_text()
-    assert log.count("converted on load: exp_avg, exp_avg_sq float32 -> bfloat16") == 1, log
+    said = "converted on load: exp_avg, exp_avg_sq float32 -> bfloat16 ("
+    assert log.count(said) == 1, log
+    assert "; exp_avg, exp_avg_sq tensor -> 8-bit codes (" in log.split(said)[1].split("\n")[0]
     moments = {k: v for k, v in seeded.optim.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert {v.dim() >= 2 for v in moments.values()} == {True, False}  # matrices and vectors
     for got in ranks:
         for key, value in moments.items():
-            assert got["optim"][key].dtype == torch.bfloat16
-            assert torch.equal(got["optim"][key], value.bfloat16()), key
+            if value.dim() < 2:
+                assert got["optim"][key].dtype == torch.bfloat16
+                assert torch.equal(got["optim"][key], value.bfloat16()), key
+                continue
+            name = key.rsplit(".", 1)[1]
+            want = encode_moment(name, value, value)
+            assert torch.equal(got["optim"][f"{key}.code"], want["code"]), key
+            assert torch.equal(got["optim"][f"{key}.scale"], want["scale"]), key

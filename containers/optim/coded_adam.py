@@ -18,7 +18,7 @@ what was decoded gives the same codes, so a step skipped by `found_inf` changes 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "coded_adam",
     "decode_moment",
     "encode_moment",
+    "in_form_of",
     "new_moments",
 ]
 
@@ -137,6 +138,42 @@ def decode_moment(name: str, value: Any, dtype: torch.dtype) -> Any:
     out = torch.empty_like(code, dtype=torch.float32)
     decode(local(code), local(scale), local(out))
     return out.to(dtype)
+
+
+def in_form_of(
+    p: torch.Tensor, state: dict[str, Any], keys: Collection[str], prefix: str, materialize: bool
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """`p`'s `state` with each Adam moment in the form flat `keys` hold it under `prefix`
+    (`state.<fqn>`): a tensor where they hold `<prefix>.exp_avg`, codes where they hold
+    `<prefix>.exp_avg.code` (for a checkpoint of another `moment_dtype` to load into); and
+    which moments a load converts, as (name, "tensor -> codes" or "codes -> tensor").
+
+    A refitted moment is a template (zeros, or with `materialize` False meta tensors of the
+    whole tensor's shape): the load converts what it receives into the optimizer's form."""
+    out, changed = state, []
+    for name, (dtype, _, _) in _CODECS.items():
+        ours = state.get(name)
+        if isinstance(ours, dict) and f"{prefix}.{name}" in keys:
+            template: Any = (
+                torch.zeros_like(p, dtype=torch.float32)
+                if materialize
+                else torch.empty(p.shape, dtype=torch.float32, device="meta")
+            )
+            changed.append((name, "tensor -> codes"))
+        elif isinstance(ours, torch.Tensor) and coded(p) and f"{prefix}.{name}.code" in keys:
+            template = (
+                _new_moment(name, p)
+                if materialize
+                else {
+                    "code": torch.empty(p.shape, dtype=dtype, device="meta"),
+                    "scale": torch.empty(scale_shape(p.shape), device="meta"),
+                }
+            )
+            changed.append((name, "codes -> tensor"))
+        else:
+            continue
+        out = {**out, name: template}
+    return out, changed
 
 
 @torch.no_grad()

@@ -45,6 +45,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 class _Lean:
     """What `LeanAdam` and `LeanAdamW` add to torch's classes (a mixin placed before them)."""
 
+    converts_codes = True  # its load takes moments as 8-bit codes or tensors, either way
+
     def __init__(
         self,
         params: Any,

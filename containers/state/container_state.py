@@ -7,6 +7,7 @@ optimizer state over every unit's inner optimizers, plus the entries of the cont
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.ema import EMA
+from containers.optim.coded_adam import decode_moment, in_form_of
 from containers.state.flat import (
     PG,
     STATE,
@@ -26,6 +28,8 @@ from containers.state.fsdp1 import FlatShards
 from containers.state.initial import derive
 
 __all__ = ["ContainerState"]
+
+logger = logging.getLogger(__name__)
 
 
 class ContainerState:
@@ -42,17 +46,26 @@ class ContainerState:
     _optimizer_state_dict_post_hooks: dict[int, Callable]
     _optimizer_load_state_dict_pre_hooks: dict[int, Callable]
     _optimizer_load_state_dict_post_hooks: dict[int, Callable]
+    # The flat keys of the checkpoint a load is about to take (`check_checkpoint_keys`): the
+    # template's Adam moments take their form (8-bit codes or tensors) until the load.
+    _checkpoint_keys: frozenset[str] = frozenset()
 
     def _states(
-        self, opt: Optimizer, materialize: bool
+        self, opt: Optimizer, materialize: bool, keys: Collection[str] = frozenset()
     ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, frozenset[str]]]:
-        """Each parameter's live state, or its optimizer's initial state if it has none yet;
-        and the state names that the optimizer's first update creates (see `derive`)."""
+        """Each parameter's live state, or its optimizer's initial state if it has none yet,
+        its moments in the form flat `keys` hold them (if given; `in_form_of`); and the state
+        names that the optimizer's first update creates (see `derive`)."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
         derived = derive(opt, fresh if materialize else params, materialize)
         states = {p: opt.state.get(p) or derived.states[p] for p in params}
+        if keys:
+            states = {
+                p: in_form_of(p, st, keys, f"{STATE}.{self._fqns[p]}", materialize)[0]
+                for p, st in states.items()
+            }
         return states, derived.created
 
     def state_dict(self) -> dict[str, Any]:
@@ -68,7 +81,7 @@ class ContainerState:
             hook(self)
         flat: dict[str, Any] = {}
         for opt in self.optimizers:
-            for p, st in self._states(opt, materialize=True)[0].items():
+            for p, st in self._states(opt, True, self._checkpoint_keys)[0].items():
                 flatten_into(flat, f"{STATE}.{self._fqns[p]}", st)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -112,10 +125,11 @@ class ContainerState:
         ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
         layout, created = [], {}
         for opt in self.optimizers:
-            states, news = self._states(opt, materialize=False)
+            states, news = self._states(opt, False, state_dict.keys())
             layout.append(states)
             created.update(news)
         plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
+        _decode_for(self.optimizers, plans)
         backups = [opt.state_dict() for opt in self.optimizers]
         try:
             for opt, osd in zip(self.optimizers, plans):
@@ -124,6 +138,10 @@ class ContainerState:
             for opt, backup in zip(self.optimizers, backups):
                 opt.load_state_dict(backup)
             raise
+        # A checkpoint's load says it with the checkpoint's other conversions (its caller's).
+        prepared, self._checkpoint_keys = self._checkpoint_keys, frozenset()
+        if not prepared and (converted := self.converted_on_load(state_dict.keys())):
+            logger.info("optimizer state converted on load: %s", converted)
         self.precision.load_state(taken)
         self.gate.load_state(gate_taken)
         if self.ema is not None:
@@ -137,8 +155,9 @@ class ContainerState:
         else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
         when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
         checkpoint has none)."""
-        layout = [self._states(opt, materialize=False)[0] for opt in self.optimizers]
+        layout = [self._states(opt, False, keys)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
+        self._checkpoint_keys = frozenset(k for k in keys if k.startswith(f"{STATE}."))
         self.gate.fit_template(keys, self._fqns)
         if self.ema is not None:
             self.ema.fit_template(keys)
@@ -151,6 +170,42 @@ class ContainerState:
     def forget_checkpoint_keys(self) -> None:
         """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
         failed load leaves the container as it was (its EMA kept, no template waiting)."""
+        self._checkpoint_keys = frozenset()
         self.gate.forget_template()
         if self.ema is not None:
             self.ema.forget_template()
+
+    def converted_on_load(self, keys: Collection[str]) -> str:
+        """Which Adam moments flat `keys` hold in another form than this container keeps
+        them (8-bit codes or tensors): what a load of them converts, for a log line; "" if
+        nothing."""
+        counts: dict[tuple[str, str], int] = {}
+        for opt in self.optimizers:
+            for p, state in self._states(opt, materialize=False)[0].items():
+                prefix = f"{STATE}.{self._fqns[p]}"
+                for change in in_form_of(p, state, keys, prefix, materialize=False)[1]:
+                    counts[change] = counts.get(change, 0) + 1
+        return _describe(counts)
+
+
+def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:
+    """Decode, in `plans`, the 8-bit codes of moments going to an optimizer that keeps
+    tensors and does not convert them itself (torch's Adam and AdamW)."""
+    for opt, plan in zip(optimizers, plans):
+        if getattr(opt, "converts_codes", False):
+            continue
+        for state in plan["state"].values():
+            for name, value in list(state.items()):
+                if isinstance(value, dict) and "code" in value:
+                    state[name] = decode_moment(name, value, torch.float32)
+
+
+def _describe(counts: dict[tuple[str, str], int]) -> str:
+    names: dict[str, set[str]] = {}
+    for name, how in counts:
+        names.setdefault(how, set()).add(name)
+    return "; ".join(
+        f"{', '.join(sorted(names[how]))} {how.replace('codes', '8-bit codes')} "
+        f"({sum(n for (_, h), n in counts.items() if h == how)} tensors)"
+        for how in sorted(names)
+    )

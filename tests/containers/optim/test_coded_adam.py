@@ -1,5 +1,6 @@
 """`moment_dtype = "8bit"`: Adam's moments in 8-bit codes, torch's fused kernel on the decoded
-values, kept through loads, resharded element for element."""
+values, converted on load either way (containers stepping them, resumes and resharding:
+`test_lean_adam`, with bf16 moments)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,9 @@ import pytest
 import torch
 
 import containers.optim.coded_adam as coded_adam
-from containers import LeanAdam, LeanAdamW
+from containers import LeanAdam, LeanAdamW, OptimizersContainer
 from containers.optim import moment_codes
-from tests.harness.helpers import (
-    assert_same,
-    full,
-    loose_params,
-    same_grads,
-)
+from tests.harness.helpers import assert_same, full, loose_params, same_grads, three_parts, train
 
 # Rows over several runs of the scratch, 1-D (bf16 moments), 3-D, one not contiguous.
 SHAPES = [(300, 100), (33,), (3, 5, 70), (64, 48)]
@@ -124,6 +120,41 @@ def test_an_optimizers_state_converts_between_8bit_and_float_moments_both_ways()
             assert torch.equal(into_bf16.state[to_bf16][name],
                                _value(coded.state[c], name).bfloat16())  # fmt: skip
     assert into_coded.param_groups[0]["moment_dtype"] == "8bit"  # the run's own storage
+
+
+def test_a_containers_state_converts_between_8bit_and_float_moments_in_one_log_line(caplog):
+    def run(cls: type, **kw) -> tuple[list, OptimizersContainer]:
+        parts = three_parts(0)
+        return parts, OptimizersContainer(parts, cls, {"lr": 1e-2, "fused": True, **kw})
+
+    coded_parts, coded = run(LeanAdamW, moment_dtype="8bit")
+    plain_parts, plain = run(torch.optim.AdamW)
+    train(coded_parts, coded, 3)
+    train(plain_parts, plain, 3)
+    from_codes, from_plain = coded.state_dict(), plain.state_dict()
+
+    caplog.set_level("INFO", logger="containers.state.container_state")
+    _, into_plain = run(torch.optim.AdamW)  # torch's own class: the container decodes
+    into_plain.load_state_dict(from_codes)
+    _, into_codes = run(LeanAdamW, moment_dtype="8bit")
+    into_codes.load_state_dict(from_plain)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "optimizer state converted on load: exp_avg, exp_avg_sq 8-bit codes -> tensor (6 tensors)",
+        "optimizer state converted on load: exp_avg, exp_avg_sq tensor -> 8-bit codes (6 tensors)",
+    ]
+    got_plain, got_codes = into_plain.state_dict(), into_codes.state_dict()
+    for key, value in from_plain.items():
+        name = key.rsplit(".", 1)[-1]
+        if name not in ("exp_avg", "exp_avg_sq") or value.dim() < 2:
+            continue
+        codes = {k: from_codes[f"{key}.{k}"] for k in ("code", "scale")}
+        assert torch.equal(got_plain[key], coded_adam.decode_moment(name, codes, torch.float32))
+        want = coded_adam.encode_moment(name, value, value)
+        assert all(torch.equal(got_codes[f"{key}.{k}"], want[k]) for k in want), key
+    caplog.clear()
+    into_codes.load_state_dict(got_codes)  # its own form: nothing converted, nothing said
+    assert not caplog.records
 
 
 def test_amsgrad_with_8bit_moments_is_refused_before_any_state():

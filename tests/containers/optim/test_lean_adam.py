@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+import containers.optim.coded_adam as coded_adam
 import containers.optim.lean_adam as lean_adam
 from config import ConfigError, MixedPrecision, ParamGroup
 from config import Optimizer as OptimizerConfig
@@ -198,10 +199,17 @@ def _save_lean(path: str, moments: str) -> tuple[dict, str]:
     return {k: full(v) for k, v in container.state_dict().items()}, refused
 
 
-def _load_lean(path: str, moments: str) -> dict:
-    _, container = _sharded_lean(1, moments)
-    dcp.load({"optim": container}, checkpoint_id=path)
-    return {k: full(v) for k, v in container.state_dict().items()}
+def _load_lean(path: str, moments: str) -> tuple[dict, dict]:
+    """The checkpoint loaded by a run of its own policy, and by one of torch's AdamW (its
+    template fitted to the checkpoint's keys first, as a checkpoint load does)."""
+    loaded = []
+    for cls, kwargs in [(LeanAdamW, {"moment_dtype": moments}), (torch.optim.AdamW, {})]:
+        container = OptimizersContainer(sharded_three_parts(1), cls, {"lr": 1e-2, **kwargs})
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        container.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
+        dcp.load({"optim": container}, checkpoint_id=path)
+        loaded.append({k: full(v) for k, v in container.state_dict().items()})
+    return loaded[0], loaded[1]
 
 
 @pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
@@ -217,7 +225,15 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
     else:
         assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
         assert not refused  # bf16 moments are elementwise: any cut will do
-    assert_same(run_ranks(3, _load_lean, path, moments)[0], saved)
+    same, widened = run_ranks(3, _load_lean, path, moments)[0]
+    assert_same(same, saved)
+    for key, value in widened.items():  # torch's AdamW: the moments as fp32 tensors
+        name = key.rsplit(".", 1)[-1]
+        if name in MOMENTS:
+            codes = {k: saved.get(f"{key}.{k}") for k in ("code", "scale")}
+            kept = saved.get(key, codes)
+            want = coded_adam.decode_moment(name, kept, torch.float32).float()
+            assert value.dtype == torch.float32 and torch.equal(value, want), key
 
 
 @pytest.mark.parametrize(
