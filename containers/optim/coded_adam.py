@@ -12,7 +12,9 @@ are cut; a shard that cuts a row inside a block is refused when its state is mad
 A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused kernel there
 with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
 torch's fused step on the decoded moments followed by encoding them (tests hold it). Encoding
-what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing.
+what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing. On a
+CPU `containers.optim.cpu_adam` does all three in one pass over each tensor, bit for bit the
+same (checked when it loads).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
 
 from containers.norm import local, scratch, scratch_numel
+from containers.optim import cpu_adam
 from containers.optim.moment_codes import (
     BLOCK,
     decode_log,
@@ -188,12 +191,27 @@ def coded_adam(
     settings: dict[str, Any],
 ) -> None:
     """Torch's fused `kernel` over coded moments, a run of rows at a time (see the module
-    docstring). `steps` hold the count this update is (the caller adds and takes back)."""
+    docstring). `steps` hold the count this update is (the caller adds and takes back).
+    On a CPU `containers.optim.cpu_adam` computes the same in one pass over each tensor."""
+    lib = cpu_adam.kernel() if cpu_adam.readable_flag(settings["found_inf"]) else None
+    stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         m, v = exp_avgs[i], exp_avg_sqs[i]
         codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
         if not p.numel():
+            continue
+        one_pass = p.is_cpu and g.dtype == p.dtype == torch.float32
+        if lib is not None and one_pass and all(t.is_contiguous() for t in (p, g, *codes)):
+            count = float(steps[i])
+            if count not in stepped:
+                hyper = {k: settings[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
+                stepped[count] = cpu_adam.settings(**hyper, step=count)
+            cpu_adam.update_coded(
+                lib, stepped[count], master=p, grad=g, exp_avg=(codes[0], codes[1]),
+                exp_avg_sq=(codes[2], codes[3]), adamw=kernel is torch._fused_adamw_,
+                maximize=settings["maximize"], found_inf=settings["found_inf"],
+            )  # fmt: skip
             continue
         last = p.shape[-1]
         rows = p.numel() // last
@@ -227,4 +245,4 @@ def _step_rows(
     decode_log(codes[2], codes[3], v)
     kernel([p], [g], [m], [v], [], [step], **settings)
     encode_signed(m, codes[0], codes[1])
-    encode_log(v, codes[2], codes[3])
+    encode_log(v, codes[2], codes[3], checked=False)  # (Adam's second moment: >= 0)

@@ -99,20 +99,17 @@ static inline __attribute__((always_inline)) void update(
 #define CASES(l2) CASES_MOMENTS(0, l2) CASES_MOMENTS(1, l2)
 
 /* The argument layout below; cpu_adam.py refuses a library whose number differs from its own. */
-int oc_adam_abi(void) { return 1; }
+int oc_adam_abi(void) { return 2; }
 
 /* hyper: lr, beta1, beta2, weight_decay, eps, step, factor, in double as torch's kernel takes
  * them; flags: bit 0 AdamW, bit 1 maximize; kinds: bit 0 bf16 gradients, bit 1 bf16 moments,
  * bits 2-3 the mode. Returns 1 (nothing written) where *found_inf is set, -1 for unknown kinds,
  * else 0. */
-int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
-            void *exp_avg, void *exp_avg_sq, const double *hyper, int flags, int kinds,
-            const float *found_inf) {
-  if (found_inf && *found_inf != 0.0f) return 1;
+/* The scalars in double, then each rounded once to float, as torch's kernel has them. */
+static Consts constants(const double *hyper, int flags) {
   const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], wd = hyper[3];
   const double eps = hyper[4], step = hyper[5];
-  const int adamw = flags & 1, l2 = !adamw && wd != 0.0;
-  /* the scalars in double, then each rounded once to float, as torch's kernel has them */
+  const int adamw = flags & 1;
   const double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
   const float w = (float)(1 - beta1);
   Consts k;
@@ -127,11 +124,140 @@ int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void 
   k.bc2s = (float)sqrt(bc2);
   k.eps = (float)eps;
   k.neg_step = (float)(-(lr / bc1));
+  return k;
+}
+
+int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
+            void *exp_avg, void *exp_avg_sq, const double *hyper, int flags, int kinds,
+            const float *found_inf) {
+  if (found_inf && *found_inf != 0.0f) return 1;
+  const int l2 = !(flags & 1) && hyper[3] != 0.0;
+  Consts k = constants(hyper, flags);
   switch (kinds | l2 << 4) {
     CASES(0)
     CASES(1)
     default:
       return -1;
+  }
+  return 0;
+}
+
+enum { BLOCK = 32, SPAN = 64 * BLOCK };
+
+/* Decode one block of `n` codes (always inlined: n = BLOCK is its own vectorized loop). */
+static inline __attribute__((always_inline)) void decode(
+    int n, const int8_t *restrict m_code, float m_scale, const uint8_t *restrict v_code,
+    float v_top, const float *restrict values, float *restrict m, float *restrict v) {
+  for (int i = 0; i < n; i++) m[i] = (float)m_code[i] * m_scale;
+  for (int i = 0; i < n; i++) v[i] = values[v_code[i]] * v_top;
+}
+
+/* Code one block of `n` stepped moments as moment_codes.py codes it; its scales out. */
+static inline __attribute__((always_inline)) void encode(
+    int n, const float *restrict m, const float *restrict v, int8_t *restrict m_code,
+    float *restrict m_scale, uint8_t *restrict v_code, float *restrict v_top,
+    const float *restrict thresholds, const uint64_t *restrict pairs) {
+  /* the largest |m| and v, compared as bits: non-negative floats order as their bits, NaN
+   * above all (it wins, as in torch's amax) */
+  uint32_t top_bits = 0, peak_bits = 0;
+  for (int i = 0; i < n; i++) {
+    Bits a, q;
+    a.f = m[i];
+    q.f = v[i];
+    const uint32_t ma = a.u & 0x7FFFFFFFu, va = q.u & 0x7FFFFFFFu;
+    top_bits = ma > top_bits ? ma : top_bits;
+    peak_bits = va > peak_bits ? va : peak_bits;
+  }
+  Bits top, peak, lowest;
+  top.u = top_bits;
+  peak.u = peak_bits;
+  /* the smallest power of two >= top / 127 (2^-126 at least): its exponent, one up unless
+   * it is a power of two (as frexp and ldexp find it in moment_codes.py) */
+  Bits t, power;
+  t.f = top.f / 127.0f;
+  t.f = t.f < 0x1p-126f ? 0x1p-126f : t.f;
+  power.u = (t.u & 0x7F800000u) + ((t.u & 0x007FFFFFu) ? 0x00800000u : 0u);
+  const float inverse = 1.0f / power.f; /* exact */
+  *m_scale = power.f;
+  *v_top = peak.f;
+  for (int i = 0; i < n; i++) {
+    const float q = nearbyintf(m[i] * inverse); /* m / power, exactly */
+    m_code[i] = (int8_t)(q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q));
+  }
+  const float floor = peak.f < 0x1p-126f ? 0x1p-126f : peak.f, per_octave = 254.0f / 40.0f;
+  lowest.f = thresholds[254];
+  for (int i = 0; i < n; i++) {
+    const float ratio = v[i] / floor;
+    Bits x, q;
+    x.f = ratio;
+    q.f = v[i];
+    const float log2_under = (float)(int32_t)x.u * 0x1p-23f - 127.0f; /* <= log2(ratio) */
+    int c0 = (int)(-log2_under * per_octave + 0.5f) + 1;
+    c0 = c0 < 1 ? 1 : c0;
+    c0 = c0 > 255 ? 255 : c0;
+    /* the thresholds either side of c0, in one load: (thresholds[c0 - 1], thresholds[c0]) */
+    Bits above, below_t;
+    above.u = (uint32_t)pairs[c0];
+    below_t.u = (uint32_t)(pairs[c0] >> 32);
+    int code = c0 + (below_t.f > ratio) - (above.f <= ratio);
+    /* below the window (ratios >= 0 order as their bits): 255; v not > 0 (or NaN): 0; as
+     * masks, which vectorize */
+    const int below = -((int32_t)x.u < (int32_t)lowest.u);
+    const int keep = -(((int32_t)q.u > 0) & ((int32_t)q.u <= 0x7F800000));
+    code = (code & ~below) | (255 & below);
+    v_code[i] = (uint8_t)(code & keep);
+  }
+}
+
+/* Adam/AdamW over fp32 rows (`rows` x `cols`: parameters and gradients) whose moments are
+ * 8-bit codes in blocks of BLOCK within a row (`containers.optim.moment_codes`): `m_code`
+ * (int8) times the block's power of two `m_scale`; `v_code` (uint8) the entry of `values`
+ * (256 fractions) times the block's maximum `v_top`. A span of blocks at a time is decoded,
+ * stepped with the arithmetic of `update` (fp32 gradients and masters), and coded again as
+ * moment_codes.py codes it: `thresholds` are its 256 padded thresholds (+inf, the 254 between
+ * codes 1..255 descending, 0), and a second moment's code is the one they bracket (estimated
+ * from its exponent bits, within 0.55 of it, then moved by one where they say). Returns 1
+ * (nothing written) where *found_inf is set, else 0. */
+int oc_adam_coded(int64_t rows, int64_t cols, float *restrict master,
+                  const float *restrict grad, int8_t *restrict m_code, float *restrict m_scale,
+                  uint8_t *restrict v_code, float *restrict v_top, const double *hyper,
+                  int flags, const float *restrict values, const float *restrict thresholds,
+                  const float *found_inf) {
+  if (found_inf && *found_inf != 0.0f) return 1;
+  const int l2 = !(flags & 1) && hyper[3] != 0.0;
+  const Consts k = constants(hyper, flags);
+  const int64_t blocks = (cols + BLOCK - 1) / BLOCK;
+  float m[SPAN], v[SPAN];
+  uint64_t pairs[256];
+  for (int c = 1; c < 256; c++) {
+    Bits above, below;
+    above.f = thresholds[c - 1];
+    below.f = thresholds[c];
+    pairs[c] = (uint64_t)above.u | (uint64_t)below.u << 32;
+  }
+  pairs[0] = pairs[1]; /* (never read: codes are 1..255 here) */
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t c = 0; c < cols; c += SPAN) {
+      const int64_t at = r * cols + c, s = r * blocks + c / BLOCK;
+      const int len = (int)(cols - c < SPAN ? cols - c : SPAN);
+      int b = 0;
+      for (; (b + 1) * BLOCK <= len; b++)
+        decode(BLOCK, m_code + at + b * BLOCK, m_scale[s + b], v_code + at + b * BLOCK,
+               v_top[s + b], values, m + b * BLOCK, v + b * BLOCK);
+      if (b * BLOCK < len)
+        decode(len - b * BLOCK, m_code + at + b * BLOCK, m_scale[s + b],
+               v_code + at + b * BLOCK, v_top[s + b], values, m + b * BLOCK, v + b * BLOCK);
+      if (l2)
+        update(len, master + at, 0, 0, grad + at, m, v, &k, 0, 0, MASTER, 1);
+      else
+        update(len, master + at, 0, 0, grad + at, m, v, &k, 0, 0, MASTER, 0);
+      for (b = 0; (b + 1) * BLOCK <= len; b++)
+        encode(BLOCK, m + b * BLOCK, v + b * BLOCK, m_code + at + b * BLOCK, m_scale + s + b,
+               v_code + at + b * BLOCK, v_top + s + b, thresholds, pairs);
+      if (b * BLOCK < len)
+        encode(len - b * BLOCK, m + b * BLOCK, v + b * BLOCK, m_code + at + b * BLOCK,
+               m_scale + s + b, v_code + at + b * BLOCK, v_top + s + b, thresholds, pairs);
+    }
   }
   return 0;
 }

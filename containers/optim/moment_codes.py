@@ -32,6 +32,7 @@ __all__ = [
     "encode_log",
     "encode_signed",
     "from_blocks",
+    "log_tables",
     "scale_shape",
 ]
 
@@ -48,16 +49,17 @@ def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 
 @functools.cache
-def _log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values of codes 0..255 as fractions of the maximum, and the 254 thresholds
-    between consecutive codes 1..255 (their geometric means), descending."""
+def log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of codes 0..255 as fractions of the maximum; and the thresholds, padded
+    to 256: +inf, the 254 between consecutive codes 1..255 (their geometric means,
+    descending), 0. A ratio r > 0 takes the code c in 1..255 with thresholds[c - 1] > r >=
+    thresholds[c]."""
     c = torch.arange(256, dtype=torch.float64)
     values = torch.exp2(-(c - 1) * (LOG_OCTAVES / _STEPS))
     values[0] = 0.0
-    between = torch.exp2(
-        -(torch.arange(1, 255, dtype=torch.float64) - 0.5) * (LOG_OCTAVES / _STEPS)
-    )
-    return values.float().to(device), between.float().to(device)
+    thresholds = torch.exp2(-(c - 0.5) * (LOG_OCTAVES / _STEPS))
+    thresholds[0], thresholds[255] = float("inf"), 0.0
+    return values.float().to(device), thresholds.float().to(device)
 
 
 def as_blocks(t: torch.Tensor) -> torch.Tensor:
@@ -118,28 +120,41 @@ def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) ->
 
 
 @torch.no_grad()
-def encode_log(values: torch.Tensor, code: torch.Tensor, top: torch.Tensor) -> None:
-    """Write the uint8 log codes of `values` (>= 0) into `code` and each block's maximum
-    into `top` (see the module docstring)."""
+def encode_log(
+    values: torch.Tensor, code: torch.Tensor, top: torch.Tensor, checked: bool = True
+) -> None:
+    """Write the uint8 log codes of `values` (>= 0: `checked`, at the cost of a pass and a
+    host sync, where the caller cannot know) into `code` and each block's maximum into
+    `top` (see the module docstring)."""
     _check(values, code, top, torch.uint8)
     if not values.numel():
         return
-    if bool((values < 0).any()):
+    if checked and bool((values < 0).any()):
         raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
     b = as_blocks(values.float())
     peak = b.amax(-1, keepdim=True)
     ratio = b / peak.clamp_min(torch.finfo(torch.float32).tiny)
-    _, between = _log_tables(values.device)
-    # Codes 1..255 by how many thresholds lie above the ratio (searchsorted wants ascending).
-    below = torch.searchsorted(between.flip(0), ratio.contiguous(), right=True)
-    c = (255 - below).to(torch.uint8)
-    code.copy_(from_blocks(torch.where(b > 0, c, torch.zeros_like(c)), code.shape))
+    _, thresholds = log_tables(values.device)
+    # An estimate within 0.55 of the code (log2 from the exponent bits, a little under it),
+    # then the code the thresholds bracket: one step either way (`cpu_adam.c` does the same).
+    under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
+    c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add_(1).clamp_(1, 255)
+    up = thresholds.index_select(0, c0.reshape(-1)).view(c0.shape) > ratio
+    down = thresholds.index_select(0, (c0 - 1).reshape(-1)).view(c0.shape) <= ratio
+    c = c0 + up.int() - down.int()
+    c = torch.where(ratio < thresholds[254], 255, c)  # (below the window, or 0: below)
+    code.copy_(from_blocks(torch.where(b > 0, c, 0).to(torch.uint8), code.shape))
     top.copy_(peak.reshape(top.shape))
 
 
 def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
     """Write the values of uint8 log `code` below block maxima `top` into `out`."""
-    _decode(code, top, out, torch.uint8, lambda c: _log_tables(c.device)[0][c.long()])
+    _decode(code, top, out, torch.uint8, lambda c: _decode_log_table(c))
+
+
+def _decode_log_table(c: torch.Tensor) -> torch.Tensor:
+    values, _ = log_tables(c.device)
+    return values.index_select(0, c.reshape(-1).int()).view(c.shape)
 
 
 @torch.no_grad()

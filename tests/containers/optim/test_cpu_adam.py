@@ -331,7 +331,7 @@ def test_a_compiler_with_arguments_is_split_as_a_shell_would(tmp_path, cache, mo
 @pytest.mark.parametrize(
     ("old", "new", "said"),
     [
-        ("int oc_adam_abi(void) { return 1; }", "int oc_adam_abi(void) { return 2; }", "layout 2"),
+        ("int oc_adam_abi(void) { return 2; }", "int oc_adam_abi(void) { return 3; }", "layout 3"),
         # the second moment without the multiply-add torch's build forms: other roundings
         ("v = fmaf(c2 * g, g, v * b2);", "v = v * b2 + c2 * g * g;", "disagrees"),
     ],
@@ -341,3 +341,32 @@ def test_a_library_that_does_not_match_is_not_used(tmp_path, cache, caplog, old,
     assert cpu_adam.load(_variant(tmp_path, old, new)) is None
     (line,) = _warnings(caplog)
     assert said in line and "torch's slower path" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("scales one short", "exp_avg_sq scale has 15 elements, expected 16 (one a block of 32"),
+        ("codes of another dtype", "exp_avg_sq code is a torch.int8 tensor"),
+        ("master not contiguous", "master is a torch.float32 tensor on cpu (contiguous: False)"),
+    ],
+)
+def test_what_the_8bit_kernel_would_misread_raises_before_anything_is_written(name, said):
+    lib = cpu_adam.library()
+    if lib is None:
+        pytest.skip("no C compiler here: the kernel is not used")
+    master, grad = torch.randn(8, 64), torch.randn(8, 64)
+    m = (torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2))
+    v = (torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2))
+    if name == "scales one short":
+        v = (v[0], v[1].view(-1)[:15])
+    elif name == "codes of another dtype":
+        v = (v[0].view(torch.int8), v[1])
+    else:
+        master = torch.randn(64, 8).t()
+    before = [t.clone() for t in (master, *m, *v)]
+    h = cpu_adam.settings(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, step=1)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        cpu_adam.update_coded(lib, h, master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
+                              adamw=True)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip((master, *m, *v), before))

@@ -110,14 +110,29 @@ def test_blocks_move_whole_with_rows_and_with_columns_cut_at_multiples_of_32():
 
 def test_the_same_values_give_the_same_codes_in_every_process():
     """Encoding compares with fixed fp32 thresholds: no libm rounding decides a code."""
-    _, between = mc._log_tables(torch.device("cpu"))
-    values, _ = mc._log_tables(torch.device("cpu"))
+    values, thresholds = mc.log_tables(torch.device("cpu"))
+    between = thresholds[1:255]
     # a value on a threshold goes to the larger code value (the smaller code)
     t = torch.tensor([[1.0, *between[:3].tolist(), *([0.0] * 28)]])
     code, _, _ = _log(t)
     assert code[0, :4].tolist() == [1, 1, 2, 3]
     assert values[1].item() == 1.0 and values[0].item() == 0.0
     assert math.isclose(values[255].item(), 2**-mc.LOG_OCTAVES, rel_tol=1e-6)
+    # Every ratio takes the code its thresholds bracket: 1 + how many lie above it (the
+    # estimate from the exponent bits only picks where to look), on and beside each one.
+    on = torch.cat([between, between.nextafter(torch.tensor(1.0)),
+                    between.nextafter(torch.tensor(0.0)), values[1:]])  # fmt: skip
+    spread = torch.exp2(-torch.rand(20000, generator=torch.Generator().manual_seed(3)) * 45)
+    ratios = torch.cat([on, spread, torch.tensor([2.0**-126, 1e-30, 1.0])])
+    want = 1 + (between[None, :] > ratios[:, None]).sum(1)
+    for chunk in ratios.split(32 * 64):
+        rows = torch.nn.functional.pad(chunk, (0, -chunk.numel() % 32)).view(-1, 32)
+        rows[:, 0] = 1.0  # each block's maximum: its ratios are the values themselves
+        got, _, _ = _log(rows)
+        expect = 1 + (between[None, :] > rows.reshape(-1)[:, None]).sum(1)
+        expect[rows.reshape(-1) == 0] = 0
+        assert torch.equal(got.reshape(-1).long(), expect)
+    assert want.min() == 1 and want.max() == 255
 
 
 @pytest.mark.parametrize(
