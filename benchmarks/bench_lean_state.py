@@ -1,4 +1,5 @@
-"""Lean optimizer state: AdamW's moments in fp32 vs bf16, memory, step time and quality.
+"""Lean optimizer state: AdamW's moments in fp32, bf16 or 8-bit codes, memory, step time and
+quality.
 
     .venv/bin/python benchmarks/bench_lean_state.py                 # table + quality, seeds 0-2
     .venv/bin/python benchmarks/bench_lean_state.py --no-quality    # the table only (~1 min)
@@ -6,13 +7,13 @@
     .venv/bin/python benchmarks/bench_lean_state.py --graphs        # the compiled update alone
 
 Table: the default container over a 16.8M-parameter stack of linear layers (the mixed-
-precision benchmark's shape), AdamW with `moment_dtype` "float32" (today's) and "bfloat16",
+precision benchmark's shape), AdamW with `moment_dtype` "float32" (today's), "bfloat16", "8bit",
 each its own copy stepped on the same gradients, timed interleaved (order reversed on odd
 repeats) at 1 thread, medians of `--repeats`. Steady bytes per parameter count the optimizer
 state tensors the container keeps between steps (the 4-byte step counts included).
 
 Quality: the debug job (`train.py --nproc_per_node 2`, FSDP2 over 2 gloo ranks), 200 steps,
-seeds 0-2, the mean loss of steps 181-200, fp32 moments against bf16 moments.
+seeds 0-2, the mean loss of steps 181-200, fp32 moments against bf16 moments (and 8-bit).
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def _model(width: int, layers: int, dtype: torch.dtype = torch.float32) -> nn.Mo
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(dtype)
 
 
-def _default(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
+def _default(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], OptimizersContainer]:
     kwargs = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
     if lean:
-        return lambda m: OptimizersContainer([m], LeanAdamW, {**kwargs, "moment_dtype": "bfloat16"})
+        return lambda m: OptimizersContainer([m], LeanAdamW, {**kwargs, "moment_dtype": moments})
     return lambda m: OptimizersContainer([m], torch.optim.AdamW, kwargs)
 
 
@@ -84,6 +85,12 @@ CONTENDERS = {
         torch.float32, _default(True), TODAY, ("<= 4.2", ""), False
     ),
     "AdamW, bf16 moments, one pass": (torch.float32, _default(True), TODAY, ("<= 4.2", ""), True),
+    "AdamW, 8-bit moments, through torch ops": (
+        torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", ""), False
+    ),
+    "AdamW, 8-bit moments, one pass": (
+        torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", ""), True
+    ),
     MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", ""), False),
     "mixed precision, fp32 masters + moments, one pass": (
         torch.bfloat16, _mixed(False), MP_TODAY, ("", ""), True
@@ -104,7 +111,10 @@ def steady_bytes(model: nn.Module, opt: OptimizersContainer) -> tuple[int, int]:
     tensors = [
         *(m for g in opt.param_groups for m in g["params"]),
         *(v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
-    ]
+        # 8-bit moments: a code and a scale each
+        *(t for st in opt.state.values() for v in st.values() if isinstance(v, dict)
+          for t in v.values()),
+    ]  # fmt: skip
     flats = getattr(opt.precision, "_flat", {})
     tensors += [b for groups in flats.values() for flat in groups for b in flat.buffers.values()]
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
@@ -170,6 +180,11 @@ QUALITY = {
         ["--optimizer.moment_dtype", "bfloat16"],
     ),
     "mixed precision": (MP_DEBUG, [], LEAN_MP),
+    "AdamW, 8-bit": (
+        DEBUG,
+        ["--optimizer.moment_dtype", "float32"],
+        ["--optimizer.moment_dtype", "8bit"],
+    ),
 }
 
 
@@ -186,8 +201,9 @@ def quality_table(args: argparse.Namespace) -> str:
             loss = {}
             for policy, argv in (("today", today), ("lean", lean)):
                 # (names as the first AdamW table's runs, so their records are reused)
-                name = {"today": "adamw-float32", "lean": "adamw-bfloat16"}[policy]
-                name = name if job == "AdamW" else f"mp-{policy}"
+                lean_name = "adamw-8bit" if job == "AdamW, 8-bit" else "adamw-bfloat16"
+                name = {"today": "adamw-float32", "lean": lean_name}[policy]
+                name = name if job.startswith("AdamW") else f"mp-{policy}"
                 loss[policy] = tail_mean(run_job(name, seed, 1, args, [*base, *argv]), args.window)
                 means[policy].append(loss[policy])
             t, lean_loss = loss["today"], loss["lean"]

@@ -13,8 +13,9 @@ A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused
 with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
 torch's fused step on the decoded moments followed by encoding them (tests hold it). Encoding
 what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing. On a
-CPU `containers.optim.cpu_adam` does all three in one pass over each tensor, bit for bit the
-same (checked when it loads).
+CPU `containers.optim.cpu_adam` does all three in one pass over each tensor with the
+arithmetic of the kernel's vector loop (checked bit for bit when it loads); torch's kernel
+steps a call's last `numel % 16` elements in a scalar loop that may round otherwise.
 """
 
 from __future__ import annotations
