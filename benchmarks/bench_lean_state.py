@@ -214,22 +214,28 @@ def quality_table(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-# name -> (remainders + bf16 moments, loaded through `containers.load_planner`)
+# name -> (parameter dtype, container, loaded through `containers.load_planner`)
 RESUMES = {
-    "fp32 masters + moments (today)": (False, False),
-    "remainders + bf16 moments, load_planner": (True, True),
-    "remainders + bf16 moments, DCP's default planner": (True, False),
-}
+    "mixed precision, fp32 masters + moments (today)": (torch.bfloat16, _mixed(False), False),
+    "mixed precision, remainders + bf16 moments, load_planner": (
+        torch.bfloat16, _mixed(True), True
+    ),
+    "mixed precision, remainders + bf16 moments, DCP's default planner": (
+        torch.bfloat16, _mixed(True), False
+    ),
+    "AdamW, fp32 moments (today)": (torch.float32, _default(False), True),
+    "AdamW, 8-bit moments": (torch.float32, _default(True, "8bit"), True),
+}  # fmt: skip
 
 
 def resume_child(policy: str, path: str, width: int, layers: int) -> dict[str, float]:
     """One save to `path` and a resume from it in this fresh process: how far the resident
     set grows over the steady state while saving and while loading."""
-    lean, planned = RESUMES[policy]
-    model = _model(width, layers, torch.bfloat16)
-    opt = _mixed(lean)(model)
+    dtype, build, planned = RESUMES[policy]
+    model = _model(width, layers, dtype)
+    opt = build(model)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape).bfloat16() * 1e-2
+        p.grad = (torch.randn(p.shape) * 1e-2).to(dtype)
     opt.step()
     states = {"model": ModelWrapper([model]), "optim": opt}
     gc.collect()
@@ -266,7 +272,7 @@ def resume_table(width: int, layers: int) -> str:
             )
         )
     head = (
-        f"save and resume of mixed precision, {width}x{width} x {layers}, fresh process each: "
+        f"save and resume, {width}x{width} x {layers}, fresh process each: "
         "resident set growth over the steady state while DCP saves, then loads (goal: <= one "
         "fp32 tensor, the largest: its 'tensors')"
     )
