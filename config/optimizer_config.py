@@ -136,7 +136,8 @@ class Optimizer:
     math (Adam: torch's fused kernel on each chunk of moments widened to fp32; SGD, Muon: per
     tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
     AdamW, not under mixed precision or FSDP1): 8-bit codes in blocks of 32 within a row, 2.25
-    bytes a parameter (`containers.optim.coded_adam`); 1-D parameters keep bf16 moments."""
+    bytes a parameter (`containers.optim.coded_adam`); 1-D parameters and rows of 4 or fewer
+    keep bf16 moments."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and

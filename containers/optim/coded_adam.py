@@ -3,8 +3,9 @@
 A group of `LeanAdam(W)` with `moment_dtype = "8bit"` keeps, for each parameter of two or more
 dimensions, `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code": uint8,
 "scale": fp32}`: the codes of `containers.optim.moment_codes`, one scale a block of 32 within
-a row (measured within 1% of fp32 moments: `benchmarks/bench_moment_codes.py`). Parameters of
-fewer dimensions (biases, norm weights: few bytes, and a 1-D shard may cut any block) keep
+a row (`benchmarks/bench_moment_codes.py`, `bench_lean_state.py`). Parameters of fewer
+dimensions (biases, norm weights: few bytes, and a 1-D shard may cut any block), and matrices
+whose rows hold 4 elements or fewer (where a block's scales cost more than bf16 saves), keep
 bf16 moments. For a sharded parameter the scales are a DTensor placed as the parameter over
 the whole tensor's blocks, so DCP reshards codes and scales element for element wherever rows
 are cut; a shard that cuts a row inside a block is refused when its state is made.
@@ -63,8 +64,10 @@ FALLBACK = torch.bfloat16
 
 
 def coded(p: torch.Tensor) -> bool:
-    """Whether a coded group keeps `p`'s moments in codes (else in `FALLBACK`)."""
-    return p.dim() >= 2
+    """Whether a coded group keeps `p`'s moments in codes (else in `FALLBACK`): a matrix
+    whose rows are long enough for codes to take fewer bytes than bf16 (2 + 8 / 4 = 4 bytes
+    an element at 4 a row)."""
+    return p.dim() >= 2 and p.shape[-1] > 4
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
