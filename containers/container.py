@@ -152,9 +152,9 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
                 try:
                     opt = cls([{"params": ps, **kw} for ps, kw in specs], **constructor)
                 except (TypeError, ValueError, RuntimeError) as e:
-                    raise ValueError(
-                        f"building {cls.__name__} for {named[0][0]!r} and its unit failed: {e}"
-                    ) from e
+                    where = self._refused_alone(cls, constructor, specs)
+                    where = where or f"{named[0][0]!r} and its unit"
+                    raise ValueError(f"building {cls.__name__} for {where} failed: {e}") from e
                 unit.optimizers.append(opt)
                 self.optimizers.append(opt)
             self.units.append(unit)
@@ -181,6 +181,19 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
             ema.attach([p for g in self.param_groups for p in g["params"]])
 
     # -- what the trainer asks -----------------------------------------------------------
+
+    def _refused_alone(
+        self, cls: type[Optimizer], constructor: dict[str, Any], specs: list[tuple[list, dict]]
+    ) -> str:
+        """The FQN of the first parameter that `cls` refuses on its own (for the message of
+        a unit's optimizer that could not be built), or "" if none does alone."""
+        for params, kwargs in specs:
+            for p in params:
+                try:
+                    cls([{"params": [p], **kwargs}], **constructor)
+                except (TypeError, ValueError, RuntimeError):
+                    return repr(self._fqns.get(p, ""))
+        return ""
 
     @property
     def last_step_committed(self) -> bool:

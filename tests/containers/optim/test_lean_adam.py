@@ -190,9 +190,10 @@ def _save_lean(path: str, moments: str) -> tuple[dict, str]:
     dcp.save({"optim": container}, checkpoint_id=path)
     # 8-bit codes: a row cut inside a block (tensor parallel on columns) is refused when built.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    cut = nn.Parameter(distribute_tensor(torch.zeros(4, 40), mesh, [Shard(1)]))
+    cut = nn.Linear(40, 4, bias=False)
+    cut.weight = nn.Parameter(distribute_tensor(cut.weight.detach(), mesh, [Shard(1)]))
     try:
-        LeanAdamW([cut], moment_dtype=moments)
+        OptimizersContainer([cut], LeanAdamW, {"moment_dtype": moments})
         refused = ""
     except ValueError as e:
         refused = str(e)
@@ -220,6 +221,7 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
         assert saved["state.mid.weight.exp_avg_sq.code"].dtype == torch.uint8
         scale = saved["state.mid.weight.exp_avg_sq.scale"]
         assert scale.shape == (9, 1) and scale.count_nonzero() == 9  # rows 5 + 4, then 3 x 3
+        assert "building LeanAdamW for 'weight' failed: " in refused  # the parameter named
         assert "shape (4, 40) is sharded on its last dimension" in refused
         assert "at column 20, inside a block of 32" in refused
     else:
