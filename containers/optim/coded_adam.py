@@ -8,7 +8,8 @@ dimensions (biases, norm weights: few bytes, and a 1-D shard may cut any block),
 whose rows hold 4 elements or fewer (where a block's scales cost more than bf16 saves), keep
 bf16 moments. For a sharded parameter the scales are a DTensor placed as the parameter over
 the whole tensor's blocks, so DCP reshards codes and scales element for element wherever rows
-are cut; a shard that cuts a row inside a block is refused when its state is made.
+are cut; a parameter whose shards cut a row inside a block keeps bf16 moments (said once), and
+a checkpoint moving it to or from a layout that codes it converts on load.
 
 A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused kernel there
 with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
@@ -21,7 +22,9 @@ steps a call's last `numel % 16` elements in a scalar loop that may round otherw
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -42,14 +45,16 @@ from containers.optim.moment_codes import (
 
 __all__ = [
     "CODED",
-    "check_blocks",
     "coded",
     "coded_adam",
     "decode_moment",
     "encode_moment",
     "in_form_of",
     "new_moments",
+    "say_cuts",
 ]
+
+logger = logging.getLogger(__name__)
 
 CODED = "8bit"
 """The `moment_dtype` of coded moments."""
@@ -66,35 +71,54 @@ FALLBACK = torch.bfloat16
 def coded(p: torch.Tensor) -> bool:
     """Whether a coded group keeps `p`'s moments in codes (else in `FALLBACK`): a matrix
     whose rows are long enough for codes to take fewer bytes than bf16 (2 + 8 / 4 = 4 bytes
-    an element at 4 a row)."""
-    return p.dim() >= 2 and p.shape[-1] > 4
+    an element at 4 a row) and, sharded, cut only between blocks (`cut_inside`)."""
+    return p.dim() >= 2 and p.shape[-1] > 4 and cut_inside(p) is None
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
 
-def check_blocks(p: torch.Tensor) -> None:
-    """Raise ValueError if a shard of `p` (on any rank) cuts a row inside a block: its codes
-    could not move whole between layouts."""
-    if not isinstance(p, DTensor) or not coded(p):
-        return
-    last = p.dim() - 1
-    if not any(isinstance(pl, Shard) and pl.dim in (-1, last) for pl in p.placements):
-        return  # cuts between rows only
-    scales = scale_shape(p.shape)
-    mesh = tuple(p.device_mesh.shape)
+def cut_inside(p: torch.Tensor) -> int | None:
+    """The first column at which a shard of `p` (on any rank) cuts a row inside a block, so
+    that its codes could not move whole between layouts; None where none does."""
+    if not isinstance(p, DTensor) or p.dim() < 2:
+        return None
+    return _cut_inside(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements))
+
+
+@functools.lru_cache(maxsize=256)
+def _cut_inside(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple) -> int | None:
+    last = len(shape) - 1
+    if not any(isinstance(pl, Shard) and pl.dim in (-1, last) for pl in placements):
+        return None  # cuts between rows only
+    scales = scale_shape(shape)
     # Every rank's piece (torch's own split, private: it takes a coordinate other than ours).
     for coordinate in itertools.product(*map(range, mesh)):
-        shape, offset = _piece(p.shape, mesh, list(coordinate), p.placements)
-        s_shape, s_offset = _piece(scales, mesh, list(coordinate), p.placements)
-        if tuple(s_shape) != scale_shape(tuple(shape)) or offset[-1] != BLOCK * s_offset[-1]:
-            raise ValueError(
-                f"moment_dtype = '8bit': a parameter of shape {tuple(p.shape)} is sharded on "
-                f"its last dimension ({p.placements}) at column {offset[-1]}, inside a block "
-                f"of {BLOCK}; shard it on another dimension, give each shard a multiple of "
-                f"{BLOCK} columns, or keep its group's moment_dtype = 'bfloat16'"
-            )
+        piece, offset = _piece(shape, mesh, list(coordinate), placements)
+        s_piece, s_offset = _piece(scales, mesh, list(coordinate), placements)
+        if tuple(s_piece) != scale_shape(tuple(piece)) or offset[-1] != BLOCK * s_offset[-1]:
+            return offset[-1]
+    return None
+
+
+_said: set[str] = set()
+
+
+def say_cuts(p: torch.Tensor) -> None:
+    """Log, once for each shape and placement, that `p` keeps bf16 moments in a coded group
+    because its shards cut rows inside blocks (tensor parallelism's column cuts, e.g.)."""
+    column = cut_inside(p)
+    if column is None or p.shape[-1] <= 4:
+        return
+    line = (
+        f"moment_dtype = '8bit': matrices of shape {tuple(p.shape)} sharded on their last "
+        f"dimension ({p.placements}) are cut at column {column}, inside a block of {BLOCK}: "
+        "their moments stay bf16 (give each shard a multiple of 32 columns for codes)"
+    )
+    if line not in _said:
+        _said.add(line)
+        logger.info(line)
 
 
 def _scales(p: torch.Tensor) -> torch.Tensor:

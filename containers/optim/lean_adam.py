@@ -33,7 +33,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
-from containers.optim.coded_adam import CODED, check_blocks, coded_adam, new_moments
+from containers.optim.coded_adam import CODED, coded_adam, new_moments, say_cuts
 from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
@@ -83,7 +83,7 @@ class _Lean:
             if not isinstance(params, (torch.Tensor, set)):  # (a generator: read it once)
                 param_group["params"] = params = list(params)
             for p in [params] if isinstance(params, torch.Tensor) else params:
-                check_blocks(p)
+                say_cuts(p)
         lean = param_group["moment_dtype"] != "float32" or param_group["compiled"]
         if lean and param_group.get("fused") is None:
             # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.

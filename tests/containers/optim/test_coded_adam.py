@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import containers.optim.coded_adam as coded_adam
 from containers import LeanAdam, LeanAdamW, OptimizersContainer
@@ -169,6 +170,23 @@ def test_a_containers_state_converts_between_8bit_and_float_moments_in_one_log_l
     caplog.clear()
     into_codes.load_state_dict(got_codes)  # its own form: nothing converted, nothing said
     assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "placements", "column"),
+    [
+        ((4, 40), (2,), (Shard(1),), 20),  # 20 columns a shard: inside the first block
+        ((4, 100), (3,), (Shard(1),), 34),
+        ((4, 128), (2,), (Shard(1),), None),  # 64 a shard: whole blocks
+        ((4, 96), (3,), (Shard(1),), None),
+        ((5, 40), (2,), (Shard(0),), None),  # rows cut, never a block
+        ((8, 64), (2, 2), (Shard(0), Shard(1)), None),
+        ((8, 64), (2, 4), (Shard(0), Shard(1)), 16),
+    ],
+)
+def test_where_shards_cut_rows_inside_blocks(shape, mesh, placements, column):
+    """Every rank's piece is checked, not this rank's: the first shard of (4, 40) is whole."""
+    assert coded_adam._cut_inside(shape, mesh, placements) == column
 
 
 def test_amsgrad_with_8bit_moments_is_refused_before_any_state():
