@@ -221,7 +221,9 @@ def coded_adam(
     """Torch's fused `kernel` over coded moments, a run of rows at a time (see the module
     docstring). `steps` hold the count this update is (the caller adds and takes back).
     On a CPU `containers.optim.cpu_adam` computes the same in one pass over each tensor."""
-    lib = cpu_adam.kernel() if cpu_adam.readable_flag(settings["found_inf"]) else None
+    # (built at the first CPU step only: a GPU job never builds or loads it)
+    on_cpu = bool(params) and local(params[0]).is_cpu
+    lib = cpu_adam.kernel() if on_cpu and cpu_adam.readable_flag(settings["found_inf"]) else None
     stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
