@@ -335,6 +335,41 @@ def _lean_is_widened(device: torch.device) -> str:
     return "equal"
 
 
+@check("8-bit moments: decode, torch's fused kernel, encode, bitwise; codes as the CPU's")
+def _coded_steps(device: torch.device) -> str:
+    from containers.optim import moment_codes
+    from containers.optim.coded_adam import decode_moment, encode_moment
+
+    torch.manual_seed(0)
+    params = [torch.randn(s, device=device) for s in ((300, 100), (33,), (3, 5, 70))]
+    ref_params = [p.clone() for p in params]
+    coded = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype="8bit")
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn_like(p) * 1e-2
+            q.grad = p.grad.clone()
+        coded.step()
+        ref.step()
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q), step
+            for name in ("exp_avg", "exp_avg_sq"):
+                kept = encode_moment(name, ref.state[q][name], q)
+                held = decode_moment(name, kept, torch.float32).float()
+                assert torch.equal(decode_moment(name, coded.state[p][name], torch.float32).float(),
+                                   held), (step, name)  # fmt: skip
+                ref.state[q][name].copy_(held)
+    # The same values code alike here and on the CPU (fixed fp32 thresholds decide).
+    v = torch.rand(64, 96, device=device) * torch.exp2(-40 * torch.rand(64, 96, device=device))
+    here = [torch.empty(64, 96, dtype=torch.uint8, device=device)]
+    here.append(torch.empty(64, 3, device=device))
+    moment_codes.encode_log(v, *here)
+    cpu = [t.cpu() for t in here]
+    moment_codes.encode_log(v.cpu(), *cpu)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(here, cpu))
+    return "equal"
+
+
 @check("torch's fused AdamW kernel takes bf16 moments beside fp32 parameters unwidened")
 def _kernel_takes_bf16(device: torch.device) -> str:
     p = torch.randn(4096, device=device)
@@ -592,6 +627,7 @@ COMPILED = {
 LEAN = {
     FP32: CONTENDERS[FP32],
     "AdamW, bf16 moments": CONTENDERS["AdamW, bf16 moments, one pass"],
+    "AdamW, 8-bit moments": CONTENDERS["AdamW, 8-bit moments, one pass"],
     MP: CONTENDERS[MP],
     "mixed precision, remainders + bf16 moments": CONTENDERS[
         "mixed precision, remainders + bf16 moments, one pass"
