@@ -312,12 +312,15 @@ def _in_backward_syncs(device: torch.device) -> str:
     return f"backward {counts[0]}, step {counts[1]}"
 
 
-@check("bf16 moments == fused step on the widened moments, rounded back (3 steps)")
-def _lean_is_widened(device: torch.device) -> str:
+def _against_fused(device: torch.device, shapes: list, moments: str) -> None:
+    """LeanAdamW with `moments` against torch's fused AdamW whose moments are set, after each
+    of 3 steps, to what the lean ones hold: parameters and held moments bitwise."""
+    from containers.optim.coded_adam import decode_moment
+
     torch.manual_seed(0)
-    params = [torch.randn(n, device=device) for n in (3000, 1 << 20, 77)]
+    params = [torch.randn(s, device=device) for s in shapes]
     ref_params = [p.clone() for p in params]
-    lean = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
+    lean = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype=moments)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(3):
         for p, q in zip(params, ref_params):
@@ -329,36 +332,34 @@ def _lean_is_widened(device: torch.device) -> str:
             assert torch.equal(p, q), step
             for name in ("exp_avg", "exp_avg_sq"):
                 kept = lean.state[p][name]
-                assert kept.dtype == torch.bfloat16
-                assert torch.equal(kept, ref.state[q][name].bfloat16()), (step, name)
-                ref.state[q][name].copy_(kept)
+                if moments == "bfloat16":
+                    assert kept.dtype == torch.bfloat16
+                ours = decode_moment(name, kept, torch.float32).float()
+                theirs = _held(name, ref.state[q][name], q, moments)
+                assert torch.equal(ours, theirs), (step, name)
+                ref.state[q][name].copy_(theirs)
+
+
+def _held(name: str, values: torch.Tensor, p: torch.Tensor, moments: str) -> torch.Tensor:
+    """What a group of `moments` holds of fp32 `values` (moment `name` of `p`), as fp32."""
+    from containers.optim.coded_adam import decode_moment, encode_moment
+
+    if moments == "bfloat16":
+        return values.bfloat16().float()
+    return decode_moment(name, encode_moment(name, values, p), torch.float32).float()
+
+
+@check("bf16 moments == fused step on the widened moments, rounded back (3 steps)")
+def _lean_is_widened(device: torch.device) -> str:
+    _against_fused(device, [3000, 1 << 20, 77], "bfloat16")
     return "equal"
 
 
 @check("8-bit moments: decode, torch's fused kernel, encode, bitwise; codes as the CPU's")
 def _coded_steps(device: torch.device) -> str:
     from containers.optim import moment_codes
-    from containers.optim.coded_adam import decode_moment, encode_moment
 
-    torch.manual_seed(0)
-    params = [torch.randn(s, device=device) for s in ((300, 100), (33,), (3, 5, 70))]
-    ref_params = [p.clone() for p in params]
-    coded = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype="8bit")
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
-    for step in range(3):
-        for p, q in zip(params, ref_params):
-            p.grad = torch.randn_like(p) * 1e-2
-            q.grad = p.grad.clone()
-        coded.step()
-        ref.step()
-        for p, q in zip(params, ref_params):
-            assert torch.equal(p, q), step
-            for name in ("exp_avg", "exp_avg_sq"):
-                kept = encode_moment(name, ref.state[q][name], q)
-                held = decode_moment(name, kept, torch.float32).float()
-                assert torch.equal(decode_moment(name, coded.state[p][name], torch.float32).float(),
-                                   held), (step, name)  # fmt: skip
-                ref.state[q][name].copy_(held)
+    _against_fused(device, [(300, 100), (33,), (3, 5, 70)], "8bit")
     # The same values code alike here and on the CPU (fixed fp32 thresholds decide).
     v = torch.rand(64, 96, device=device) * torch.exp2(-40 * torch.rand(64, 96, device=device))
     here = [torch.empty(64, 96, dtype=torch.uint8, device=device)]
