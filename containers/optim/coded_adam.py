@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
@@ -160,15 +161,30 @@ def encode_moment(name: str, values: torch.Tensor, p: torch.Tensor) -> Any:
     return out
 
 
-def decode_moment(name: str, value: Any, dtype: torch.dtype) -> Any:
-    """A coded moment (`{"code", "scale"}`) as a tensor of `dtype`; any other as it is."""
+def decode_moment(name: str, value: Any, dtype: torch.dtype, p: Any = None) -> Any:
+    """A coded moment (`{"code", "scale"}`) as a tensor of `dtype`; any other as it is. Codes
+    of the whole tensor (plain tensors) for a sharded parameter `p` (a layout whose shards
+    cut its blocks: `in_form_of` loads them whole) give `p`'s piece, placed as `p`."""
     if not isinstance(value, dict):
         return value
     _, _, decode = _CODECS[name]
     code, scale = value["code"], value["scale"]
     out = torch.empty_like(code, dtype=torch.float32)
     decode(local(code), local(scale), local(out))
+    if isinstance(p, DTensor) and not isinstance(out, DTensor):
+        out = _placed_as(out, p)
     return out.to(dtype)
+
+
+def _placed_as(whole: torch.Tensor, p: DTensor) -> DTensor:
+    """The piece of `whole` (all of a tensor shaped as `p`) that this rank's shard of `p`
+    holds, as a DTensor placed as `p`."""
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return DTensor.from_local(
+        piece.contiguous().to(local(p).device), p.device_mesh, p.placements, run_check=False,
+        shape=p.shape, stride=p.stride(),
+    )  # fmt: skip
 
 
 def in_form_of(
@@ -180,7 +196,9 @@ def in_form_of(
     which moments a load converts, as (name, "tensor -> codes" or "codes -> tensor").
 
     A refitted moment is a template (zeros, or with `materialize` False meta tensors of the
-    whole tensor's shape): the load converts what it receives into the optimizer's form."""
+    whole tensor's shape): the load converts what it receives into the optimizer's form.
+    Codes for a parameter whose shards here cut its blocks are templates of the whole tensor
+    (every rank reads all of them, `decode_moment` takes its piece): a conversion's cost, once."""
     out, changed = state, []
     for name, (dtype, _, _) in _CODECS.items():
         ours = state.get(name)
@@ -191,15 +209,15 @@ def in_form_of(
                 else torch.empty(p.shape, dtype=torch.float32, device="meta")
             )
             changed.append((name, "tensor -> codes"))
-        elif isinstance(ours, torch.Tensor) and coded(p) and f"{prefix}.{name}.code" in keys:
-            template = (
-                _new_moment(name, p)
-                if materialize
-                else {
-                    "code": torch.empty(p.shape, dtype=dtype, device="meta"),
-                    "scale": torch.empty(scale_shape(p.shape), device="meta"),
+        elif isinstance(ours, torch.Tensor) and f"{prefix}.{name}.code" in keys:
+            if materialize and coded(p):
+                template = _new_moment(name, p)
+            else:  # (a layout that cuts its blocks: the whole tensor's codes, on every rank)
+                device = local(p).device if materialize else "meta"
+                template = {
+                    "code": torch.zeros(p.shape, dtype=dtype, device=device),
+                    "scale": torch.zeros(scale_shape(p.shape), device=device),
                 }
-            )
             changed.append((name, "codes -> tensor"))
         else:
             continue

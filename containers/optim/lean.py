@@ -87,6 +87,6 @@ def _kept_as(policy: str, name: str, value: Any, p: torch.Tensor) -> Any:
                     f"a parameter of shape {tuple(p.shape)}; load the state of this model"
                 )
             return {k: v.to(device=p.device) for k, v in value.items()}
-        return encode_moment(name, decode_moment(name, value, torch.float32), p)
+        return encode_moment(name, decode_moment(name, value, torch.float32, p), p)
     dtype = MOMENT_DTYPES[policy]
-    return decode_moment(name, value, dtype).to(device=p.device, dtype=dtype)
+    return decode_moment(name, value, dtype, p).to(device=p.device, dtype=dtype)

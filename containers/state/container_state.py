@@ -194,10 +194,11 @@ def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> Non
     for opt, plan in zip(optimizers, plans):
         if getattr(opt, "converts_codes", False):
             continue
-        for state in plan["state"].values():
+        params = [p for g in opt.param_groups for p in g["params"]]  # (the plan's order)
+        for p, state in zip(params, plan["state"].values()):
             for name, value in list(state.items()):
                 if isinstance(value, dict) and "code" in value:
-                    state[name] = decode_moment(name, value, torch.float32)
+                    state[name] = decode_moment(name, value, torch.float32, p)
 
 
 def _describe(counts: dict[tuple[str, str], int]) -> str:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import containers.optim.coded_adam as coded_adam
 import containers.optim.lean_adam as lean_adam
@@ -200,17 +200,34 @@ def _save_lean(path: str, moments: str) -> tuple[dict, str]:
     }
 
 
-def _load_lean(path: str, moments: str) -> tuple[dict, dict]:
-    """The checkpoint loaded by a run of its own policy, and by one of torch's AdamW (its
-    template fitted to the checkpoint's keys first, as a checkpoint load does)."""
+def _columns_cut(seed: int) -> list[nn.Module]:
+    """`three_parts(seed)` with every matrix sharded on its columns over all ranks (as
+    tensor parallelism's rowwise layers are), the rest replicated: 3 ranks cut every row
+    inside its block of 32."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parts = three_parts(seed)
+    for part in parts:
+        for module in part.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                placement = Shard(1) if p.dim() == 2 else Replicate()
+                placed = distribute_tensor(p.detach(), mesh, [placement])
+                setattr(module, name, nn.Parameter(placed))
+    return parts
+
+
+def _load_lean(path: str, moments: str) -> list[dict]:
+    """The checkpoint loaded by a run of its own policy and by one of torch's AdamW, on FSDP2
+    and on columns cut inside blocks (each template fitted to the checkpoint's keys first, as
+    a checkpoint load does)."""
     loaded = []
     for cls, kwargs in [(LeanAdamW, {"moment_dtype": moments}), (torch.optim.AdamW, {})]:
-        container = OptimizersContainer(sharded_three_parts(1), cls, {"lr": 1e-2, **kwargs})
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        container.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
-        dcp.load({"optim": container}, checkpoint_id=path)
-        loaded.append({k: full(v) for k, v in container.state_dict().items()})
-    return loaded[0], loaded[1]
+        for layout in (sharded_three_parts, _columns_cut):
+            container = OptimizersContainer(layout(1), cls, {"lr": 1e-2, **kwargs})
+            keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            container.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
+            dcp.load({"optim": container}, checkpoint_id=path)
+            loaded.append({k: full(v) for k, v in container.state_dict().items()})
+    return loaded
 
 
 @pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
@@ -226,15 +243,19 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
     # cut at column 20 of 40, inside a block: bf16 moments (elementwise: any cut will do)
     kept = (torch.bfloat16, (4, 40))
     assert cut["state.weight.exp_avg"] == cut["state.weight.exp_avg_sq"] == kept
-    same, widened = run_ranks(3, _load_lean, path, moments)[0]
+    same, cut_same, widened, cut_widened = run_ranks(3, _load_lean, path, moments)[0]
     assert_same(same, saved)
-    for key, value in widened.items():  # torch's AdamW: the moments as fp32 tensors
-        name = key.rsplit(".", 1)[-1]
-        if name in MOMENTS:
-            codes = {k: saved.get(f"{key}.{k}") for k in ("code", "scale")}
-            kept = saved.get(key, codes)
-            want = coded_adam.decode_moment(name, kept, torch.float32).float()
-            assert value.dtype == torch.float32 and torch.equal(value, want), key
+    # torch's AdamW: the moments as fp32 tensors; columns cut inside blocks: as bf16 (8-bit
+    # groups keep bf16 there), decoded from the whole tensor's codes
+    for loaded, dtype in ((widened, torch.float32), (cut_widened, torch.float32),
+                          (cut_same, torch.bfloat16)):  # fmt: skip
+        for key, value in loaded.items():
+            name = key.rsplit(".", 1)[-1]
+            if name in MOMENTS:
+                codes = {k: saved.get(f"{key}.{k}") for k in ("code", "scale")}
+                kept = saved.get(key, codes)
+                want = coded_adam.decode_moment(name, kept, torch.float32).float().to(dtype)
+                assert value.dtype == dtype and torch.equal(value, want), key
 
 
 @pytest.mark.parametrize(
