@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.ema import EMA
-from containers.optim.coded_adam import decode_moment, in_form_of
+from containers.optim.coded_adam import CODED, decode_moment, in_form_of
 from containers.state.flat import (
     PG,
     STATE,
@@ -179,6 +179,10 @@ class ContainerState:
         """Which Adam moments flat `keys` hold in another form than this container keeps
         them (8-bit codes or tensors): what a load of them converts, for a log line; "" if
         nothing."""
+        groups = [g for opt in self.optimizers for g in opt.param_groups]
+        coded_here = any(g.get("moment_dtype") == CODED for g in groups)
+        if not coded_here and not any(k.endswith(".code") for k in keys):
+            return ""  # (no codes on either side: nothing to derive)
         counts: dict[tuple[str, str], int] = {}
         for opt in self.optimizers:
             for p, state in self._states(opt, materialize=False)[0].items():
