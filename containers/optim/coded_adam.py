@@ -29,9 +29,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
@@ -172,19 +171,11 @@ def decode_moment(name: str, value: Any, dtype: torch.dtype, p: Any = None) -> A
     out = torch.empty_like(code, dtype=torch.float32)
     decode(local(code), local(scale), local(out))
     if isinstance(p, DTensor) and not isinstance(out, DTensor):
-        out = _placed_as(out, p)
+        # this rank's piece of the whole, cut here (every rank holds the whole: no collective)
+        out = distribute_tensor(
+            out.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None
+        )
     return out.to(dtype)
-
-
-def _placed_as(whole: torch.Tensor, p: DTensor) -> DTensor:
-    """The piece of `whole` (all of a tensor shaped as `p`) that this rank's shard of `p`
-    holds, as a DTensor placed as `p`."""
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    return DTensor.from_local(
-        piece.contiguous().to(local(p).device), p.device_mesh, p.placements, run_check=False,
-        shape=p.shape, stride=p.stride(),
-    )  # fmt: skip
 
 
 def in_form_of(
@@ -249,8 +240,9 @@ def coded_adam(
         codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
         if not p.numel():
             continue
-        one_pass = p.is_cpu and g.dtype == p.dtype == torch.float32
-        if lib is not None and one_pass and all(t.is_contiguous() for t in (p, g, *codes)):
+        contiguous = all(t.is_contiguous() for t in (p, g, *codes))
+        one_pass = p.is_cpu and g.dtype == p.dtype == torch.float32 and contiguous
+        if lib is not None and one_pass:
             count = float(steps[i])
             if count not in stepped:
                 hyper = {k: settings[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
@@ -261,11 +253,11 @@ def coded_adam(
                 maximize=settings["maximize"], found_inf=settings["found_inf"],
             )  # fmt: skip
             continue
-        last = p.shape[-1]
-        rows = p.numel() // last
-        if not all(t.is_contiguous() for t in (p, g, *codes)):
+        if not contiguous:
             _step_rows(kernel, settings, p, g, codes, steps[i])
             continue
+        last = p.shape[-1]
+        rows = p.numel() // last
         per = max(1, scratch_numel(p.device) // (2 * last))
         flat = [t.view(rows, -1) for t in (p, g, *codes)]
         for start in range(0, rows, per):

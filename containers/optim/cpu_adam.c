@@ -101,10 +101,6 @@ static inline __attribute__((always_inline)) void update(
 /* The argument layout below; cpu_adam.py refuses a library whose number differs from its own. */
 int oc_adam_abi(void) { return 2; }
 
-/* hyper: lr, beta1, beta2, weight_decay, eps, step, factor, in double as torch's kernel takes
- * them; flags: bit 0 AdamW, bit 1 maximize; kinds: bit 0 bf16 gradients, bit 1 bf16 moments,
- * bits 2-3 the mode. Returns 1 (nothing written) where *found_inf is set, -1 for unknown kinds,
- * else 0. */
 /* The scalars in double, then each rounded once to float, as torch's kernel has them. */
 static Consts constants(const double *hyper, int flags) {
   const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], wd = hyper[3];
@@ -127,6 +123,10 @@ static Consts constants(const double *hyper, int flags) {
   return k;
 }
 
+/* hyper: lr, beta1, beta2, weight_decay, eps, step, factor, in double as torch's kernel takes
+ * them; flags: bit 0 AdamW, bit 1 maximize; kinds: bit 0 bf16 gradients, bit 1 bf16 moments,
+ * bits 2-3 the mode. Returns 1 (nothing written) where *found_inf is set, -1 for unknown kinds,
+ * else 0. */
 int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
             void *exp_avg, void *exp_avg_sq, const double *hyper, int flags, int kinds,
             const float *found_inf) {

@@ -52,21 +52,25 @@ class ContainerState:
 
     def _states(
         self, opt: Optimizer, materialize: bool, keys: Collection[str] = frozenset()
-    ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, frozenset[str]]]:
+    ) -> tuple[
+        dict[torch.Tensor, dict[str, Any]],
+        dict[torch.Tensor, frozenset[str]],
+        list[tuple[str, str]],
+    ]:
         """Each parameter's live state, or its optimizer's initial state if it has none yet,
-        its moments in the form flat `keys` hold them (if given; `in_form_of`); and the state
-        names that the optimizer's first update creates (see `derive`)."""
+        its moments in the form flat `keys` hold them (if given; `in_form_of`); the state
+        names that the optimizer's first update creates (see `derive`); and the moments whose
+        form `keys` change, as (name, how), which a load of them converts."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
         derived = derive(opt, fresh if materialize else params, materialize)
         states = {p: opt.state.get(p) or derived.states[p] for p in params}
-        if keys:
-            states = {
-                p: in_form_of(p, st, keys, f"{STATE}.{self._fqns[p]}", materialize)[0]
-                for p, st in states.items()
-            }
-        return states, derived.created
+        changes: list[tuple[str, str]] = []
+        for p, st in states.items() if keys else ():
+            states[p], changed = in_form_of(p, st, keys, f"{STATE}.{self._fqns[p]}", materialize)
+            changes += changed
+        return states, derived.created, changes
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
@@ -123,11 +127,12 @@ class ContainerState:
         taken = self.precision.take_state(state_dict, self._fqns)
         gate_taken = self.gate.take_state(state_dict, self._fqns)
         ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
-        layout, created = [], {}
+        layout, created, changes = [], {}, []
         for opt in self.optimizers:
-            states, news = self._states(opt, False, state_dict.keys())
+            states, news, changed = self._states(opt, False, state_dict.keys())
             layout.append(states)
             created.update(news)
+            changes += changed
         plans = plan_load(self.optimizers, layout, created, self._fqns, state_dict, zeros, sliced)
         _decode_for(self.optimizers, plans)
         backups = [opt.state_dict() for opt in self.optimizers]
@@ -140,8 +145,8 @@ class ContainerState:
             raise
         # A checkpoint's load says it with the checkpoint's other conversions (its caller's).
         prepared, self._checkpoint_keys = self._checkpoint_keys, frozenset()
-        if not prepared and (converted := self.converted_on_load(state_dict.keys())):
-            logger.info("optimizer state converted on load: %s", converted)
+        if not prepared and changes:
+            logger.info("optimizer state converted on load: %s", _describe(changes))
         self.precision.load_state(taken)
         self.gate.load_state(gate_taken)
         if self.ema is not None:
@@ -183,13 +188,7 @@ class ContainerState:
         coded_here = any(g.get("moment_dtype") == CODED for g in groups)
         if not coded_here and not any(k.endswith(".code") for k in keys):
             return ""  # (no codes on either side: nothing to derive)
-        counts: dict[tuple[str, str], int] = {}
-        for opt in self.optimizers:
-            for p, state in self._states(opt, materialize=False)[0].items():
-                prefix = f"{STATE}.{self._fqns[p]}"
-                for change in in_form_of(p, state, keys, prefix, materialize=False)[1]:
-                    counts[change] = counts.get(change, 0) + 1
-        return _describe(counts)
+        return _describe([c for opt in self.optimizers for c in self._states(opt, False, keys)[2]])
 
 
 def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:
@@ -205,12 +204,13 @@ def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> Non
                     state[name] = decode_moment(name, value, torch.float32, p)
 
 
-def _describe(counts: dict[tuple[str, str], int]) -> str:
+def _describe(changes: list[tuple[str, str]]) -> str:
+    """`changes` ((name, how) for each moment converted) as a log line's words."""
     names: dict[str, set[str]] = {}
-    for name, how in counts:
+    for name, how in changes:
         names.setdefault(how, set()).add(name)
     return "; ".join(
         f"{', '.join(sorted(names[how]))} {how.replace('codes', '8-bit codes')} "
-        f"({sum(n for (_, h), n in counts.items() if h == how)} tensors)"
+        f"({sum(h == how for _, h in changes)} tensors)"
         for how in sorted(names)
     )
