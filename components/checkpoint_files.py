@@ -188,7 +188,11 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
         if isinstance(state, OptimizersContainer):
             try:
                 state.check_checkpoint_keys(
-                    [k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")]
+                    {
+                        k[len(name) + 1 :]: saved_dtype(v)
+                        for k, v in saved.items()
+                        if k.startswith(f"{name}.")
+                    }
                 )
             except ValueError as e:
                 other = isinstance(e, OtherOptimizerState)
@@ -243,6 +247,11 @@ def dtype_changes(ours: dict[str, Any], saved: dict[str, Any]) -> str:
         f"({counts[pair]} tensors)"
         for pair in names
     )
+
+
+def saved_dtype(meta: Any) -> torch.dtype | None:
+    """A checkpoint's entry's dtype (None: not a tensor)."""
+    return meta.properties.dtype if isinstance(meta, TensorStorageMetadata) else None
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -30,6 +30,7 @@ from components.checkpoint_files import (
     checkpoint_steps,
     dtype_changes,
     forgetting_on_failure,
+    saved_dtype,
     verify,
 )
 from config import ConfigError
@@ -211,7 +212,11 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     with forgetting_on_failure(dict(states)):
         if not model_only and isinstance(optimizer, OptimizersContainer):
             # First: the template the state dicts below give may depend on the seed's keys.
-            keys = [k.removeprefix("optimizer.") for k in seed.index if k.startswith("optimizer.")]
+            keys = {
+                k.removeprefix("optimizer."): saved_dtype(seed.saved[source])
+                for k, source in seed.index.items()
+                if k.startswith("optimizer.")
+            }
             try:  # AdamW's state for SGD: said in the container's words
                 optimizer.check_checkpoint_keys(keys)
             except ValueError as e:

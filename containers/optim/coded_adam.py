@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -179,7 +179,11 @@ def decode_moment(name: str, value: Any, dtype: torch.dtype, p: Any = None) -> A
 
 
 def in_form_of(
-    p: torch.Tensor, state: dict[str, Any], keys: Collection[str], prefix: str, materialize: bool
+    p: torch.Tensor,
+    state: dict[str, Any],
+    keys: Collection[str] | Mapping[str, torch.dtype | None],
+    prefix: str,
+    materialize: bool,
 ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """`p`'s `state` with each Adam moment in the form flat `keys` hold it under `prefix`
     (`state.<fqn>`): a tensor where they hold `<prefix>.exp_avg`, codes where they hold
@@ -187,17 +191,21 @@ def in_form_of(
     which moments a load converts, as (name, "tensor -> codes" or "codes -> tensor").
 
     A refitted moment is a template (zeros, or with `materialize` False meta tensors of the
-    whole tensor's shape): the load converts what it receives into the optimizer's form.
+    whole tensor's shape): the load converts what it receives into the optimizer's form. A
+    tensor template takes the dtype `keys` map its key to (the checkpoint's: a bf16 moment is
+    read as bf16), else fp32.
     Codes for a parameter whose shards here cut its blocks are templates of the whole tensor
     (every rank reads all of them, `decode_moment` takes its piece): a conversion's cost, once."""
     out, changed = state, []
     for name, (dtype, _, _) in _CODECS.items():
         ours = state.get(name)
         if isinstance(ours, dict) and f"{prefix}.{name}" in keys:
+            saved = keys.get(f"{prefix}.{name}") if isinstance(keys, Mapping) else None
+            kind = saved if saved is not None and saved.is_floating_point else torch.float32
             template: Any = (
-                torch.zeros_like(p, dtype=torch.float32)
+                torch.zeros_like(p, dtype=kind)
                 if materialize
-                else torch.empty(p.shape, dtype=torch.float32, device="meta")
+                else torch.empty(p.shape, dtype=kind, device="meta")
             )
             changed.append((name, "tensor -> codes"))
         elif isinstance(ours, torch.Tensor) and f"{prefix}.{name}.code" in keys:

@@ -14,14 +14,10 @@ thresholds as `moment_codes`: 18x faster than torch ops through scratch (750 -> 
 16.8M parameters, one thread), still 3x today's fp32 step (table lookups and gathers).
 
 What keeps a runtime-built kernel safe here (each point tested):
-- Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), with
-  the system's C compiler (`$CC`, split as a shell would, else `cc`; plain C99 on one thread,
-  used where torch steps on few, `kernel()`: no OpenMP runtime beside torch's), for this CPU
-  (`-march=native`), cached by source, compiler and CPU in a directory that must belong to
-  this user and be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
-  `~/.cache/optimizer-containers/kernels`); written under a temporary name and renamed, so
-  ranks that build at once each see a whole file; a cached file that does not load is built
-  again.
+- Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), plain
+  C99 on one thread, used where torch steps on few (`kernel()`: no OpenMP runtime beside
+  torch's), for this CPU (`-march=native`), into a private cache (`containers.optim.c_library`:
+  the compiler, the cache's owner and mode, concurrent builds, a bad cached file).
 - Before use, its argument layout number (`oc_adam_abi`) must be this module's, and a
   self-check steps random values through it and through torch's fused kernel (8-bit: decoded,
   stepped by torch's kernel, coded by `moment_codes`): it is used only if they agree bit for
@@ -40,18 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from containers.optim.c_library import open_library
 from containers.optim.moment_codes import (
     BLOCK,
     decode_log,
@@ -67,7 +59,6 @@ __all__ = [
     "Library",
     "Settings",
     "body_numel",
-    "cached",
     "disabled",
     "kernel",
     "library",
@@ -312,7 +303,7 @@ def load(source: Path) -> Library | None:
     """`source` built (or taken from the cache), loaded and checked; None, with one warning
     line saying why, if any of that fails."""
     try:
-        lib = _open(source)
+        lib = open_library(source, FLAGS, _bind)
     except Exception as e:  # every failure to build or load is a fallback, never a crash
         logger.warning("cpu_adam: not used (%s); CPU lean steps take torch's slower path", e)
         return None
@@ -327,37 +318,14 @@ def load(source: Path) -> Library | None:
     return lib
 
 
-def _open(source: Path) -> Library:
-    """The library of `source` from the cache, built if it is not there or does not load."""
-    cc = shlex.split(os.environ.get("CC") or "cc")
-    target = cached(cc, source)
-    if not _ours(target):
-        _compile(cc, source, target)
-    try:
-        return _dlopen(target)
-    except (OSError, AttributeError) as e:
-        logger.warning("cpu_adam: cached %s did not load (%s); building it again", target, e)
-        target.unlink()
-        _compile(cc, source, target)
-        return _dlopen(target)
-
-
-def cached(cc: list[str], source: Path) -> Path:
-    """Where the library of `source` built by `cc` for this CPU is kept."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, check=True, timeout=60)
-    key = hashlib.sha256(
-        source.read_bytes() + version.stdout + shlex.join(cc + list(FLAGS)).encode()
-    )
-    key.update((platform.machine() + _cpu_flags()).encode())
-    return _cache() / f"cpu_adam-{key.hexdigest()[:16]}.so"
-
-
-def _dlopen(target: Path) -> Library:
-    lib = ctypes.CDLL(str(target))
+def _bind(lib: Library) -> None:
+    """Type `lib`'s functions; raise RuntimeError if its argument layout is not `ABI`."""
     lib.oc_adam_abi.restype = ctypes.c_int
     if lib.oc_adam_abi() != ABI:
         # (not a broken file: building the same source again would not change it)
-        raise RuntimeError(f"{target} has argument layout {lib.oc_adam_abi()}, this module's {ABI}")
+        raise RuntimeError(
+            f"{lib._name} has argument layout {lib.oc_adam_abi()}, this module's {ABI}"
+        )
     fn = lib.oc_adam
     fn.restype = ctypes.c_int
     pointer = ctypes.c_void_p
@@ -365,65 +333,6 @@ def _dlopen(target: Path) -> Library:
     coded = lib.oc_adam_coded
     coded.restype = ctypes.c_int
     coded.argtypes = [ctypes.c_int64, ctypes.c_int64, *[pointer] * 7, ctypes.c_int, *[pointer] * 3]
-    return lib
-
-
-def _cache() -> Path:
-    """The cache directory, made private to this user if new; refused if another user owns
-    it or others may write to it (a library planted there would run inside the trainer)."""
-    given = os.environ.get("OPTIMIZER_CONTAINERS_CACHE")
-    if given:
-        path = Path(given)
-    else:
-        base = os.environ.get("XDG_CACHE_HOME")
-        # (a directory of its own: the data cache shares the parent, made with any umask)
-        path = (Path(base) if base else Path.home() / ".cache") / "optimizer-containers" / "kernels"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(
-            f"cache {path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: "
-            f"it must be this user's ({os.getuid()}) and writable by no one else; set "
-            "OPTIMIZER_CONTAINERS_CACHE to such a directory"
-        )
-    return path
-
-
-def _ours(target: Path) -> bool:
-    """Whether `target` exists as this user's file that no one else may write (else it is
-    removed, to be built again)."""
-    try:
-        st = target.stat()
-    except FileNotFoundError:
-        return False
-    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-        return True
-    target.unlink()
-    return False
-
-
-def _compile(cc: list[str], source: Path, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [*cc, *FLAGS, "-fPIC", "-shared", str(source), "-o", tmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise OSError(f"`{shlex.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("cpu_adam: built %s", target)
-
-
-def _cpu_flags() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    return platform.processor()
 
 
 def _self_check(lib: Library) -> str:

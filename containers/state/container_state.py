@@ -46,12 +46,16 @@ class ContainerState:
     _optimizer_state_dict_post_hooks: dict[int, Callable]
     _optimizer_load_state_dict_pre_hooks: dict[int, Callable]
     _optimizer_load_state_dict_post_hooks: dict[int, Callable]
-    # The flat keys of the checkpoint a load is about to take (`check_checkpoint_keys`): the
-    # template's Adam moments take their form (8-bit codes or tensors) until the load.
-    _checkpoint_keys: frozenset[str] = frozenset()
+    # The flat keys (and dtypes) of the checkpoint a load is about to take
+    # (`check_checkpoint_keys`): the template's Adam moments take their form (8-bit codes or
+    # tensors of the checkpoint's dtype) until the load.
+    _checkpoint_keys: Mapping[str, torch.dtype | None] = {}
 
     def _states(
-        self, opt: Optimizer, materialize: bool, keys: Collection[str] = frozenset()
+        self,
+        opt: Optimizer,
+        materialize: bool,
+        keys: Collection[str] | Mapping[str, torch.dtype | None] = frozenset(),
     ) -> tuple[
         dict[torch.Tensor, dict[str, Any]],
         dict[torch.Tensor, frozenset[str]],
@@ -144,7 +148,7 @@ class ContainerState:
                 opt.load_state_dict(backup)
             raise
         # A checkpoint's load says it with the checkpoint's other conversions (its caller's).
-        prepared, self._checkpoint_keys = self._checkpoint_keys, frozenset()
+        prepared, self._checkpoint_keys = self._checkpoint_keys, {}
         if not prepared and changes:
             logger.info("optimizer state converted on load: %s", _describe(changes))
         self.precision.load_state(taken)
@@ -154,15 +158,19 @@ class ContainerState:
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def check_checkpoint_keys(self, keys: Collection[str]) -> None:
+    def check_checkpoint_keys(
+        self, keys: Collection[str] | Mapping[str, torch.dtype | None]
+    ) -> None:
         """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
         another layout than this container's (e.g. AdamW's for SGD), before anything loads;
         else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
         when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
-        checkpoint has none)."""
+        checkpoint has none). Keys mapped to their saved dtypes give a moment that the load
+        converts into 8-bit codes a template of the checkpoint's dtype (bf16 read as bf16)."""
         layout = [self._states(opt, False, keys)[0] for opt in self.optimizers]
         refuse_other_layout(self.optimizers, layout, self._fqns, keys)
-        self._checkpoint_keys = frozenset(k for k in keys if k.startswith(f"{STATE}."))
+        dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
+        self._checkpoint_keys = {k: v for k, v in dtypes.items() if k.startswith(f"{STATE}.")}
         self.gate.fit_template(keys, self._fqns)
         if self.ema is not None:
             self.ema.fit_template(keys)
@@ -175,7 +183,7 @@ class ContainerState:
     def forget_checkpoint_keys(self) -> None:
         """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
         failed load leaves the container as it was (its EMA kept, no template waiting)."""
-        self._checkpoint_keys = frozenset()
+        self._checkpoint_keys = {}
         self.gate.forget_template()
         if self.ema is not None:
             self.ema.forget_template()

@@ -341,3 +341,45 @@ def test_a_resume_never_makes_masters_kept_as_remainders_fp32(tmp_path):
     for flat in flats:
         del flat.master_value
     assert_same(_snapshot(parts2, optimizers2), expected)
+
+
+def _adamw_job(folder: Path, moments: str) -> tuple[list, OptimizersContainer, CheckpointManager]:
+    """LeanAdamW over `three_parts`, its moments kept as `moments`, saved at step 2."""
+    from containers import LeanAdamW
+
+    parts = three_parts(0)
+    optimizers = OptimizersContainer(parts, LeanAdamW, {"lr": 1e-2, "moment_dtype": moments})
+    state = TrainState()
+    state.step = 2
+    states = {"model": ModelWrapper(parts), "optimizer": optimizers, "train_state": state}
+    return parts, optimizers, CheckpointManager(Checkpoint(enable=True), str(folder), states, 2)
+
+
+def test_bf16_moments_into_8bit_codes_are_read_as_bf16_and_said_once(tmp_path, caplog):
+    """The templates of moments a load codes take the checkpoint's dtype: bf16 is read as
+    bf16 (no fp32 copy of the state), so the line says the coding and no widening."""
+    from containers.optim.coded_adam import encode_moment
+
+    parts, optimizers, manager = _adamw_job(tmp_path, "bfloat16")
+    train(parts, optimizers, 2)
+    manager.maybe_save(2)
+    manager.close()
+    saved = optimizers.state_dict()
+    parts2, optimizers2, manager2 = _adamw_job(tmp_path, "8bit")
+    with caplog.at_level("INFO"):
+        assert manager2.load() == 2
+    said = [m for r in caplog.records if "converted on load: " in (m := r.getMessage())]
+    assert len(said) == 1, said
+    assert said[0].split("converted on load: ")[1] == (
+        "exp_avg, exp_avg_sq tensor -> 8-bit codes (6 tensors)"
+    )
+    loaded = optimizers2.state_dict()
+    matrices = {k: v for part in parts2 for k, v in part.named_parameters() if v.dim() == 2}
+    assert len(matrices) == 3
+    for fqn, p in matrices.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = saved[f"state.{fqn}.{name}"]
+            assert value.dtype == torch.bfloat16
+            want = encode_moment(name, value, p)
+            for k in ("code", "scale"):
+                assert torch.equal(loaded[f"state.{fqn}.{name}.{k}"], want[k]), (fqn, name, k)

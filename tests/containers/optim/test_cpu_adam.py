@@ -289,45 +289,6 @@ def test_a_missing_compiler_falls_back_with_one_line(tmp_path, cache, monkeypatc
     assert not list(tmp_path.rglob("*.so"))
 
 
-def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, cache, caplog):
-    source = _variant(tmp_path)
-    target = cpu_adam.cached(["cc"], source)
-    target.write_bytes(b"not a shared object")  # as a crash during a copy might leave it
-    target.chmod(0o700)
-    assert cpu_adam.load(source) is not None
-    assert "did not load" in _warnings(caplog)[0]
-    assert target.read_bytes()[:4] == b"\x7fELF"
-
-
-def test_a_cached_library_others_may_write_is_replaced(tmp_path, cache):
-    source = _variant(tmp_path)
-    target = cpu_adam.cached(["cc"], source)
-    target.write_bytes(b"planted")
-    target.chmod(0o777)
-    assert cpu_adam.load(source) is not None
-    assert target.read_bytes()[:4] == b"\x7fELF" and target.stat().st_mode & 0o777 == 0o700
-
-
-def test_a_cache_others_may_write_is_refused(tmp_path, monkeypatch, lib, caplog):
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o777)
-    shared.chmod(0o777)
-    monkeypatch.setenv("OPTIMIZER_CONTAINERS_CACHE", str(shared))
-    assert cpu_adam.load(_variant(tmp_path)) is None
-    (line,) = _warnings(caplog)
-    assert "writable by no one else" in line and "OPTIMIZER_CONTAINERS_CACHE" in line
-    assert not list(shared.iterdir())
-    # a new directory is made private to its user
-    monkeypatch.setenv("OPTIMIZER_CONTAINERS_CACHE", str(tmp_path / "new"))
-    assert cpu_adam.load(_variant(tmp_path)) is not None
-    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
-
-
-def test_a_compiler_with_arguments_is_split_as_a_shell_would(tmp_path, cache, monkeypatch):
-    monkeypatch.setenv("CC", f"{shutil.which('cc')} -DA_FLAG=1")
-    assert cpu_adam.load(_variant(tmp_path)) is not None
-
-
 @pytest.mark.parametrize(
     ("old", "new", "said"),
     [
