@@ -124,10 +124,11 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
             ],
             2,
         ),
-        # the global weights DTensors sharded as their parameters
-        (["--parallelism.tensor_parallel_degree", "2"], 2),
+        # the global weights DTensors sharded as their parameters; inner moments in 8-bit
+        # codes (bf16 where a column cut splits a block), the outer momentum in bf16
+        (["--parallelism.tensor_parallel_degree", "2", "--optimizer.moment_dtype", "8bit"], 2),
     ],
-    ids=["fp32_delay1", "pp2_mixed_precision_bf16_moments", "tp2"],
+    ids=["fp32_delay1", "pp2_mixed_precision_bf16_moments", "tp2_8bit"],
 )
 def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
@@ -142,6 +143,12 @@ def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, 
         same = ours[step]["param_checksum"] == theirs[step]["param_checksum"]
         assert same == (step % 4 == 0), (step, ours[step], theirs[step])
     assert "not committed" not in job.log("replica_0") + job.log("replica_1")
+    if "8bit" in layout:
+        saved = dcp.FileSystemReader(str(tmp_path / "replica_0/checkpoint/step-12"))
+        meta = saved.read_metadata().state_dict_metadata
+        dtypes = lambda end: {v.properties.dtype for k, v in meta.items() if k.endswith(end)}  # noqa: E731
+        assert dtypes("exp_avg_sq.code") == {torch.uint8}  # inner: codes
+        assert dtypes("momentum_buffer") == {torch.bfloat16}  # outer: bf16
 
 
 def _two_groups(job: FTJob, script: tuple[str, ...] = ("train.py",)) -> None:
