@@ -312,9 +312,13 @@ def _in_backward_syncs(device: torch.device) -> str:
     return f"backward {counts[0]}, step {counts[1]}"
 
 
-def _against_fused(device: torch.device, shapes: list, moments: str) -> None:
+def _against_fused(
+    device: torch.device, shapes: list, moments: str, bf16_state: bool = False
+) -> None:
     """LeanAdamW with `moments` against torch's fused AdamW whose moments are set, after each
-    of 3 steps, to what the lean ones hold: parameters and held moments bitwise."""
+    of 3 steps, to what the lean ones hold: parameters and held moments bitwise. With
+    `bf16_state`, torch's AdamW keeps bf16 moments itself (made before its first step, as
+    torchtitan's `fused_opt_states_bf16`), stepped by its own kernel."""
     from containers.optim.coded_adam import decode_moment
 
     torch.manual_seed(0)
@@ -322,6 +326,9 @@ def _against_fused(device: torch.device, shapes: list, moments: str) -> None:
     ref_params = [p.clone() for p in params]
     lean = LeanAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype=moments)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for q in ref_params if bf16_state else ():
+        zeros = {n: torch.zeros_like(q, dtype=torch.bfloat16) for n in ("exp_avg", "exp_avg_sq")}
+        ref.state[q] = {"step": torch.zeros((), device=device), **zeros}
     for step in range(3):
         for p, q in zip(params, ref_params):
             p.grad = torch.randn_like(p) * 1e-2
@@ -335,6 +342,9 @@ def _against_fused(device: torch.device, shapes: list, moments: str) -> None:
                 if moments == "bfloat16":
                     assert kept.dtype == torch.bfloat16
                 ours = decode_moment(name, kept, torch.float32).float()
+                if bf16_state:
+                    assert torch.equal(ours, ref.state[q][name].float()), (step, name)
+                    continue
                 theirs = _held(name, ref.state[q][name], q, moments)
                 assert torch.equal(ours, theirs), (step, name)
                 ref.state[q][name].copy_(theirs)
@@ -349,10 +359,15 @@ def _held(name: str, values: torch.Tensor, p: torch.Tensor, moments: str) -> tor
     return decode_moment(name, encode_moment(name, values, p), torch.float32).float()
 
 
-@check("bf16 moments == fused step on the widened moments, rounded back (3 steps)")
-def _lean_is_widened(device: torch.device) -> str:
-    _against_fused(device, [3000, 1 << 20, 77], "bfloat16")
-    return "equal"
+@check("bf16 moments == torch's fused AdamW over bf16 state, or else widened (3 steps)")
+def _lean_is_torchs(device: torch.device) -> str:
+    """Where torch's kernel takes bf16 moments (`fused_takes_bf16_moments`), LeanAdamW is it;
+    else the fused step on the widened moments, rounded back."""
+    from containers.optim.lean import fused_takes_bf16_moments
+
+    direct = fused_takes_bf16_moments(device)
+    _against_fused(device, [3000, 1 << 20, 77], "bfloat16", bf16_state=direct)
+    return "equal: torch's kernel over bf16 state" if direct else "equal: widened"
 
 
 @check("8-bit moments: decode, torch's fused kernel, encode, bitwise; codes as the CPU's")

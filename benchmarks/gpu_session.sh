@@ -8,11 +8,11 @@
 #
 # bench: bench_cuda.py's checks (PASS/FAIL) and timed tables (issue 28's flags, lean state,
 # compiled mixed precision), then its --profile. train: train.py on the machine's device, one
-# process: the debug job, mixed precision with remainders + bf16 moments compiled, and the
-# in-backward job, 30 steps with checkpoints every 10, then the same command resumed from
-# step 20 must log steps 21-30 as the first run did (loss, grad norm, ...). Files go to $OUT
-# (the device tool's folder that comes back: at most 8), else ./gpu-out; the last lines (also
-# summary.txt) say what held.
+# process: the debug job, mixed precision with remainders + bf16 moments compiled, the
+# in-backward job, and AdamW with bf16 and with 8-bit moments, 30 steps with checkpoints every
+# 10, then the same command resumed from step 20 must log steps 21-30 as the first run did
+# (loss, grad norm, ...). Files go to $OUT (the device tool's folder that comes back: 8 here),
+# else ./gpu-out; the last lines (also summary.txt) say what held.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -75,6 +75,9 @@ if [[ $parts == *train* ]]; then
         --mixed_precision.compile --mixed_precision.store_param_remainders \
         --optimizer.moment_dtype bfloat16
     resumes in_backward --job.config_file config/in_backward.toml
+    # AdamW's moments in bf16 (torch's kernel over them where it takes them) and in 8-bit codes
+    resumes adamw_bf16_moments --job.config_file config/debug.toml --optimizer.moment_dtype bfloat16
+    resumes adamw_8bit_moments --job.config_file config/debug.toml --optimizer.moment_dtype 8bit
 fi
 
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -10,6 +10,8 @@ would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -18,7 +20,15 @@ from torch.optim import Optimizer
 
 from containers.optim.coded_adam import CODED, coded, decode_moment, encode_moment
 
-__all__ = ["MOMENT_DTYPES", "check_moment_dtype", "load_keeping_dtypes", "moment_dtype_of"]
+__all__ = [
+    "MOMENT_DTYPES",
+    "check_moment_dtype",
+    "fused_takes_bf16_moments",
+    "load_keeping_dtypes",
+    "moment_dtype_of",
+]
+
+logger = logging.getLogger(__name__)
 
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The `moment_dtype` names a group may take."""
@@ -90,3 +100,27 @@ def _kept_as(policy: str, name: str, value: Any, p: torch.Tensor) -> Any:
         return encode_moment(name, decode_moment(name, value, torch.float32, p), p)
     dtype = MOMENT_DTYPES[policy]
     return decode_moment(name, value, dtype, p).to(device=p.device, dtype=dtype)
+
+
+def fused_takes_bf16_moments(device: torch.device) -> bool:
+    """Whether torch's fused Adam/AdamW kernel on `device` steps bf16 moments beside fp32
+    parameters and gradients itself (torch's mixed-precision CUDA kernel, which torch 2.11
+    lacks; torchtitan's `fused_opt_states_bf16` path), asked once per device type by a step of
+    a few values. Never on a CPU, where `cpu_adam` steps them in one pass."""
+    return device.type != "cpu" and _probe(device.type)
+
+
+@functools.cache
+def _probe(kind: str) -> bool:
+    p = torch.ones(64, device=kind)
+    m, v = (torch.zeros_like(p, dtype=torch.bfloat16) for _ in range(2))
+    try:
+        torch._fused_adamw_(
+            [p], [torch.ones_like(p)], [m], [v], [], [torch.ones((), device=kind)], lr=0.5,
+            beta1=0.5, beta2=0.5, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+    except (RuntimeError, NotImplementedError) as e:
+        logger.info("bf16 moments on %s step through fp32 scratch: %s", kind, str(e)[:120])
+        return False
+    # (one step from zero moments moves each weight by lr: 1 - 0.5)
+    return bool((p == 0.5).all() and (m == 0.5).all() and (v == 0.5).all())

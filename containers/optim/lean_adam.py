@@ -9,6 +9,11 @@ moments followed by rounding them (tests hold this), and the parameters themselv
 On a CPU `containers.optim.cpu_adam` computes the same bits in one pass over the bf16 moments
 (the widening and rounding passes cost more than the update: 1.3-1.6x the fp32 step,
 against 0.8-0.94x), and torch's kernel steps only each tensor's last `numel % 16` elements.
+Where torch's own fused kernel takes bf16 moments beside fp32 parameters (its mixed-precision
+CUDA kernel, absent from torch 2.11: `lean.fused_takes_bf16_moments` asks the device once), it
+steps them as they are, no scratch: bit for bit what torch's `AdamW(fused=True)` does with bf16
+state (torchtitan's `fused_opt_states_bf16`), whose bias corrections are taken in fp64, so
+its bits may differ from the widened step's by an ulp.
 
 Neither torch's fused nor its foreach AdamW takes bf16 moments beside fp32 parameters on a CPU
 ("expected scalar type Float but found BFloat16"), and `Optimizer.load_state_dict` casts every
@@ -35,7 +40,12 @@ from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
 from containers.optim.coded_adam import CODED, coded_adam, new_moments, say_cuts
 from containers.optim.compiled_adam import compiled_adam
-from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
+from containers.optim.lean import (
+    check_moment_dtype,
+    fused_takes_bf16_moments,
+    load_keeping_dtypes,
+    moment_dtype_of,
+)
 
 __all__ = ["LeanAdam", "LeanAdamW", "lean_adam", "step_compiled", "step_group"]
 
@@ -257,9 +267,13 @@ def lean_adam(
 
     one_pass = not amsgrad and cpu_adam.readable_flag(found_inf)
     stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
+    direct: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) for torch's
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         ms = [local(moment[i]) for moment in moments]
+        if _direct(p, g, ms):
+            direct.append((p, g, steps[i], *ms))
+            continue
         if p.dtype != torch.float32 or not all(t.is_contiguous() for t in (p, g, *ms)):
             _step_whole(kernel, p, g, ms, steps[i], amsgrad, settings)
             continue
@@ -289,8 +303,23 @@ def lean_adam(
             batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
             filled += stop - start
     flush()
+    if direct:  # torch's kernel over the bf16 moments themselves: no scratch
+        p, g, s, *ms = ([piece[k] for piece in direct] for k in range(3 + n_moments))
+        kernel(p, g, ms[0], ms[1], ms[2] if amsgrad else [], s, **settings)
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+def _direct(p: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor]) -> bool:
+    """Whether torch's fused kernel steps these local tensors as they are: contiguous fp32
+    parameter and gradient, bf16 moments, on a device whose kernel takes them
+    (`fused_takes_bf16_moments`)."""
+    return (
+        p.dtype == g.dtype == torch.float32
+        and all(m.dtype == torch.bfloat16 for m in moments)
+        and all(t.is_contiguous() for t in (p, g, *moments))
+        and fused_takes_bf16_moments(p.device)
+    )
 
 
 @torch.no_grad()

@@ -24,7 +24,8 @@ torch's per-tensor fused step bitwise for tensors whose size is a multiple of `P
 
 Lean state: a group of `LeanAdam(W)` with `moment_dtype = "bfloat16"` keeps its moment buffers
 in bf16, widened into fp32 scratch beside the chunk's gradients and rounded back after the
-kernel (as `containers.optim.lean_adam` does). With `remainders` the group keeps no fp32
+kernel, or, where torch's kernel takes bf16 moments itself, stepped as they are (as
+`containers.optim.lean_adam` does). With `remainders` the group keeps no fp32
 master buffer: each master is its bf16 model parameter and a 16-bit remainder
 (`containers.precision.remainders`), joined into fp32 scratch for the kernel and split after;
 at rest a master is a stride-0 view of one NaN (so a read of it is loud, not stale), and
@@ -40,7 +41,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.norm import local, scratch_numel, shaped_like
-from containers.optim.lean import moment_dtype_of
+from containers.optim.lean import fused_takes_bf16_moments, moment_dtype_of
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
 from containers.precision.flat_step import one_pass, step_chunks, step_compiled, step_one_pass
@@ -125,11 +126,13 @@ class FlatGroup:
             self.starts.append(self.starts[-1] + _padded(n))
         total, first = self.starts[-1], pieces[0]
         moment = moment_dtype_of(group)
-        self.lean = moment != first.dtype  # moments widened into scratch for the kernel
+        where = first.device
+        self.lean = moment != first.dtype
+        # moments widened into scratch for the kernel, unless torch's takes them as they are
+        self.widened = self.lean and not fused_takes_bf16_moments(where)
         self.remainders = remainders
         # fp32 scratch regions a chunk takes: gradients, then masters and moments if narrower
-        self.regions = 1 + remainders + 2 * self.lean
-        where = first.device
+        self.regions = 1 + remainders + 2 * self.widened
         self.buffers = {
             ("remainder" if remainders else "master"): torch.zeros(
                 total, dtype=torch.int16 if remainders else first.dtype, device=where

@@ -1,8 +1,9 @@
 """A flat group's two update paths (`FlatGroup.step`).
 
 Eager (`step_chunks`): each chunk of low-precision gradients cast into fp32 scratch, multiplied
-(unscale x clip), stepped by one torch fused Adam/AdamW call on the chunk's flat slices (bf16
-moments and remainders widened into the scratch beside it) and written back. On a CPU stepping
+(unscale x clip), stepped by one torch fused Adam/AdamW call on the chunk's flat slices
+(remainders joined into the scratch beside it; bf16 moments too, widened, unless torch's kernel
+takes them as they are: `FlatGroup.widened`) and written back. On a CPU stepping
 on few threads the same bits come from one pass a tensor (`step_one_pass`,
 `containers.optim.cpu_adam`): each storage read and written once in its own dtype.
 
@@ -96,7 +97,7 @@ def step_chunks(
         else:
             master = buf["master"][start:stop]
         moments = [buf["exp_avg"][start:stop], buf["exp_avg_sq"][start:stop]]
-        if flat.lean:
+        if flat.widened:
             at = (1 + flat.remainders) * n  # after the gradients (and masters)
             wide = [work[at : at + n], work[at + n : at + 2 * n]]
             torch._foreach_copy_(wide, moments)
@@ -106,7 +107,7 @@ def step_chunks(
             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
             amsgrad=False, maximize=group.get("maximize", False), found_inf=found_inf,
         )  # fmt: skip
-        if flat.lean:
+        if flat.widened:
             torch._foreach_copy_(narrow, moments)
         if flat.remainders:
             high = work[:n].view(torch.int32)  # the gradients are spent

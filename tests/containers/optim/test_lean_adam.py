@@ -72,6 +72,36 @@ def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
             assert torch.equal(lean.state[a]["step"], ref.state[b]["step"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA kernel, on a GPU only")
+def test_where_torchs_kernel_takes_bf16_moments_a_lean_step_is_torchs_over_bf16_state():
+    """torch's mixed-precision CUDA kernel (not in torch 2.11: then the widened step, tested
+    above) steps the bf16 moments as they are: a lean step is torch's AdamW(fused=True) whose
+    state was made bf16 before its first step (torchtitan's recipe), bit for bit."""
+    device = torch.device("cuda")
+    if not lean_adam.fused_takes_bf16_moments(device):
+        pytest.skip("this torch's CUDA fused AdamW refuses bf16 moments beside fp32 params")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(700, 1000), (33,), (3, 5, 7)]
+    lean_params = [torch.randn(s, generator=g).to(device).requires_grad_() for s in shapes]
+    ref_params = [p.detach().clone().requires_grad_() for p in lean_params]
+    lean = LeanAdamW(lean_params, lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for p in ref_params:
+        zeros = {name: torch.zeros_like(p, dtype=torch.bfloat16) for name in MOMENTS}
+        ref.state[p] = {"step": torch.zeros((), device=device), **zeros}
+    for step in range(4):
+        for a, b in zip(lean_params, ref_params):
+            a.grad = torch.randn(a.shape, generator=g).to(device)
+            b.grad = a.grad.clone()
+        lean.step()
+        ref.step()
+        for a, b in zip(lean_params, ref_params):
+            assert torch.equal(a, b), step
+            for name in MOMENTS:
+                assert lean.state[a][name].dtype == torch.bfloat16
+                assert torch.equal(lean.state[a][name], ref.state[b][name]), (step, name)
+
+
 @pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {"foreach": False}])
 def test_a_float32_group_is_torchs_adamw_bitwise(kernel):
     a_params, b_params = _params(), _params()
