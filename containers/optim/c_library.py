@@ -1,6 +1,7 @@
 """A C source built at run time into a private cache and loaded with ctypes (`open_library`).
 
-What keeps a runtime-built library safe to load (each point tested, `tests/.../test_c_library`):
+What keeps a runtime-built library safe to load (each point tested in
+`tests/containers/optim/test_c_library.py`):
 - built with the system's C compiler (`$CC`, split as a shell would, else `cc`) for this CPU,
   cached by source, compiler, flags and CPU in a directory that must belong to this user and
   be writable by no one else (`$OPTIMIZER_CONTAINERS_CACHE`, else
