@@ -8,7 +8,7 @@ selected by `[optimizer] container`.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -19,15 +19,17 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from components.optimizer_settings import (
+    COMPILED,
     adafactor_kwargs,
     adagrad_kwargs,
     adam_kwargs,
+    implementation_kwargs,
     is_sharded,
     momentum_kwargs,
     muon_kwargs,
     refuse_on_shards,
 )
-from config import ConfigError, steps_in_backward
+from config import ConfigError, ParamGroup, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
 from containers import (
@@ -53,13 +55,14 @@ __all__ = [
     "build_optimizers",
     "build_precision",
     "check_names",
-    "implementation_kwargs",
     "register_container",
     "register_optimizer",
     "registered_containers",
     "registered_optimizers",
     "resolve_optimizer",
 ]
+
+logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[OptimizerConfig], tuple[type[Optimizer], dict[str, Any]]]
 
@@ -149,15 +152,12 @@ def _plain_or_lean(
     bf16 state (one class for every group, so a part keeps one inner optimizer)."""
 
     def factory(cfg: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
-        if not _lean_moments(cfg) and not (cfg.implementation == "compiled" and lean in _COMPILED):
+        if not _lean_moments(cfg) and not (cfg.implementation == "compiled" and lean in COMPILED):
             return plain, settings(cfg)
         return lean, {**settings(cfg), "moment_dtype": cfg.moment_dtype}
 
     return factory
 
-
-_COMPILED = (LeanAdam, LeanAdamW)
-"""The classes `implementation = "compiled"` steps (`containers.optim.compiled_adam`)."""
 
 _LEAN: dict[type[Optimizer], type[Optimizer]] = {
     torch.optim.Adam: LeanAdam,
@@ -180,70 +180,6 @@ register_optimizer(
     "Muon", lambda cfg: (ShardedMuon, {**muon_kwargs(cfg), "moment_dtype": cfg.moment_dtype})
 )
 register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
-
-
-def _fused_devices() -> set[str]:
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        return set(_get_fused_kernels_supported_devices())
-    except ImportError:  # pragma: no cover - older torch
-        return {"cuda", "cpu"}
-
-
-def _fused_takes_dtensor(optimizer_cls: type[Optimizer]) -> bool:
-    """Whether DTensor can run `optimizer_cls`'s fused kernel (torch 2.13: Adam and AdamW only;
-    fused SGD on FSDP2 or TP parameters fails inside the first step)."""
-    op = getattr(torch.ops.aten, f"_fused_{optimizer_cls.__name__.lower()}_", None)
-    try:
-        prop = DTensor._op_dispatcher.sharding_propagator
-        known = {*prop.op_strategy_funcs, *prop.op_to_rules}
-        known |= set(getattr(prop, "op_single_dim_strategy_funcs", {}))
-        return op is not None and op.default in known
-    except AttributeError:  # private API moved: foreach is the safe choice
-        return False
-
-
-def implementation_kwargs(
-    optimizer_cls: type[Optimizer],
-    implementation: str,
-    device: torch.device,
-    where: str,
-    dtensor: bool = False,
-) -> dict[str, bool]:
-    """Kernel flags for `implementation` ("auto" picks fused where torch has it on `device`,
-    and, for `dtensor` (sharded or tensor-parallel) parameters, where DTensor can run it)."""
-    if implementation == "compiled":
-        if optimizer_cls not in _COMPILED:
-            raise ConfigError(
-                f"{where} implementation = 'compiled': {optimizer_cls.__name__} has no "
-                "compiled step (Adam and AdamW have); use 'auto'"
-            )
-        return {"fused": True, "compiled": True}
-    accepted = inspect.signature(optimizer_cls).parameters
-    has_fused = "fused" in accepted and device.type in _fused_devices()
-    fused_ok = has_fused and (not dtensor or _fused_takes_dtensor(optimizer_cls))
-    name = optimizer_cls.__name__
-    if implementation == "auto":
-        return {"fused": True} if fused_ok else {}
-    if implementation == "fused":
-        if not fused_ok:
-            why = "has no fused kernel" if "fused" not in accepted else f"has none on {device}"
-            if has_fused:
-                why = "has no fused kernel for DTensor (FSDP2 / tensor-parallel) parameters"
-            use = "'auto' or 'foreach'" if "foreach" in accepted else "'auto'"
-            raise ConfigError(f"{where} implementation = 'fused': {name} {why}; use {use}")
-        return {"fused": True}
-    if "foreach" not in accepted:
-        if implementation == "for-loop":
-            return {}  # a per-tensor loop is all it has (Muon)
-        raise ConfigError(
-            f"{where} implementation = {implementation!r}: {name} takes no foreach flag; use 'auto'"
-        )
-    flags = {"foreach": implementation == "foreach"}
-    if "fused" in accepted:
-        flags["fused"] = False
-    return flags
 
 
 def resolve_optimizer(
@@ -295,7 +231,8 @@ def check_names(cfg: OptimizerConfig) -> None:
     resolve_optimizer(cfg)
     for i, group in enumerate(cfg.param_groups):
         if group.name is not None:
-            resolve_optimizer(cfg, group.name, f"[optimizer.param_groups[{i}]]")
+            where = f"[optimizer.param_groups[{i}]]"
+            resolve_optimizer(_group_config(cfg, group, where), group.name, where)
 
 
 def _device(model_parts: Sequence[nn.Module]) -> torch.device:
@@ -329,12 +266,7 @@ def _rules(
     rules = []
     for i, group in enumerate(cfg.param_groups):
         where = f"[optimizer.param_groups[{i}]]"
-        overrides = {
-            f.name: getattr(group, f.name)
-            for f in dataclasses.fields(group)
-            if f.name not in ("pattern", "name") and getattr(group, f.name) is not None
-        }
-        group_cfg = dataclasses.replace(cfg, **overrides)
+        group_cfg = _group_config(cfg, group, where, say=True)
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
         refuse_on_shards(group_cls, group.name or cfg.name, where, sharded)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
@@ -346,6 +278,37 @@ def _rules(
         else:
             rules.append(ParamGroupRule(group.pattern, {}, group_cls, group_kwargs))
     return rules
+
+
+def _group_config(
+    cfg: OptimizerConfig, group: ParamGroup, where: str, say: bool = False
+) -> OptimizerConfig:
+    """The `[optimizer]` section with `group`'s own settings over it; in bf16 where the group
+    inherits the section's `moment_dtype = "8bit"` and its optimizer keeps bf16 state, not
+    codes (SGD's and Muon's momentum): the leanest state it has, as an 8-bit group's vectors
+    keep (`say`: in one log line). Set on the group itself, "8bit" is refused by
+    `resolve_optimizer` as asked."""
+    overrides = {
+        f.name: getattr(group, f.name)
+        for f in dataclasses.fields(group)
+        if f.name not in ("pattern", "name") and getattr(group, f.name) is not None
+    }
+    group_cfg = dataclasses.replace(cfg, **overrides)
+    factory = _OPTIMIZERS.get(group.name or group_cfg.name)
+    if group.moment_dtype is not None or group_cfg.moment_dtype != "8bit" or factory is None:
+        return group_cfg
+    lean = dataclasses.replace(group_cfg, moment_dtype="bfloat16")
+    cls, kwargs = factory(lean)
+    if cls in (LeanAdam, LeanAdamW) or "moment_dtype" not in kwargs:
+        return group_cfg  # codes, or no lean state at all (refused there)
+    if say:
+        logger.info(
+            "%s %s keeps its state in bfloat16 ([optimizer] moment_dtype = '8bit': codes are "
+            "Adam's and AdamW's moments)",
+            where,
+            cls.__name__,
+        )
+    return lean
 
 
 def build_optimizers(

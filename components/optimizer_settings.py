@@ -1,8 +1,10 @@
-"""What each built-in optimizer takes from the `[optimizer]` section (torch's keyword names), and
-which of them torch cannot step on parameters sharded over ranks."""
+"""What each built-in optimizer takes from the `[optimizer]` section (torch's keyword names), the
+kernel flags its `implementation` means on a device, and which of them torch cannot step on
+parameters sharded over ranks."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,16 +15,23 @@ from torch.optim import Optimizer
 
 from config import ConfigError
 from config import Optimizer as OptimizerConfig
+from containers import LeanAdam, LeanAdamW
 
 __all__ = [
+    "COMPILED",
     "adafactor_kwargs",
     "adagrad_kwargs",
     "adam_kwargs",
+    "implementation_kwargs",
     "is_sharded",
     "momentum_kwargs",
     "muon_kwargs",
     "refuse_on_shards",
 ]
+
+
+COMPILED = (LeanAdam, LeanAdamW)
+"""The classes `implementation = "compiled"` steps (`containers.optim.compiled_adam`)."""
 
 
 def _given(**kwargs: Any) -> dict[str, Any]:
@@ -106,3 +115,67 @@ def refuse_on_shards(cls: type[Optimizer], name: str, where: str, sharded: bool)
             f"over ranks (FSDP2, tensor parallel): {reason}; train it on one rank or pick "
             "another optimizer (e.g. AdamW, or Muon for the hidden matrices)"
         )
+
+
+def _fused_devices() -> set[str]:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return set(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - older torch
+        return {"cuda", "cpu"}
+
+
+def _fused_takes_dtensor(optimizer_cls: type[Optimizer]) -> bool:
+    """Whether DTensor can run `optimizer_cls`'s fused kernel (torch 2.13: Adam and AdamW only;
+    fused SGD on FSDP2 or TP parameters fails inside the first step)."""
+    op = getattr(torch.ops.aten, f"_fused_{optimizer_cls.__name__.lower()}_", None)
+    try:
+        prop = DTensor._op_dispatcher.sharding_propagator
+        known = {*prop.op_strategy_funcs, *prop.op_to_rules}
+        known |= set(getattr(prop, "op_single_dim_strategy_funcs", {}))
+        return op is not None and op.default in known
+    except AttributeError:  # private API moved: foreach is the safe choice
+        return False
+
+
+def implementation_kwargs(
+    optimizer_cls: type[Optimizer],
+    implementation: str,
+    device: torch.device,
+    where: str,
+    dtensor: bool = False,
+) -> dict[str, bool]:
+    """Kernel flags for `implementation` ("auto" picks fused where torch has it on `device`,
+    and, for `dtensor` (sharded or tensor-parallel) parameters, where DTensor can run it)."""
+    if implementation == "compiled":
+        if optimizer_cls not in COMPILED:
+            raise ConfigError(
+                f"{where} implementation = 'compiled': {optimizer_cls.__name__} has no "
+                "compiled step (Adam and AdamW have); use 'auto'"
+            )
+        return {"fused": True, "compiled": True}
+    accepted = inspect.signature(optimizer_cls).parameters
+    has_fused = "fused" in accepted and device.type in _fused_devices()
+    fused_ok = has_fused and (not dtensor or _fused_takes_dtensor(optimizer_cls))
+    name = optimizer_cls.__name__
+    if implementation == "auto":
+        return {"fused": True} if fused_ok else {}
+    if implementation == "fused":
+        if not fused_ok:
+            why = "has no fused kernel" if "fused" not in accepted else f"has none on {device}"
+            if has_fused:
+                why = "has no fused kernel for DTensor (FSDP2 / tensor-parallel) parameters"
+            use = "'auto' or 'foreach'" if "foreach" in accepted else "'auto'"
+            raise ConfigError(f"{where} implementation = 'fused': {name} {why}; use {use}")
+        return {"fused": True}
+    if "foreach" not in accepted:
+        if implementation == "for-loop":
+            return {}  # a per-tensor loop is all it has (Muon)
+        raise ConfigError(
+            f"{where} implementation = {implementation!r}: {name} takes no foreach flag; use 'auto'"
+        )
+    flags = {"foreach": implementation == "foreach"}
+    if "fused" in accepted:
+        flags["fused"] = False
+    return flags

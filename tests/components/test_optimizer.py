@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,12 +16,8 @@ from torch.distributed.fsdp import fully_shard
 
 from components import optimizer as registry
 from components.models.llama.model import FLAVORS, Transformer, split_model
-from components.optimizer import (
-    build_optimizers,
-    implementation_kwargs,
-    register_container,
-    register_optimizer,
-)
+from components.optimizer import build_optimizers, register_container, register_optimizer
+from components.optimizer_settings import implementation_kwargs
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer, ParamGroupRule, ShardedMuon
@@ -299,6 +296,30 @@ def test_muon_toml_puts_muon_on_hidden_matrices_and_adamw_on_the_rest():
     assert group["lr"] == cfg.optimizer.param_groups[0].lr != cfg.optimizer.lr
     assert by_fqn["tok_embeddings.weight"][1]["weight_decay"] == 0.0
     assert by_fqn["output.weight"][1]["fused"] is True  # "auto" still picks fused AdamW
+
+
+def test_muon_groups_inheriting_8bit_keep_bf16_momentum_and_say_it_once(caplog):
+    """`[optimizer] moment_dtype = "8bit"` over muon.toml: AdamW's matrices keep codes, Muon's
+    momentum (no codes) the leanest state it has, bf16; set on the Muon group itself, '8bit'
+    is refused, and 'bfloat16' there is taken as given."""
+    argv = ["--job.config_file", str(Path(REPO) / "config" / "muon.toml")]
+    cfg = load_job_config([*argv, "--optimizer.moment_dtype", "8bit"]).optimizer
+    with caplog.at_level("INFO", logger="components.optimizer"):
+        container = build_optimizers(_llama_parts(), cfg)
+    said = [
+        r.getMessage() for r in caplog.records if "keeps its state in bfloat16" in r.getMessage()
+    ]
+    assert said == [
+        "[optimizer.param_groups[0]] ShardedMuon keeps its state in bfloat16 ([optimizer] "
+        "moment_dtype = '8bit': codes are Adam's and AdamW's moments)"
+    ]
+    kept = {(type(opt).__name__, g["moment_dtype"]) for opt in container for g in opt.param_groups}
+    assert kept == {("ShardedMuon", "bfloat16"), ("LeanAdamW", "8bit")}
+    muon = dataclasses.replace(cfg.param_groups[0], moment_dtype="8bit")
+    with pytest.raises(ConfigError, match=r"param_groups\[0\]\] moment_dtype = '8bit'.*Muon"):
+        build_optimizers(_llama_parts(), dataclasses.replace(cfg, param_groups=[muon]))
+    muon = dataclasses.replace(muon, moment_dtype="bfloat16")
+    build_optimizers(_llama_parts(), dataclasses.replace(cfg, param_groups=[muon]))
 
 
 @pytest.mark.parametrize(
