@@ -10,7 +10,7 @@ from components.job import build_job
 from config import load_job_config
 from tests.harness.dist import run_ranks
 
-STEPS = 10
+STEPS = 6
 COMMON = [
     "--job.config_file",
     "config/debug.toml",
