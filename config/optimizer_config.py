@@ -72,7 +72,8 @@ class ParamGroup:
     """Parameter-scale floor of this group (Adafactor)."""
 
     moment_dtype: MomentDtype | None = None
-    """Dtype of this group's Adam/AdamW moments or SGD/Muon momentum."""
+    """Dtype of this group's Adam/AdamW moments or SGD/Muon momentum (unset: the section's;
+    the section's "8bit" is bf16 for SGD and Muon)."""
 
 
 @dataclass(kw_only=True)
@@ -137,7 +138,7 @@ class Optimizer:
     tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
     AdamW, not under mixed precision or FSDP1): 8-bit codes in blocks of 32 within a row, 2.25
     bytes a parameter (`containers.optim.coded_adam`); 1-D parameters and rows of 4 or fewer
-    keep bf16 moments."""
+    keep bf16 moments, and param groups of SGD or Muon that inherit it their momentum in bf16."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and
