@@ -18,6 +18,7 @@ table (steady bytes per parameter, step time) of `bench_lean_state.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import statistics
@@ -660,7 +661,13 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     step (`[mixed_precision] compile = true`) with fp32 and bf16 moments."""
     # (compiled rows on a GPU only: on a CPU inductor's first compile takes longer than the
     # smoke run, and its figures are another question, bench_mixed_precision.py's)
+    from containers.optim.lean import fused_takes_bf16_moments, widening
+
     contenders = {**LEAN, **(COMPILED if device.type == "cuda" else {})}
+    # Where torch's kernel takes bf16 moments, the widening it replaces, side by side.
+    widened = "AdamW, bf16 moments, widened (a torch without the kernel)"
+    if fused_takes_bf16_moments(device):
+        contenders[widened] = LEAN["AdamW, bf16 moments"]
     runs = {}
     for name, (dtype, build, *_) in contenders.items():
         torch.manual_seed(0)
@@ -673,15 +680,17 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     # As backward leaves them: in the parameters' dtype (no step changes a gradient).
     given = {d: [g.to(d) for g in grads] for d in (torch.float32, torch.bfloat16)}
 
-    def stepper(model: nn.Module, opt: OptimizersContainer) -> Callable[[], None]:
+    def stepper(model: nn.Module, opt: OptimizersContainer, widen: bool) -> Callable[[], None]:
         def step() -> None:
             for p, g in zip(model.parameters(), given[next(model.parameters()).dtype]):
                 p.grad = g
-            opt.step()
+            with widening() if widen else contextlib.nullcontext():
+                opt.step()
 
         return step
 
-    times = _interleaved(device, {n: stepper(*r) for n, r in runs.items()}, repeats, 5)
+    steps = {n: stepper(*r, widen=n == widened) for n, r in runs.items()}
+    times = _interleaved(device, steps, repeats, 5)
     rows = []
     for name, (_, _, baseline, goals, *_) in contenders.items():
         param_bytes, kept = steady_bytes(*runs[name])

@@ -10,9 +10,10 @@ would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "fused_takes_bf16_moments",
     "load_keeping_dtypes",
     "moment_dtype_of",
+    "widening",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,7 +109,21 @@ def fused_takes_bf16_moments(device: torch.device) -> bool:
     parameters and gradients itself (torch's mixed-precision CUDA kernel, which torch 2.11
     lacks; torchtitan's `fused_opt_states_bf16` path), asked once per device type by a step of
     a few values. Never on a CPU, where `cpu_adam` steps them in one pass."""
-    return device.type != "cpu" and _probe(device.type)
+    return device.type != "cpu" and not _widen[0] and _probe(device.type)
+
+
+_widen = [False]
+
+
+@contextlib.contextmanager
+def widening() -> Iterator[None]:
+    """Within: `fused_takes_bf16_moments` is False, so bf16 moments are widened into fp32
+    scratch as on a torch without the kernel (benchmarks time both side by side)."""
+    before, _widen[0] = _widen[0], True
+    try:
+        yield
+    finally:
+        _widen[0] = before
 
 
 @functools.cache
