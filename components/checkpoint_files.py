@@ -182,18 +182,18 @@ def forgetting_on_failure(states: dict[str, Stateful]) -> Iterator[None]:
 def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -> None:
     """Refuse a checkpoint whose keys or shapes differ, before anything is loaded."""
     saved = metadata.state_dict_metadata
+    forms = []  # what each container's load converts (8-bit codes <-> tensors)
     for name, state in states.items():
         # A container says in its own words when the optimizer state is of another layout
         # (AdamW's for SGD): clearer than the key listing below.
         if isinstance(state, OptimizersContainer):
+            keys = {
+                k[len(name) + 1 :]: saved_dtype(v)
+                for k, v in saved.items()
+                if k.startswith(f"{name}.")
+            }
             try:
-                state.check_checkpoint_keys(
-                    {
-                        k[len(name) + 1 :]: saved_dtype(v)
-                        for k, v in saved.items()
-                        if k.startswith(f"{name}.")
-                    }
-                )
+                forms.append(state.check_checkpoint_keys(keys))
             except ValueError as e:
                 other = isinstance(e, OtherOptimizerState)
                 fix = "[optimizer] name and its settings pick the optimizer; " if other else ""
@@ -220,11 +220,6 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
             f"missing keys {describe_keys(missing)}; unexpected keys "
             f"{describe_keys(unexpected)}; shape mismatches {describe_keys(reshaped)}"
         )
-    forms = [
-        state.converted_on_load([k[len(name) + 1 :] for k in saved if k.startswith(f"{name}.")])
-        for name, state in states.items()
-        if isinstance(state, OptimizersContainer)
-    ]
     if converted := "; ".join(filter(None, [dtype_changes(ours, saved), *forms])):
         logger.info("checkpoint %s: converted on load: %s", path, converted)
 

@@ -218,10 +218,9 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
                 if k.startswith("optimizer.")
             }
             try:  # AdamW's state for SGD: said in the container's words
-                optimizer.check_checkpoint_keys(keys)
+                forms = optimizer.check_checkpoint_keys(keys)
             except ValueError as e:
                 raise ConfigError(f"{seed.what} = '{seed.path}': {e}") from None
-            forms = optimizer.converted_on_load(keys)
         flat, mapping = flatten_state_dict({n: states[n].state_dict() for n in names})
         fill = {}
         for key in flat:

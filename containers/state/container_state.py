@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.ema import EMA
-from containers.optim.coded_adam import CODED, decode_moment, in_form_of
+from containers.optim.coded_adam import decode_moment, in_form_of
 from containers.state.flat import (
     PG,
     STATE,
@@ -160,15 +160,17 @@ class ContainerState:
 
     def check_checkpoint_keys(
         self, keys: Collection[str] | Mapping[str, torch.dtype | None]
-    ) -> None:
+    ) -> str:
         """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
         another layout than this container's (e.g. AdamW's for SGD), before anything loads;
         else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
         when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
         checkpoint has none). Keys mapped to their saved dtypes give a moment that the load
-        converts into 8-bit codes a template of the checkpoint's dtype (bf16 read as bf16)."""
-        layout = [self._states(opt, False, keys)[0] for opt in self.optimizers]
-        refuse_other_layout(self.optimizers, layout, self._fqns, keys)
+        converts into 8-bit codes a template of the checkpoint's dtype (bf16 read as bf16).
+        Returns which Adam moments the keys hold in another form than this container keeps
+        them (8-bit codes or tensors): what the load converts, for its log line ("" if none)."""
+        fitted = [self._states(opt, False, keys) for opt in self.optimizers]
+        refuse_other_layout(self.optimizers, [f[0] for f in fitted], self._fqns, keys)
         dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
         self._checkpoint_keys = {k: v for k, v in dtypes.items() if k.startswith(f"{STATE}.")}
         self.gate.fit_template(keys, self._fqns)
@@ -179,6 +181,7 @@ class ContainerState:
                 "the checkpoint holds an EMA of the weights (ema.*) and this container keeps "
                 "none, so the load would drop it: keep one ([ema] enable = true)"
             )
+        return _describe([change for f in fitted for change in f[2]])
 
     def forget_checkpoint_keys(self) -> None:
         """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
@@ -187,16 +190,6 @@ class ContainerState:
         self.gate.forget_template()
         if self.ema is not None:
             self.ema.forget_template()
-
-    def converted_on_load(self, keys: Collection[str]) -> str:
-        """Which Adam moments flat `keys` hold in another form than this container keeps
-        them (8-bit codes or tensors): what a load of them converts, for a log line; "" if
-        nothing."""
-        groups = [g for opt in self.optimizers for g in opt.param_groups]
-        coded_here = any(g.get("moment_dtype") == CODED for g in groups)
-        if not coded_here and not any(k.endswith(".code") for k in keys):
-            return ""  # (no codes on either side: nothing to derive)
-        return _describe([c for opt in self.optimizers for c in self._states(opt, False, keys)[2]])
 
 
 def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:
