@@ -315,10 +315,10 @@ def _direct(p: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor]) -> bo
     parameter and gradient, bf16 moments, on a device whose kernel takes them
     (`fused_takes_bf16_moments`)."""
     return (
-        p.dtype == g.dtype == torch.float32
+        fused_takes_bf16_moments(p.device)  # (first: on a CPU it ends the test at once)
+        and p.dtype == g.dtype == torch.float32
         and all(m.dtype == torch.bfloat16 for m in moments)
         and all(t.is_contiguous() for t in (p, g, *moments))
-        and fused_takes_bf16_moments(p.device)
     )
 
 
