@@ -139,11 +139,13 @@ def _nonfinite_skips(device: torch.device) -> str:
     return f"{len(seen)} cases skipped"
 
 
-@check("nonfinite_flag, the aminmax flag, the fp64-squares norm: nan, inf, -inf found; 3e38 not")
+@check("nonfinite_flag (fp32, bf16), candidates, fp64-squares norm: nan, inf, -inf found; 3e38 not")
 def _flag(device: torch.device) -> str:
     seen = []
     # (the compiled candidate of the timing table too, on CUDA, where it is timed)
-    flags = [nonfinite_flag, _aminmax_flag] + ([_compiled_flag] if device.type == "cuda" else [])
+    flags = [nonfinite_flag, _aminmax_flag]
+    if device.type == "cuda":
+        flags += [_compiled_flag, _triton_flag]
     for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0), (3e38, 0.0)):
         for where in range(3):
             ts = [torch.randn(n, device=device) for n in (7, 1 << 20, 65537)]
@@ -151,6 +153,11 @@ def _flag(device: torch.device) -> str:
             for flag in flags:
                 got = float(flag(ts, []))
                 assert got == want, (flag.__name__, bad, where, got)
+                seen.append(got)
+            # bf16 gradients (CUDA's AMP check refuses them; the flag must not)
+            for flag in (nonfinite_flag, _triton_flag) if device.type == "cuda" else ():
+                got = float(flag([t.to(torch.bfloat16) for t in ts], []))
+                assert got == want, (flag.__name__, "bf16", bad, where, got)
                 seen.append(got)
             # The norm a clipped step's kernels skip on: squares in fp64, finite iff all are.
             for dtype in (torch.float32, torch.bfloat16):
@@ -525,7 +532,13 @@ def check_table(device: torch.device, layouts: list[tuple[int, int]], repeats: i
         step = OptimizersContainer(parts, torch.optim.AdamW, KW).step
         runs["check on, aminmax flag"] = lambda step=step: _with_flag(_aminmax_flag, step)
         if device.type == "cuda":  # (on a CPU: a compile for nothing, the host decides there)
-            for name, flag in (("compiled", _compiled_flag), ("fp64-norm", _fp64_norm_flag)):
+            candidates = [("compiled", _compiled_flag), ("fp64-norm", _fp64_norm_flag)]
+            try:
+                _triton_flag(grads, [])
+                candidates.append(("triton", _triton_flag))
+            except Exception as e:  # a candidate: its failure must not cost the table
+                print(f"triton flag: not timed: {type(e).__name__}: {e}", flush=True)
+            for name, flag in candidates:
                 contenders[f"flag alone, {name}"] = contenders[f"check on, {name} flag"] = None
                 runs[f"flag alone, {name}"] = lambda g=grads, flag=flag: flag(g, [])
                 parts = copy.deepcopy(base)
@@ -586,6 +599,37 @@ def _fp64_norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
     if groups:
         raise ValueError(f"_fp64_norm_flag: one process only, got groups {groups}")
     return (~exact_sum_of_squares(tensors, tensors[0].device).isfinite()).float()
+
+
+def _triton_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
+    """The flag from a hand-written Triton kernel a tensor: each block read once (no write),
+    `x - x == 0` false only for inf and NaN, the flag stored by any block that finds one. A
+    candidate (issue 28's floor on a GPU is one read of the gradients), timed here."""
+    if groups:
+        raise ValueError(f"_triton_flag: one process only, got groups {groups}")
+    found = torch.zeros((), device=tensors[0].device)
+    kernel, block = _triton_kernel(), 4096
+    for t in tensors:
+        if t.numel():
+            x = t if t.is_contiguous() else t.contiguous()
+            kernel[(-(-x.numel() // block),)](x, x.numel(), found, BLOCK=block)
+    return found
+
+
+@functools.cache
+def _triton_kernel():  # (triton imported here: the CPU wheel has none)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def flag(x_ptr, n, found_ptr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+        bad = tl.max(tl.where(x - x == 0.0, 0, 1), axis=0)
+        if bad > 0:
+            tl.store(found_ptr, 1.0)
+
+    return flag
 
 
 @functools.cache

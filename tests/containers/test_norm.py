@@ -380,20 +380,34 @@ def test_sparse_gradients_are_checked_by_their_values():
     assert all_finite([good]) and not all_finite([good, bad]) and all_finite([])
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device_kernel"])
+@pytest.mark.parametrize(
+    ("on_host", "device"),
+    [
+        (True, "cpu"),
+        (False, "cpu"),
+        pytest.param(
+            False,
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="on a GPU only"),
+        ),
+    ],
+    ids=["host", "device_kernel", "cuda"],
+)
 def test_the_flag_for_fused_kernels_finds_what_all_finite_finds_and_leaves_tensors_bitwise(
-    on_host,
+    on_host, device
 ):
-    """`nonfinite_flag` as a step takes it on CUDA (`on_host=False`: torch's AMP check, run
-    here on CPU tensors) and elsewhere: the same answers, values and signs kept."""
+    """`nonfinite_flag` as a step takes it on CUDA (`on_host=False`: torch's AMP check, and
+    bf16 by its fp64 squares, which CUDA's AMP check refuses; run here on CPU tensors too)
+    and elsewhere: the same answers, values and signs kept."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     for bad, want in ((float("nan"), 1.0), (float("inf"), 1.0), (float("-inf"), 1.0)):
         for where, dtype in enumerate(dtypes):
-            tensors = [torch.randn(300, dtype=d) for d in dtypes] + [torch.zeros(0)]
+            tensors = [torch.randn(300, dtype=d, device=device) for d in dtypes]
+            tensors.append(torch.zeros(0, device=device))
             tensors[where][7 * where] = bad
             assert nonfinite_flag(tensors, [], on_host=on_host).item() == want, (bad, dtype)
-    big = [torch.full((1000,), torch.finfo(d).max, dtype=d) for d in dtypes]
-    big.append(torch.tensor([-0.0, 1e-8]))
+    big = [torch.full((1000,), torch.finfo(d).max, dtype=d, device=device) for d in dtypes]
+    big.append(torch.tensor([-0.0, 1e-8], device=device))
     before = [t.clone() for t in big]
     flag = nonfinite_flag(big, [], on_host=on_host)
     assert flag.item() == 0.0 and flag.dtype == torch.float32 and flag.dim() == 0
