@@ -394,6 +394,43 @@ def _coded_steps(device: torch.device) -> str:
     return "equal"
 
 
+@check("8-bit moments compiled: parameters a few ulp from eager's, codes alike (3 steps)")
+def _coded_compiled(device: torch.device) -> str:
+    """The graph (`compiled_coded_adam`) against the eager 8-bit step, each step from the same
+    state (the suite's tolerance, `test_compiled_adam._close`): codes may differ only where a
+    moment lies within a few ulp of a threshold."""
+    runs = []
+    torch.manual_seed(0)
+    shapes = [(1024, 4096), (96, 64), (33, 70)]
+    start = [torch.randn(s, device=device) for s in shapes]
+    grads = [[torch.randn(s, device=device) for s in shapes] for _ in range(3)]
+    for compiled in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        runs.append((params, LeanAdamW(params, **KW, moment_dtype="8bit", compiled=compiled)))
+    (ref, eager), (ours, graph) = runs
+    differ = total = loose = numel = 0
+    for step in range(3):
+        for p, q, g in zip(ref, ours, grads[step]):
+            p.grad, q.grad = g, g.clone()
+        eager.step()
+        graph.step()
+        for p, q in zip(ref, ours):
+            diff, size = (p - q).detach().abs(), p.detach().abs()
+            assert bool((diff <= 2e-6 * size + 1e-5).all()), (step, float(diff.max()))
+            loose += int((diff > 1e-6 * size + 1e-7).sum())
+            numel += p.numel()
+            for name in ("exp_avg", "exp_avg_sq"):
+                a, b = eager.state[p][name], graph.state[q][name]
+                differ += int((a["code"] != b["code"]).sum())
+                total += a["code"].numel()
+                for k in a:
+                    a[k].copy_(b[k])
+            with torch.no_grad():
+                p.copy_(q)
+    assert loose <= numel // 10_000 and differ <= total // 1000, (loose, differ, total)
+    return f"{loose} of {numel} parameters beyond 1e-6 relative; {differ} of {total} codes differ"
+
+
 @check("torch's fused AdamW kernel takes bf16 moments beside fp32 parameters unwidened")
 def _kernel_takes_bf16(device: torch.device) -> str:
     p = torch.randn(4096, device=device)
@@ -670,6 +707,13 @@ COMPILED = {
         ),
         FP32, ("", ""),
     ),
+    "AdamW, 8-bit moments, compiled": (
+        torch.float32,
+        lambda m: OptimizersContainer(
+            [m], LeanAdamW, {**KW, "moment_dtype": "8bit", "compiled": True}
+        ),
+        FP32, ("", ""),
+    ),
     "mixed precision, fp32 masters + moments, compile": (
         torch.bfloat16, _compiled("float32"), MP, ("", "")
     ),
@@ -819,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", action="store_true", help="where a step's time goes, only")
+    parser.add_argument(
+        "--tables", default="check,lean", help="the timed tables after the checks: check, lean"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -840,10 +887,11 @@ def main(argv: list[str] | None = None) -> int:
         layouts, width, layers, repeats = [(2, 64)], 256, 2, 2
     else:  # 8 x 12.9M and 32 x 3.2M parameters: ~103M each, ~2.9 GB of AdamW traffic a step
         layouts, width, layers, repeats = [(8, 1792), (32, 896)], 4096, 8, args.repeats
-    for table in (
-        lambda: check_table(device, layouts, repeats),
-        lambda: lean_table(device, width, layers, repeats),
-    ):
+    tables = {
+        "check": lambda: check_table(device, layouts, repeats),
+        "lean": lambda: lean_table(device, width, layers, repeats),
+    }
+    for table in (tables[t] for t in args.tables.split(",") if t):
         try:
             print(table(), "\n", flush=True)
         except Exception:

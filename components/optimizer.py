@@ -206,11 +206,6 @@ def resolve_optimizer(
                 f"{where} moment_dtype = '8bit': 8-bit codes are Adam's and AdamW's moments, "
                 f"not {name}'s state; use moment_dtype = 'bfloat16' here"
             )
-        if cfg.moment_dtype == "8bit" and cfg.implementation == "compiled":
-            raise ConfigError(
-                f"[optimizer] implementation = 'compiled' with {where} moment_dtype = '8bit': "
-                "the compiled step is over float moments; use implementation 'auto'"
-            )
         if cfg.implementation in ("foreach", "for-loop") and cls in (LeanAdam, LeanAdamW):
             raise ConfigError(
                 f"[optimizer] implementation = {cfg.implementation!r}: bf16 moments "

@@ -26,10 +26,20 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["RECOMPILES", "compiled_adam"]
+from containers.optim.moment_codes import (
+    BLOCK,
+    log_codes,
+    log_tables,
+    log_values,
+    signed_codes,
+    signed_values,
+)
+
+__all__ = ["RECOMPILES", "compiled_adam", "compiled_coded_adam", "takes_codes"]
 
 RECOMPILES = 64
 """Graphs `_adam` may have (torch's default limit per function is 8; a model's groups, or its
@@ -61,6 +71,106 @@ def compiled_adam(
     (None: `masters` are the parameters); with `remainders`, `masters` are the int16
     remainders that complete the bf16 `params` (`containers.precision.remainders`). The
     gradients are multiplied by `factor` (unscale, clip)."""
+    hyper, corrections = _on_device(
+        steps, lr, beta1, beta2, weight_decay, eps, maximize, decoupled_weight_decay, factor,
+        found_inf,
+    )  # fmt: skip
+    # Flat views: a graph per number of tensors and dtypes (and sizes that repeat), whatever
+    # their shapes, so that groups and models of other shapes share it; and never a Parameter
+    # (dynamo makes a parameter's shape static: a graph per model).
+    flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
+    with _recompiles():
+        _compiled()(
+            [g.reshape(-1) for g in grads],
+            flat(params) if params is not None else None,
+            flat(masters),
+            flat(exp_avgs),
+            flat(exp_avg_sqs),
+            hyper,
+            corrections,
+            remainders,
+        )
+
+
+def takes_codes(p: torch.Tensor, g: torch.Tensor, codes: Sequence[torch.Tensor]) -> bool:
+    """Whether `compiled_coded_adam` takes a parameter (local tensors): contiguous, with
+    rows of whole blocks, so its flat blocks are the codes' own."""
+    return (
+        p.dim() > 0 and p.shape[-1] % BLOCK == 0 and all(t.is_contiguous() for t in (p, g, *codes))
+    )
+
+
+@torch.no_grad()
+def compiled_coded_adam(
+    grads: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor],
+    codes: Sequence[Sequence[torch.Tensor]],
+    steps: torch.Tensor,
+    **settings: Any,
+) -> None:
+    """`compiled_adam` over 8-bit moments (`containers.optim.coded_adam`'s codes: each
+    parameter's exp_avg code and scale, exp_avg_sq code and block maximum) of parameters
+    that `takes_codes`: decoded, updated and encoded again in one graph, each code read and
+    written once. The codes are those of the moments the graph computes, a few fp32 ulp from
+    torch's kernel's (a code may differ where a value lies that close to a threshold)."""
+    hyper, corrections = _on_device(steps, **settings)
+    blocks = lambda ts, n=BLOCK: [t.view(-1, n) for t in ts]  # noqa: E731
+    values, thresholds = log_tables(steps.device)
+    with _recompiles():
+        _compiled_coded()(
+            blocks(g.reshape(-1) for g in grads),
+            blocks(masters),
+            *(blocks((c[k] for c in codes), BLOCK if k % 2 == 0 else 1) for k in range(4)),
+            hyper,
+            corrections,
+            values,
+            thresholds,
+        )
+
+
+def _coded_adam(
+    grads: list[torch.Tensor],
+    masters: list[torch.Tensor],
+    m_codes: list[torch.Tensor],
+    m_scales: list[torch.Tensor],
+    v_codes: list[torch.Tensor],
+    v_tops: list[torch.Tensor],
+    h: torch.Tensor,
+    c: torch.Tensor,
+    values: torch.Tensor,
+    thresholds: torch.Tensor,
+) -> None:
+    """`_adam` over blocks of 8-bit moments (see `compiled_coded_adam`): (n, BLOCK) views,
+    the scales (n, 1)."""
+    skip = h[7] > 0
+    for i, (grad, master) in enumerate(zip(grads, masters)):
+        value = master.float()
+        avg = signed_values(m_codes[i], m_scales[i])
+        avg_sq = log_values(v_codes[i], v_tops[i], values)
+        new, avg, avg_sq = _update(grad, value, avg, avg_sq, h, c[i])
+        m, scale = signed_codes(avg)
+        v, top = log_codes(avg_sq, thresholds)
+        m_codes[i].copy_(torch.where(skip, m_codes[i], m.to(torch.int8)))
+        m_scales[i].copy_(torch.where(skip, m_scales[i], scale))
+        v_codes[i].copy_(torch.where(skip, v_codes[i], v))
+        v_tops[i].copy_(torch.where(skip, v_tops[i], top))
+        master.copy_(torch.where(skip, value, new))
+
+
+def _on_device(
+    steps: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    factor: float = 1.0,
+    found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph's shared hyperparameters `h` (the skip flag last) and each tensor's bias
+    corrections `c`, on the device without a host sync."""
     values = torch.tensor(
         [
             factor * (-1.0 if maximize else 1.0),
@@ -85,21 +195,7 @@ def compiled_adam(
     corrections = torch.stack(
         [values[7] / (1.0 - values[8].pow(counts)), (1.0 - values[4].pow(counts)).sqrt()], 1
     ).float()
-    # Flat views: a graph per number of tensors and dtypes (and sizes that repeat), whatever
-    # their shapes, so that groups and models of other shapes share it; and never a Parameter
-    # (dynamo makes a parameter's shape static: a graph per model).
-    flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
-    with _recompiles():
-        _compiled()(
-            [g.reshape(-1) for g in grads],
-            flat(params) if params is not None else None,
-            flat(masters),
-            flat(exp_avgs),
-            flat(exp_avg_sqs),
-            hyper,
-            corrections,
-            remainders,
-        )
+    return hyper, corrections
 
 
 def _adam(
@@ -125,10 +221,7 @@ def _adam(
             value = (high * 65536 + master.to(torch.int32)).view(torch.float32)
         else:
             value = master.float()
-        g = grad.float() * h[0] + value * h[2]
-        avg = exp_avg.float().lerp(g, h[3])
-        avg_sq = exp_avg_sq.float() * h[4] + g * g * h[5]
-        new = value * h[1] - c[i, 0] * avg / (avg_sq.sqrt() / c[i, 1] + h[6])
+        new, avg, avg_sq = _update(grad, value, exp_avg.float(), exp_avg_sq.float(), h, c[i])
         exp_avg.copy_(torch.where(skip, exp_avg.float(), avg))
         exp_avg_sq.copy_(torch.where(skip, exp_avg_sq.float(), avg_sq))
         new = torch.where(skip, value, new)
@@ -143,6 +236,22 @@ def _adam(
                 param.copy_(torch.where(skip, param, new.to(param.dtype)))
 
 
+def _update(
+    grad: torch.Tensor,
+    value: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tensor's Adam/AdamW update in fp32 (`value` the master, the moments widened): the
+    new master and moments, before the skip."""
+    g = grad.float() * h[0] + value * h[2]
+    avg = exp_avg.lerp(g, h[3])
+    avg_sq = exp_avg_sq * h[4] + g * g * h[5]
+    return value * h[1] - c[0] * avg / (avg_sq.sqrt() / c[1] + h[6]), avg, avg_sq
+
+
 @functools.cache
 def _recompiles() -> contextlib.AbstractContextManager:
     """`recompile_limit` raised to `RECOMPILES` while our graph runs (and compiles), not for the
@@ -153,4 +262,14 @@ def _recompiles() -> contextlib.AbstractContextManager:
 @functools.cache
 def _compiled() -> Callable[..., None]:
     """`_adam` compiled on first use (seconds to minutes once, then inductor's cache)."""
-    return torch.compile(_adam, dynamic=True, fullgraph=True, options={"size_asserts": False})
+    return _compile(_adam)
+
+
+@functools.cache
+def _compiled_coded() -> Callable[..., None]:
+    """`_coded_adam` compiled on first use."""
+    return _compile(_coded_adam)
+
+
+def _compile(fn: Callable[..., None]) -> Callable[..., None]:
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"size_asserts": False})

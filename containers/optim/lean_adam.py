@@ -39,7 +39,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from containers.norm import local, scratch, scratch_numel
 from containers.optim import cpu_adam
 from containers.optim.coded_adam import CODED, coded_adam, new_moments, say_cuts
-from containers.optim.compiled_adam import compiled_adam
+from containers.optim.compiled_adam import compiled_adam, compiled_coded_adam, takes_codes
 from containers.optim.lean import (
     check_moment_dtype,
     fused_takes_bf16_moments,
@@ -77,11 +77,10 @@ class _Lean:
         name = type(self).__name__
         check_moment_dtype(param_group, name, codes=True)
         amsgrad = param_group.get("amsgrad", self.defaults["amsgrad"])  # type: ignore[attr-defined]
-        if param_group["compiled"] and (amsgrad or param_group["moment_dtype"] == CODED):
+        if param_group["compiled"] and amsgrad:
             raise ValueError(
-                f"{name}: compiled = True with amsgrad = True or moment_dtype = '8bit': the "
-                "compiled step is Adam's and AdamW's without amsgrad over float moments; set "
-                "compiled = False"
+                f"{name}: compiled = True with amsgrad = True: the compiled step is Adam's and "
+                "AdamW's without amsgrad; set compiled = False"
             )
         if amsgrad and param_group["moment_dtype"] == CODED:
             raise ValueError(
@@ -190,11 +189,12 @@ def step_group(
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
+    if group.get("moment_dtype") == CODED:
+        step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings,
+                   compiled=group.get("compiled", False))  # fmt: skip
+        return
     if group.get("compiled"):
         step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
-        return
-    if group.get("moment_dtype") == CODED:
-        step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
         return
     if group.get("moment_dtype", "float32") != "float32":
         lean_adam(
@@ -364,23 +364,44 @@ def step_coded(
     steps: list[torch.Tensor],
     found_inf: torch.Tensor | None,
     settings: dict[str, Any],
+    compiled: bool = False,
 ) -> None:
-    """An "8bit" group's update: its coded moments through `coded_adam`, the bf16 moments
-    of its small parameters through `lean_adam`."""
+    """An "8bit" group's update: its coded moments through `coded_adam` (`compiled`: one
+    inductor graph over those it takes, `compiled_coded_adam`), the bf16 moments of its small
+    parameters through `lean_adam` (`compiled`: `step_compiled`)."""
     is_coded = [isinstance(m, dict) for m in exp_avgs]
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     plain, codes = ([[t for t, c in zip(ts, is_coded) if c is want] for ts in lists]
                     for want in (False, True))  # fmt: skip
-    if plain[0]:
+    if plain[0] and compiled:
+        step_compiled(*plain, found_inf, settings)
+    elif plain[0]:
         lean_adam(*plain[:4], [], plain[4], found_inf=found_inf, **settings)
     if not codes[0]:
         return
     torch._foreach_add_(codes[4], 1)
-    decoupled = settings["decoupled_weight_decay"]
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
-    coded_adam(*codes[:4], codes[4], kernel=kernel,
-               settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
+    local_codes = [
+        [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+        for m, v in zip(codes[2], codes[3])
+    ]
+    graph = [
+        i for i, (p, g, c) in enumerate(zip(codes[0], codes[1], local_codes))
+        if compiled and local(p).numel() and takes_codes(local(p), local(g), c)
+    ]  # fmt: skip
+    if graph:
+        compiled_coded_adam(
+            [local(codes[1][i]) for i in graph], [local(codes[0][i]) for i in graph],
+            [local_codes[i] for i in graph], torch.stack([codes[4][i] for i in graph]),
+            found_inf=found_inf,
+            **{k: v for k, v in settings.items() if k != "amsgrad"} | {"lr": float(settings["lr"])},
+        )  # fmt: skip
+    rest = [i for i in range(len(codes[0])) if i not in set(graph)]
+    if rest:
+        decoupled = settings["decoupled_weight_decay"]
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
+        coded_adam(*([ts[i] for i in rest] for ts in codes), kernel=kernel,
+                   settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(codes[4], [found_inf] * len(codes[4]))
 

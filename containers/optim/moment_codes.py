@@ -32,8 +32,12 @@ __all__ = [
     "encode_log",
     "encode_signed",
     "from_blocks",
+    "log_codes",
     "log_tables",
+    "log_values",
     "scale_shape",
+    "signed_codes",
+    "signed_values",
 ]
 
 BLOCK = 32
@@ -105,18 +109,32 @@ def encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor)
     _check(values, code, scale, torch.int8)
     if not values.numel():
         return
-    b = as_blocks(values.float())
-    top = b.abs().amax(-1, keepdim=True) / 127
-    # The smallest power of two >= top: frexp gives top = m 2^e with m in [0.5, 1).
-    m, e = torch.frexp(top.clamp_min(2.0**-126))
-    power = torch.ldexp(torch.ones_like(m), e - (m == 0.5).to(e.dtype))
-    code.copy_(from_blocks((b / power).round_().clamp_(-127, 127), code.shape))
+    codes, power = signed_codes(as_blocks(values.float()))
+    code.copy_(from_blocks(codes, code.shape))
     scale.copy_(power.reshape(scale.shape))
+
+
+def signed_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes (as fp32 values) of fp32 `blocks` (..., BLOCK) and each block's power
+    of two (..., 1). Torch operations that inductor fuses too (`compiled_adam`)."""
+    top = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0**-126)
+    # The smallest power of two >= top: top itself if its mantissa bits are 0, else the
+    # power above its exponent's (top is normal and finite, so that is at most 2^128's bits,
+    # inf, for a block that holds a non-finite value).
+    bits = top.view(torch.int32)
+    above = (bits & 0x7F800000) + 0x00800000
+    power = torch.where(bits & 0x007FFFFF == 0, bits, above).view(torch.float32)
+    return (blocks / power).round().clamp(-127, 127), power
+
+
+def signed_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of int8 `codes` (..., BLOCK) with block scales (..., 1)."""
+    return codes.float() * scale
 
 
 def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Write the values of int8 `code` with block scales `scale` into `out`."""
-    _decode(code, scale, out, torch.int8, lambda c: c.float())
+    _decode(code, scale, out, torch.int8, lambda c, s: signed_values(c, s))
 
 
 @torch.no_grad()
@@ -131,30 +149,38 @@ def encode_log(
         return
     if checked and bool((values < 0).any()):
         raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
-    b = as_blocks(values.float())
-    peak = b.amax(-1, keepdim=True)
-    ratio = b / peak.clamp_min(torch.finfo(torch.float32).tiny)
-    _, thresholds = log_tables(values.device)
+    codes, peak = log_codes(as_blocks(values.float()), log_tables(values.device)[1])
+    code.copy_(from_blocks(codes, code.shape))
+    top.copy_(peak.reshape(top.shape))
+
+
+def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uint8 log codes of fp32 `blocks` (..., BLOCK) of values >= 0 and each block's
+    maximum (..., 1); `thresholds` as `log_tables` gives them. Torch operations that inductor
+    fuses too (`compiled_adam`)."""
+    peak = blocks.amax(-1, keepdim=True)
+    ratio = blocks / peak.clamp_min(torch.finfo(torch.float32).tiny)
     # An estimate within 0.55 of the code (log2 from the exponent bits, a little under it),
     # then the code the thresholds bracket: one step either way (`cpu_adam.c` does the same).
     under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
-    c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add_(1).clamp_(1, 255)
-    up = thresholds.index_select(0, c0.reshape(-1)).view(c0.shape) > ratio
-    down = thresholds.index_select(0, (c0 - 1).reshape(-1)).view(c0.shape) <= ratio
+    c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
+    up = thresholds[c0] > ratio
+    down = thresholds[c0 - 1] <= ratio
     c = c0 + up.int() - down.int()
     c = torch.where(ratio < thresholds[254], 255, c)  # (below the window, or 0: below)
-    code.copy_(from_blocks(torch.where(b > 0, c, 0).to(torch.uint8), code.shape))
-    top.copy_(peak.reshape(top.shape))
+    return torch.where(blocks > 0, c, 0).to(torch.uint8), peak
+
+
+def log_values(codes: torch.Tensor, top: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1);
+    `values` as `log_tables` gives them."""
+    return values[codes.int()] * top
 
 
 def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
     """Write the values of uint8 log `code` below block maxima `top` into `out`."""
-    _decode(code, top, out, torch.uint8, lambda c: _decode_log_table(c))
-
-
-def _decode_log_table(c: torch.Tensor) -> torch.Tensor:
-    values, _ = log_tables(c.device)
-    return values.index_select(0, c.reshape(-1).int()).view(c.shape)
+    table = log_tables(code.device)[0]
+    _decode(code, top, out, torch.uint8, lambda c, t: log_values(c, t, table))
 
 
 @torch.no_grad()
@@ -163,10 +189,10 @@ def _decode(
     scale: torch.Tensor,
     out: torch.Tensor,
     dtype: torch.dtype,
-    fraction: Callable[[torch.Tensor], torch.Tensor],
+    values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> None:
-    """`out` = each block's `fraction(code)` x its scale."""
+    """`out` = `values(code blocks, their scales)`."""
     _check(out, code, scale, dtype)
     if out.numel():
-        blocks = fraction(as_blocks(code)) * scale.reshape(-1, scale.shape[-1], 1)
+        blocks = values(as_blocks(code), scale.reshape(-1, scale.shape[-1], 1))
         out.copy_(from_blocks(blocks, out.shape))

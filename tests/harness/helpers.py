@@ -116,18 +116,29 @@ def full_state(container: Any, prefix: str = "") -> dict[str, Any]:
     return {k: full(v) for k, v in container.state_dict().items() if k.startswith(prefix)}
 
 
-def compiled_calls(monkeypatch: Any) -> list[int]:
-    """A list that grows by one at each call of the compiled Adam graph
-    (`containers.optim.compiled_adam`)."""
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """`full` copies of an optimizer's state tensors, keyed `<index>.<name>[.<code key>]`
+    (8-bit moments are dicts of codes and scales)."""
+    return {
+        f"{i}.{name}.{k}": full(v)
+        for i, st in opt.state_dict()["state"].items()
+        for name, value in st.items()
+        for k, v in (value.items() if isinstance(value, dict) else [("", value)])
+    }
+
+
+def compiled_calls(monkeypatch: Any, graph: str = "_compiled") -> list[int]:
+    """A list that grows by one at each call of a compiled Adam graph
+    (`containers.optim.compiled_adam`'s `_compiled`, or its 8-bit `_compiled_coded`)."""
     from containers.optim import compiled_adam
 
-    graph, calls = compiled_adam._compiled(), []
+    compiled, calls = getattr(compiled_adam, graph)(), []
 
     def counted(*args: Any) -> None:
         calls.append(1)
-        graph(*args)
+        compiled(*args)
 
-    monkeypatch.setattr(compiled_adam, "_compiled", lambda: counted)
+    monkeypatch.setattr(compiled_adam, graph, lambda: counted)
     return calls
 
 

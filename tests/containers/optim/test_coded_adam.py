@@ -11,7 +11,14 @@ from torch.distributed.tensor import Shard
 import containers.optim.coded_adam as coded_adam
 from containers import LeanAdam, LeanAdamW, OptimizersContainer
 from containers.optim import cpu_adam, moment_codes
-from tests.harness.helpers import assert_same, full, loose_params, same_grads, three_parts, train
+from tests.harness.helpers import (
+    assert_same,
+    loose_params,
+    optimizer_state,
+    same_grads,
+    three_parts,
+    train,
+)
 
 # Rows over several runs of the scratch, 1-D (bf16 moments), 3-D, one not contiguous.
 SHAPES = [(300, 100), (33,), (3, 5, 70), (64, 48)]
@@ -95,21 +102,12 @@ def test_8bit_moments_take_2_25_bytes_a_parameter_and_a_flagged_step_changes_not
     # rows of 4: a scale a block of 4 would cost 4 bytes an element, as much as bf16
     assert opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
 
-    before = [p.detach().clone() for p in params], {k: full(v) for k, v in _flat(opt).items()}
+    before = [p.detach().clone() for p in params], optimizer_state(opt)
     same_grads(1, params)
     opt.found_inf = torch.ones(())  # as a GradScaler (or the container's check) sets it
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
-    assert_same(_flat(opt), before[1])
-
-
-def _flat(opt: torch.optim.Optimizer) -> dict:
-    out: dict = {}
-    for i, st in opt.state_dict()["state"].items():
-        for name, value in st.items():
-            for k, v in value.items() if isinstance(value, dict) else [("", value)]:
-                out[f"{i}.{name}.{k}"] = v
-    return out
+    assert_same(optimizer_state(opt), before[1])
 
 
 def test_an_optimizers_state_converts_between_8bit_and_float_moments_both_ways():

@@ -314,10 +314,6 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
             r"not Muon's state; use moment_dtype = 'bfloat16'",
         ),
         (
-            OptimizerConfig(moment_dtype="8bit", implementation="compiled"),
-            r"implementation = 'compiled' with \[optimizer\] moment_dtype = '8bit'",
-        ),
-        (
             OptimizerConfig(moment_dtype="8bit", container="mixed_precision"),
             r"moment_dtype = '8bit' under mixed precision: .* use moment_dtype = 'bfloat16'",
         ),
