@@ -28,6 +28,7 @@ from components.optimizer_settings import (
     momentum_kwargs,
     muon_kwargs,
     refuse_on_shards,
+    slower_than_compiled,
 )
 from config import ConfigError, ParamGroup, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
@@ -343,6 +344,8 @@ def build_optimizers(
     cls, kwargs = resolve_optimizer(cfg)
     refuse_on_shards(cls, cfg.name, "[optimizer]", sharded)
     kwargs |= implementation_kwargs(cls, cfg.implementation, device, "[optimizer]", dtensor)
+    if note := slower_than_compiled(cls, kwargs, device):
+        logger.info(note)
     try:
         return _CONTAINERS[cfg.container](
             list(model_parts),

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from config import ConfigError
 from config import Optimizer as OptimizerConfig
 from containers import LeanAdam, LeanAdamW
+from containers.optim.lean import fused_takes_bf16_moments
 
 __all__ = [
     "COMPILED",
@@ -27,11 +28,32 @@ __all__ = [
     "momentum_kwargs",
     "muon_kwargs",
     "refuse_on_shards",
+    "slower_than_compiled",
 ]
 
 
 COMPILED = (LeanAdam, LeanAdamW)
 """The classes `implementation = "compiled"` steps (`containers.optim.compiled_adam`)."""
+
+
+def slower_than_compiled(cls: type[Optimizer], kwargs: dict[str, Any], device: torch.device) -> str:
+    """A line for the log where `cls(**kwargs)` keeps lean moments on a GPU that its eager
+    path steps several times slower than `implementation = "compiled"` (measured on an H100,
+    benchmarks/README.md); "" elsewhere (a CPU steps them in one pass: `cpu_adam`)."""
+    moments = kwargs.get("moment_dtype", "float32")
+    if device.type != "cuda" or cls not in COMPILED or kwargs.get("compiled"):
+        return ""
+    if moments == "8bit":
+        eager, graph = "11.9x", "1.9x"
+    elif moments == "bfloat16" and not fused_takes_bf16_moments(device):
+        eager, graph = "2.0x", "0.9x"
+    else:
+        return ""
+    return (
+        f"[optimizer] moment_dtype = {moments!r} on CUDA steps through torch ops here ({eager} "
+        f"an fp32 AdamW step on an H100); implementation = 'compiled' steps them in one graph "
+        f"({graph})"
+    )
 
 
 def _given(**kwargs: Any) -> dict[str, Any]:

@@ -41,7 +41,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import optimizer as torch_optimizer
 
-from containers.optim.lean_adam import LeanAdam, LeanAdamW, step_group
+from containers.optim.adam_steps import step_group
+from containers.optim.lean_adam import LeanAdam, LeanAdamW
 
 __all__ = ["step_together"]
 

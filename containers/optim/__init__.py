@@ -1,9 +1,10 @@
 """Optimizers the project adds to torch.optim: `ShardedMuon` (`muon`), torch's Muon with the
 Newton-Schulz work spread over the ranks that shard the matrices (and its momentum in bf16 if
-asked); `LeanAdam` and `LeanAdamW` (`lean_adam`), torch's Adam and AdamW with bf16 moments;
-`LeanSGD` (`lean_sgd`), torch's SGD with bf16 momentum; what they share (`lean`); and the
-update kernels lean state steps through: one inductor graph (`compiled_adam`), and on a CPU one
-pass of C over each tensor's own dtypes (`cpu_adam`, built by `c_library`)."""
+asked); `LeanAdam` and `LeanAdamW` (`lean_adam`), torch's Adam and AdamW with bf16 or 8-bit
+moments (`coded_adam`, `moment_codes`); `LeanSGD` (`lean_sgd`), torch's SGD with bf16
+momentum; what they share (`lean`); and the update paths lean state steps through
+(`adam_steps`): one inductor graph (`compiled_adam`), and on a CPU one pass of C over each
+tensor's own dtypes (`cpu_adam`, built by `c_library`)."""
 
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.optim.lean_sgd import LeanSGD

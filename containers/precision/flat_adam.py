@@ -25,7 +25,7 @@ torch's per-tensor fused step bitwise for tensors whose size is a multiple of `P
 Lean state: a group of `LeanAdam(W)` with `moment_dtype = "bfloat16"` keeps its moment buffers
 in bf16, widened into fp32 scratch beside the chunk's gradients and rounded back after the
 kernel, or, where torch's kernel takes bf16 moments itself, stepped as they are (as
-`containers.optim.lean_adam` does). With `remainders` the group keeps no fp32
+`containers.optim.adam_steps` does). With `remainders` the group keeps no fp32
 master buffer: each master is its bf16 model parameter and a 16-bit remainder
 (`containers.precision.remainders`), joined into fp32 scratch for the kernel and split after;
 at rest a master is a stride-0 view of one NaN (so a read of it is loud, not stale), and

@@ -17,10 +17,10 @@ from torch.distributed.fsdp import fully_shard
 from components import optimizer as registry
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers, register_container, register_optimizer
-from components.optimizer_settings import implementation_kwargs
+from components.optimizer_settings import implementation_kwargs, slower_than_compiled
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
-from containers import OptimizersContainer, ParamGroupRule, ShardedMuon
+from containers import LeanAdamW, OptimizersContainer, ParamGroupRule, ShardedMuon
 from tests.harness.dist import REPO, run_ranks
 from tests.harness.helpers import assert_same, three_parts, train
 
@@ -106,6 +106,20 @@ def test_impossible_implementation_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"AdamW has none on meta"):
         implementation_kwargs(torch.optim.AdamW, "fused", torch.device("meta"), "[optimizer]")
     assert implementation_kwargs(NoFlags, "auto", torch.device("cpu"), "[optimizer]") == {}
+
+
+def test_8bit_moments_stepped_eagerly_on_a_gpu_are_pointed_to_the_compiled_step():
+    """One log line where a GPU job keeps 8-bit moments without `implementation =
+    'compiled'` (its eager path several times slower, as measured); none on a CPU (one pass
+    there) or where the step is compiled already. (Asks no device: 8-bit needs no probe.)"""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    coded = {"moment_dtype": "8bit", "fused": True}
+    note = slower_than_compiled(LeanAdamW, coded, cuda)
+    assert "moment_dtype = '8bit' on CUDA" in note and "implementation = 'compiled'" in note
+    assert slower_than_compiled(LeanAdamW, coded, cpu) == ""
+    assert slower_than_compiled(LeanAdamW, {**coded, "compiled": True}, cuda) == ""
+    assert slower_than_compiled(LeanAdamW, {"fused": True}, cuda) == ""
+    assert slower_than_compiled(torch.optim.AdamW, {"fused": True}, cuda) == ""
 
 
 def test_register_optimizer_adds_one_and_refuses_duplicates(restore_registries):

@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import containers.optim.adam_steps as adam_steps
 import containers.optim.coded_adam as coded_adam
-import containers.optim.lean_adam as lean_adam
 from config import ConfigError, MixedPrecision, ParamGroup
 from config import Optimizer as OptimizerConfig
 from containers import (
@@ -52,7 +52,7 @@ def _params(seed: int = 0) -> list[torch.Tensor]:
 def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
     cls, kwargs, monkeypatch
 ):
-    monkeypatch.setattr(lean_adam, "scratch_numel", lambda _: 1 << 18)  # chunks of a tensor
+    monkeypatch.setattr(adam_steps, "scratch_numel", lambda _: 1 << 18)  # chunks of a tensor
     lean_params, ref_params = _params(), _params()
     lean = cls(lean_params, moment_dtype="bfloat16", **kwargs)
     torch_cls = torch.optim.AdamW if cls is LeanAdamW else torch.optim.Adam
@@ -78,7 +78,7 @@ def test_where_torchs_kernel_takes_bf16_moments_a_lean_step_is_torchs_over_bf16_
     above) steps the bf16 moments as they are: a lean step is torch's AdamW(fused=True) whose
     state was made bf16 before its first step (torchtitan's recipe), bit for bit."""
     device = torch.device("cuda")
-    if not lean_adam.fused_takes_bf16_moments(device):
+    if not adam_steps.fused_takes_bf16_moments(device):
         pytest.skip("this torch's CUDA fused AdamW refuses bf16 moments beside fp32 params")
     g = torch.Generator().manual_seed(0)
     shapes = [(700, 1000), (33,), (3, 5, 7)]
