@@ -43,7 +43,7 @@ limited() {
 summary+=("$($py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")")
 if [[ $parts == *bench* ]]; then
-    limited 400 $py benchmarks/bench_cuda.py $quick 2>&1 | tee "$out/bench_cuda.txt"
+    limited 400 $py benchmarks/bench_cuda.py $quick --tables lean,check,lean 2>&1 | tee "$out/bench_cuda.txt"
     summary+=("bench_cuda: exit ${PIPESTATUS[0]} at ${SECONDS} s, $(grep -c '^PASS' "$out/bench_cuda.txt") PASS, $(grep -c '^FAIL' "$out/bench_cuda.txt") FAIL")
 fi
 
