@@ -806,8 +806,9 @@ def profile(device: torch.device, width: int, layers: int) -> str:
     """Where a step's time goes (`--profile`): torch.profiler over 5 steps each of fp32 AdamW
     (today's), AdamW with bf16 moments compiled (`implementation = "compiled"`), and the same
     graph compiled with inductor's combo kernels (several tensors' updates a launch: an option
-    measured here, not the library's choice), the top operations by their own time on the
-    device (on the CPU without one), after each its step time alone."""
+    measured here, not the library's choice), and AdamW with 8-bit moments compiled (whether
+    inductor keeps the decoded moments in registers: one kernel a tensor), the top operations
+    by their own time on the device (on the CPU without one), after each its step time alone."""
     import torch.profiler as tp
 
     import containers.optim.compiled_adam as module
@@ -820,10 +821,12 @@ def profile(device: torch.device, width: int, layers: int) -> str:
         combo, dynamic=True, fullgraph=True, options={"size_asserts": False, "combo_kernels": True}
     )
     lean = "AdamW, bf16 moments, compiled"
+    coded = "AdamW, 8-bit moments, compiled"
     contenders = {
         FP32: (CONTENDERS[FP32][1], None),
         lean: (COMPILED[lean][1], None),
         f"{lean}, combo kernels": (COMPILED[lean][1], combo),
+        coded: (COMPILED[coded][1], None),
     }
     out = []
     for name, (build, compiled) in contenders.items():
