@@ -246,22 +246,23 @@ def step_coded(
     if not codes[0]:
         return
     torch._foreach_add_(codes[4], 1)
-    local_codes = [
+    ps, gs = [local(p) for p in codes[0]], [local(g) for g in codes[1]]
+    coded_tensors = [
         [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
         for m, v in zip(codes[2], codes[3])
     ]
     graph = [
-        i for i, (p, g, c) in enumerate(zip(codes[0], codes[1], local_codes))
-        if compiled and local(p).numel() and takes_codes(local(p), local(g), c)
+        i for i, (p, g, c) in enumerate(zip(ps, gs, coded_tensors))
+        if compiled and p.numel() and takes_codes(p, g, c)
     ]  # fmt: skip
     if graph:
+        hyper = {k: v for k, v in settings.items() if k != "amsgrad"}
         compiled_coded_adam(
-            [local(codes[1][i]) for i in graph], [local(codes[0][i]) for i in graph],
-            [local_codes[i] for i in graph], torch.stack([codes[4][i] for i in graph]),
-            found_inf=found_inf,
-            **{k: v for k, v in settings.items() if k != "amsgrad"} | {"lr": float(settings["lr"])},
+            [gs[i] for i in graph], [ps[i] for i in graph], [coded_tensors[i] for i in graph],
+            torch.stack([codes[4][i] for i in graph]), found_inf=found_inf,
+            **hyper | {"lr": float(hyper["lr"])},
         )  # fmt: skip
-    rest = [i for i in range(len(codes[0])) if i not in set(graph)]
+    rest = sorted(set(range(len(ps))) - set(graph))
     if rest:
         decoupled = settings["decoupled_weight_decay"]
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
