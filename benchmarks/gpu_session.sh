@@ -3,7 +3,7 @@
 # call at most 10):
 #
 #   bash benchmarks/gpu_session.sh bench      # bench_cuda.py and its --profile (< 10 min)
-#   bash benchmarks/gpu_session.sh train      # train.py resumed bitwise, 5 jobs (< 10 min)
+#   bash benchmarks/gpu_session.sh train      # train.py resumed bitwise, 6 jobs (< 10 min)
 #   DEADLINE=560 bash benchmarks/gpu_session.sh "bench train profile"   # one call: all of it,
 #                                             # each part cut to what is left of 560 s
 #   QUICK=1 bash benchmarks/gpu_session.sh    # all, here on a CPU, tiny (~30 s)
@@ -11,14 +11,16 @@
 # bench: bench_cuda.py's checks (PASS/FAIL) and timed tables (issue 28's flags, lean state,
 # compiled mixed precision), then its --profile. train: train.py on the machine's device, one
 # process: the debug job, mixed precision with remainders + bf16 moments compiled, the
-# in-backward job, and AdamW with bf16 and with 8-bit moments, 30 steps with checkpoints every
-# 10, then the same command resumed from step 20 must log steps 21-30 as the first run did
-# (loss, grad norm, ...). Files go to $OUT (the device tool's folder that comes back: 8 here),
-# else ./gpu-out; the last lines (also summary.txt) say what held.
+# in-backward job, and AdamW with bf16 and with 8-bit moments (eager and compiled), 30 steps
+# with checkpoints every 10, then the same command resumed from step 20 must log steps 21-30
+# as the first run did (loss, grad norm, ...). Files go to $OUT (the device tool's folder that
+# comes back: 4 here, every job's logs in train.log), else ./gpu-out; the last lines (also
+# summary.txt) say what held.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+rm -f "$out/train.log"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 quick=${QUICK:+--quick}
@@ -71,8 +73,8 @@ resumes() {
     rm -rf "$dump/checkpoint/step-$steps"
     limited 90 $py train.py "${args[@]}" > "$dump/resumed.log" 2>&1
     local second=$?
-    { echo "== first run"; cat "$dump/first.log"; echo "== resumed"; cat "$dump/resumed.log"; } \
-        > "$out/$name.log"
+    { echo "==== $name: first run"; cat "$dump/first.log"; echo "==== $name: resumed"
+        cat "$dump/resumed.log"; } >> "$out/train.log"
     local a b same=FAIL
     a=$(steps_of "$dump/first.log")
     b=$(steps_of "$dump/resumed.log")
@@ -85,6 +87,8 @@ if [[ $parts == *train* ]]; then
     # kernel over them where it takes them)
     resumes adamw_8bit_moments --job.config_file config/debug.toml --optimizer.moment_dtype 8bit
     resumes adamw_bf16_moments --job.config_file config/debug.toml --optimizer.moment_dtype bfloat16
+    resumes adamw_8bit_moments_compiled --job.config_file config/debug.toml \
+        --optimizer.moment_dtype 8bit --optimizer.implementation compiled
     resumes in_backward --job.config_file config/in_backward.toml
     resumes lean_mixed_precision --job.config_file config/mixed_precision.toml \
         --mixed_precision.compile --mixed_precision.store_param_remainders \
