@@ -799,7 +799,40 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
         "against fp32 AdamW (issue 25: compiled mixed precision <= 1.20, eager <= 2.00)"
     )
     columns = ("", "state B/param", "params + state B/param", "step ms", "/ fp32 AdamW")
-    return f"{head}\n\n{markdown_table(rows, columns)}"
+    return f"{head}\n\n{markdown_table(rows, columns)}\n\n{_host_side(device, steps)}"
+
+
+def _host_side(device: torch.device, steps: dict[str, Callable[[], None]]) -> str:
+    """What the host spends and holds around the table's steps (why compiled rows ran ~0.85
+    ms a step slower on an H100 after issue 28's table in the same process: benchmarks/
+    README.md): each row's host time for 5 steps without waiting for the device, the compiled
+    graphs' dynamo cache entries, live Python objects and the allocator's device calls."""
+    import gc
+    import time
+
+    from containers.optim import compiled_adam
+
+    host: dict[str, float] = {}
+    for _ in range(3):  # the least of 3 runs of 5 steps
+        for name, step in steps.items():
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            start = time.perf_counter()
+            for _ in range(5):
+                step()
+            us = (time.perf_counter() - start) / 5 * 1e6
+            host[name] = min(host.get(name, us), us)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    entries = {
+        fn.__name__: len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+        for fn in (compiled_adam._adam, compiled_adam._coded_adam)
+    }
+    memory = torch.cuda.memory_stats() if device.type == "cuda" else {}
+    calls = {k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc")}
+    lines = [f"host us a step (no device wait, least of 3 x 5): {name} {us:.0f}"
+             for name, us in host.items()]  # fmt: skip
+    lines.append(f"dynamo cache entries {entries}; live Python objects {len(gc.get_objects())}")
+    lines.append(f"allocator {calls}")
+    return "\n".join(lines)
 
 
 def profile(device: torch.device, width: int, layers: int) -> str:
