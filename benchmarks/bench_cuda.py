@@ -717,6 +717,10 @@ def _compiled(
     )
 
 
+def _coded_compiled(m: nn.Module) -> OptimizersContainer:
+    return OptimizersContainer([m], LeanAdamW, {**KW, "moment_dtype": "8bit", "compiled": True})
+
+
 FP32, MP = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
 COMPILED = {
     "AdamW, bf16 moments, compiled": (
@@ -726,13 +730,7 @@ COMPILED = {
         ),
         FP32, ("", ""),
     ),
-    "AdamW, 8-bit moments, compiled": (
-        torch.float32,
-        lambda m: OptimizersContainer(
-            [m], LeanAdamW, {**KW, "moment_dtype": "8bit", "compiled": True}
-        ),
-        FP32, ("", ""),
-    ),
+    "AdamW, 8-bit moments, compiled": (torch.float32, _coded_compiled, FP32, ("", "")),
     "mixed precision, fp32 masters + moments, compile": (
         torch.bfloat16, _compiled("float32"), MP, ("", "")
     ),
@@ -787,16 +785,19 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     # As backward leaves them: in the parameters' dtype (no step changes a gradient).
     given = {d: [g.to(d) for g in grads] for d in (torch.float32, torch.bfloat16)}
 
-    def stepper(model: nn.Module, opt: OptimizersContainer, widen: bool) -> Callable[[], None]:
+    # Rows that time a path as it was, side by side (switches of the library's).
+    switches = {widened: widening}
+
+    def stepper(model: nn.Module, opt: OptimizersContainer, name: str) -> Callable[[], None]:
         def step() -> None:
             for p, g in zip(model.parameters(), given[next(model.parameters()).dtype]):
                 p.grad = g
-            with widening() if widen else contextlib.nullcontext():
+            with switches.get(name, contextlib.nullcontext)():
                 opt.step()
 
         return step
 
-    steps = {n: stepper(*r, widen=n == widened) for n, r in runs.items()}
+    steps = {n: stepper(*r, name=n) for n, r in runs.items()}
     times = _interleaved(device, steps, repeats, 5)
     rows = []
     for name, (_, _, baseline, goals, *_) in contenders.items():
