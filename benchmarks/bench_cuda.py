@@ -825,33 +825,43 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
 def _host_side(device: torch.device, steps: dict[str, Callable[[], None]]) -> str:
     """What the host spends and holds around the table's steps (why compiled rows ran ~0.85
     ms a step slower on an H100 after issue 28's table in the same process: benchmarks/
-    README.md): each row's host time for 5 steps without waiting for the device, the compiled
-    graphs' dynamo cache entries, live Python objects and the allocator's device calls."""
+    README.md): each row's host time for 5 steps without waiting for the device, and what
+    those steps asked of the device and pinned-memory allocators (cudaMalloc, cudaHostAlloc:
+    each can wait for the device; the compiled steps pin their hyperparameters every step);
+    then the compiled graphs' dynamo cache entries and the live Python objects."""
     import gc
     import time
 
     from containers.optim import compiled_adam
 
-    host: dict[str, float] = {}
-    for _ in range(3):  # the least of 3 runs of 5 steps
-        for name, step in steps.items():
-            torch.cuda.synchronize() if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+
+    def allocations() -> tuple[int, int]:
+        if not cuda:
+            return 0, 0
+        pinned = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+        return torch.cuda.memory_stats().get("num_device_alloc", 0), pinned
+
+    lines = []
+    for name, step in steps.items():
+        times, before = [], allocations()
+        for _ in range(3):  # the least of 3 runs of 5 steps
+            torch.cuda.synchronize() if cuda else None
             start = time.perf_counter()
             for _ in range(5):
                 step()
-            us = (time.perf_counter() - start) / 5 * 1e6
-            host[name] = min(host.get(name, us), us)
-    torch.cuda.synchronize() if device.type == "cuda" else None
+            times.append((time.perf_counter() - start) / 5 * 1e6)
+        torch.cuda.synchronize() if cuda else None
+        device_calls, pinned_calls = (b - a for a, b in zip(before, allocations()))
+        lines.append(
+            f"host us a step (no device wait, least of 3 x 5): {name} {min(times):.0f}; "
+            f"cudaMalloc {device_calls}, cudaHostAlloc {pinned_calls} in those 15 steps"
+        )
     entries = {
         fn.__name__: len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
         for fn in (compiled_adam._adam, compiled_adam._coded_adam)
     }
-    memory = torch.cuda.memory_stats() if device.type == "cuda" else {}
-    calls = {k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc")}
-    lines = [f"host us a step (no device wait, least of 3 x 5): {name} {us:.0f}"
-             for name, us in host.items()]  # fmt: skip
     lines.append(f"dynamo cache entries {entries}; live Python objects {len(gc.get_objects())}")
-    lines.append(f"allocator {calls}")
     return "\n".join(lines)
 
 
