@@ -55,26 +55,16 @@ def compiled_adam(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: torch.Tensor,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-    factor: float = 1.0,
-    found_inf: torch.Tensor | None = None,
     remainders: bool = False,
+    **settings: Any,
 ) -> None:
     """One Adam/AdamW update of contiguous local tensors, their step counts `steps` (one per
-    tensor, already advanced). `params`: low-precision parameters written from the masters
-    (None: `masters` are the parameters); with `remainders`, `masters` are the int16
-    remainders that complete the bf16 `params` (`containers.precision.remainders`). The
-    gradients are multiplied by `factor` (unscale, clip)."""
-    hyper, corrections = _on_device(
-        steps, lr, beta1, beta2, weight_decay, eps, maximize, decoupled_weight_decay, factor,
-        found_inf,
-    )  # fmt: skip
+    tensor, already advanced), `settings` as `_on_device` takes them (the gradients are
+    multiplied by `factor`: unscale, clip; a set `found_inf` skips). `params`: low-precision
+    parameters written from the masters (None: `masters` are the parameters); with
+    `remainders`, `masters` are the int16 remainders that complete the bf16 `params`
+    (`containers.precision.remainders`)."""
+    hyper, corrections = _on_device(steps, **settings)
     # Flat views: a graph per number of tensors and dtypes (and sizes that repeat), whatever
     # their shapes, so that groups and models of other shapes share it; and never a Parameter
     # (dynamo makes a parameter's shape static: a graph per model).
@@ -178,7 +168,7 @@ def _on_device(
     found_inf: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The graph's shared hyperparameters `h` (the skip flag last) and each tensor's bias
-    corrections `c`, on the device without a host sync."""
+    corrections `c` (`steps`: one count a tensor), on the device without a host sync."""
     values = torch.tensor(
         [
             factor * (-1.0 if maximize else 1.0),
