@@ -717,7 +717,7 @@ def _compiled(
     )
 
 
-def _coded_compiled(m: nn.Module) -> OptimizersContainer:
+def _compiled_8bit(m: nn.Module) -> OptimizersContainer:
     return OptimizersContainer([m], LeanAdamW, {**KW, "moment_dtype": "8bit", "compiled": True})
 
 
@@ -730,7 +730,7 @@ COMPILED = {
         ),
         FP32, ("", ""),
     ),
-    "AdamW, 8-bit moments, compiled": (torch.float32, _coded_compiled, FP32, ("", "")),
+    "AdamW, 8-bit moments, compiled": (torch.float32, _compiled_8bit, FP32, ("", "")),
     "mixed precision, fp32 masters + moments, compile": (
         torch.bfloat16, _compiled("float32"), MP, ("", "")
     ),

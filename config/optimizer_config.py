@@ -138,8 +138,8 @@ class Optimizer:
     tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
     AdamW, not under mixed precision or FSDP1): 8-bit codes in blocks of 32 within a row, 2.25
     bytes a parameter (`containers.optim.coded_adam`; on a GPU step them with implementation
-    "compiled"); 1-D parameters and rows of 4 or fewer
-    keep bf16 moments, and param groups of SGD or Muon that inherit it their momentum in bf16."""
+    "compiled"); 1-D parameters and rows of 4 or fewer keep bf16 moments, and param groups of
+    SGD or Muon that inherit it their momentum in bf16."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and
