@@ -92,14 +92,14 @@ static inline __attribute__((always_inline)) void update(
 
 #define CASE(g, m, mode, l2)                                                                  \
   case (g) | (m) << 1 | (mode) << 2 | (l2) << 4:                                             \
-    update(n, master, rem, param, grad, exp_avg, exp_avg_sq, &k, g, m, mode, l2);            \
-    break;
+    update(n, master, rem, param, grad, exp_avg, exp_avg_sq, k, g, m, mode, l2);             \
+    return 0;
 #define CASES_MODE(g, m, l2) CASE(g, m, MASTER, l2) CASE(g, m, MASTER_AND_PARAM, l2) CASE(g, m, REMAINDER, l2)
 #define CASES_MOMENTS(g, l2) CASES_MODE(g, 0, l2) CASES_MODE(g, 1, l2)
 #define CASES(l2) CASES_MOMENTS(0, l2) CASES_MOMENTS(1, l2)
 
 /* The argument layout below; cpu_adam.py refuses a library whose number differs from its own. */
-int oc_adam_abi(void) { return 2; }
+int oc_adam_abi(void) { return 3; }
 
 /* The scalars in double, then each rounded once to float, as torch's kernel has them. */
 static Consts constants(const double *hyper, int flags) {
@@ -123,6 +123,17 @@ static Consts constants(const double *hyper, int flags) {
   return k;
 }
 
+/* `update` with the kinds (and the L2 bit, 4) as `oc_adam` takes them; -1 for unknown ones. */
+static int dispatch(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
+                    void *exp_avg, void *exp_avg_sq, const Consts *k, int kinds) {
+  switch (kinds) {
+    CASES(0)
+    CASES(1)
+    default:
+      return -1;
+  }
+}
+
 /* hyper: lr, beta1, beta2, weight_decay, eps, step, factor, in double as torch's kernel takes
  * them; flags: bit 0 AdamW, bit 1 maximize; kinds: bit 0 bf16 gradients, bit 1 bf16 moments,
  * bits 2-3 the mode. Returns 1 (nothing written) where *found_inf is set, -1 for unknown kinds,
@@ -132,14 +143,140 @@ int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void 
             const float *found_inf) {
   if (found_inf && *found_inf != 0.0f) return 1;
   const int l2 = !(flags & 1) && hyper[3] != 0.0;
-  Consts k = constants(hyper, flags);
-  switch (kinds | l2 << 4) {
-    CASES(0)
-    CASES(1)
-    default:
-      return -1;
-  }
+  const Consts k = constants(hyper, flags);
+  return dispatch(n, master, rem, param, grad, exp_avg, exp_avg_sq, &k, kinds | l2 << 4);
+}
+
+enum { LANES = 64 };
+
+/* The OpenMP runtime torch steps with, if `cpu_adam.py` found and checked it: its
+ * GOMP_parallel, omp_get_thread_num and omp_get_num_threads (this file links no runtime of its
+ * own, so there is never a second one). Without it every call runs on the calling thread. */
+typedef void (*Body)(void *);
+static void (*run_parallel)(Body, void *, unsigned, unsigned);
+static int (*thread_num)(void);
+static int (*team_size)(void);
+
+void oc_use_runtime(void *parallel, void *num, void *size) {
+  run_parallel = (void (*)(Body, void *, unsigned, unsigned))parallel;
+  thread_num = (int (*)(void))num;
+  team_size = (int (*)(void))size;
+}
+
+/* Work cut into shares (`first[s]` .. `first[s + 1]` of the spans): thread t of a team of n
+ * takes shares t, t + n, ... */
+typedef struct {
+  int64_t shares;
+  const int64_t *first, *spans;
+  const void *const *ptrs, *const *more;
+  float *master;
+  int16_t *rem;
+  char *exp_avg, *exp_avg_sq;
+  const Consts *k;
+  int kinds, bf16;
+  double *out;
+} Job;
+
+static void in_team(Body body, Job *job, int threads) {
+  if (run_parallel && threads > 1 && job->shares > 1)
+    run_parallel(body, job, (unsigned)threads, 0);
+  else
+    body(job);
+}
+
+static void me(int *t, int *n) {
+  *t = run_parallel ? thread_num() : 0;
+  *n = run_parallel ? team_size() : 1;
+}
+
+static void spans_body(void *arg) {
+  const Job *j = arg;
+  const int64_t size = (j->kinds & 2) ? 2 : 4; /* a moment's bytes */
+  int t, n;
+  me(&t, &n);
+  for (int64_t s = t; s < j->shares; s += n)
+    for (int64_t i = j->first[s]; i < j->first[s + 1]; i++) {
+      const int64_t len = j->spans[2 * i], at = j->spans[2 * i + 1];
+      dispatch(len, j->master ? j->master + at : 0, j->rem ? j->rem + at : 0,
+               (uint16_t *)j->more[i], j->ptrs[i], j->exp_avg + at * size,
+               j->exp_avg_sq + at * size, j->k, j->kinds);
+    }
+}
+
+/* `oc_adam` over spans of flat buffers, cut into `shares` stepped by up to `threads` threads:
+ * span i is `spans[2i]` elements from element `spans[2i + 1]` of `master` (or `rem`), `exp_avg`
+ * and `exp_avg_sq`, its gradient at `grads[i]` and its parameter at `params[i]`. */
+int oc_adam_spans(int64_t shares, const int64_t *first, const int64_t *spans,
+                  const void *const *grads, const void *const *params, float *master,
+                  int16_t *rem, void *exp_avg, void *exp_avg_sq, const double *hyper, int flags,
+                  int kinds, const float *found_inf, int threads) {
+  if (found_inf && *found_inf != 0.0f) return 1;
+  if ((kinds & 0xC) > (REMAINDER << 2) || kinds & ~0xF) return -1;
+  const int l2 = !(flags & 1) && hyper[3] != 0.0;
+  const Consts k = constants(hyper, flags);
+  Job job = {shares, first, spans, grads, params, master, rem, exp_avg, exp_avg_sq, &k,
+             kinds | l2 << 4, 0, 0};
+  in_team(spans_body, &job, threads);
   return 0;
+}
+
+/* The sum of squares of `n` fp32 or (`bf16`) bf16 values in double: fp32 over 64 lanes (four
+ * vectors' worth, so the additions do not wait on each other) of 256 elements, each lane's sum
+ * then added in fp64 (always inlined: each dtype its own loop). */
+static inline __attribute__((always_inline)) double squares(int64_t n, const void *x,
+                                                            const int bf16) {
+  const uint16_t *x16 = x;
+  const float *x32 = x;
+  double lanes[LANES] = {0};
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    float acc[LANES] = {0};
+    for (int b = 0; b < 256; b += LANES)
+      for (int l = 0; l < LANES; l++) {
+        const float y = bf16 ? widen(x16[i + b + l]) : x32[i + b + l];
+        acc[l] += y * y;
+      }
+    for (int l = 0; l < LANES; l++) lanes[l] += acc[l];
+  }
+  for (; i < n; i++) {
+    const float y = bf16 ? widen(x16[i]) : x32[i];
+    lanes[0] += y * y;
+  }
+  double total = 0.0;
+  for (int l = 0; l < LANES; l++) total += lanes[l];
+  return total;
+}
+
+static void squares_body(void *arg) {
+  const Job *j = arg;
+  int t, n;
+  me(&t, &n);
+  for (int64_t s = t; s < j->shares; s += n) {
+    double total = 0.0;
+    for (int64_t i = j->first[s]; i < j->first[s + 1]; i++)
+      total += j->bf16 ? squares(j->spans[i], j->ptrs[i], 1) : squares(j->spans[i], j->ptrs[i], 0);
+    j->out[s] = total;
+  }
+}
+
+/* Each share's sum of squares into `out[s]`: fp32 or (`bf16`) bf16 spans, `spans[i]`
+ * elements at `ptrs[i]`, read once (a square beyond fp32's range is inf, as in an fp32 norm). */
+void oc_sum_squares(int64_t shares, const int64_t *first, const int64_t *spans,
+                    const void *const *ptrs, int bf16, double *out, int threads) {
+  Job job = {shares, first, spans, ptrs, 0, 0, 0, 0, 0, 0, 0, bf16, out};
+  in_team(squares_body, &job, threads);
+}
+
+/* Each thread of a team of `threads` writes its number into `seen[number]` (the check that
+ * the runtime is torch's: its threads, no new ones). */
+static void probe_body(void *arg) {
+  int t, n;
+  me(&t, &n);
+  ((int *)arg)[t] = t + 1;
+}
+
+void oc_team_probe(int *seen, int threads) {
+  if (run_parallel) run_parallel(probe_body, seen, (unsigned)threads, 0);
 }
 
 enum { BLOCK = 32, SPAN = 64 * BLOCK };

@@ -15,9 +15,11 @@ thresholds as `moment_codes`: 18x faster than torch ops through scratch (750 -> 
 
 What keeps a runtime-built kernel safe here (each point tested):
 - Built lazily, only when a CPU step asks for it (a GPU job never builds or loads it), plain
-  C99 on one thread, used where torch steps on few (`kernel()`: no OpenMP runtime beside
-  torch's), for this CPU (`-march=native`), into a private cache (`containers.optim.c_library`:
-  the compiler, the cache's owner and mode, concurrent builds, a bad cached file).
+  C99 that links no OpenMP runtime (a flat group's call, `cpu_spans`, runs on torch's own
+  OpenMP threads, handed to it and checked to be torch's first), used where torch steps on
+  few threads (`kernel()`), for this CPU (`-march=native`), into a private cache
+  (`containers.optim.c_library`: the compiler, the cache's owner and mode, concurrent builds,
+  a bad cached file).
 - Before use, its argument layout number (`oc_adam_abi`) must be this module's, and a
   self-check steps random values through it and through torch's fused kernel (8-bit: decoded,
   stepped by torch's kernel, coded by `moment_codes`): it is used only if they agree bit for
@@ -44,6 +46,15 @@ from pathlib import Path
 import torch
 
 from containers.optim.c_library import open_library
+from containers.optim.cpu_checks import (
+    HYPER,
+    MASTER,
+    MASTER_AND_PARAM,
+    REMAINDER,
+    check,
+    misread,
+    readable_flag,
+)
 from containers.optim.moment_codes import (
     BLOCK,
     decode_log,
@@ -73,27 +84,18 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-std=c99", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno")
-ABI = 2
-"""The argument layout `update` and `update_coded` pass; the library's `oc_adam_abi()` must
-return it."""
-HYPER = 7
-"""Doubles in `Settings`: lr, beta1, beta2, weight_decay, eps, step, factor."""
+ABI = 3
+"""The argument layout `update`, `update_coded` and `cpu_spans` pass; the library's
+`oc_adam_abi()` must return it."""
 VECTOR = 16
 """Elements of torch's fused kernel's vector loop: it steps the rest of a tensor apart."""
 
 MAX_THREADS = 2
-"""The most torch threads at which the one pass (on one thread) steps lean storage. It stays
-on one thread: a split over threads of our own shares the cores with torch's OpenMP workers,
-which spin after each parallel region (2 threads 1.38 ms where 1 took 1.26, 2M elements). Yet
-at 2 torch threads it beats torch's kernels on lean state, which they widen through scratch
-(~52 bytes a parameter moved against 20-28): AdamW with bf16 moments 13.4 against 15.0 ms,
-mixed precision with remainders + bf16 moments 17.3 against 30.1 (4 x 4M parameters); 12.3
-against 18.1 and 13.8 against 24.4 on 291 transformer-shaped tensors (8.5M). fp32 state it
-steps at one thread only: at 2, torch's kernels were as fast on 4 x 4M (18.5 against 18.7 ms)
-and faster on the 291 tensors (15.8 against 16.9). Beyond 2 threads, not measured here (a
-2-core machine): torch's kernels, which scale with the threads."""
-
-MASTER, MASTER_AND_PARAM, REMAINDER = 0, 1, 2
+"""The most torch threads at which the kernel steps: measured on a 2-core machine only, where
+it beats torch's kernels at 1 and 2 threads (benchmarks/README.md: a flat group's one call,
+`cpu_spans`, on torch's threads; lean state's tensor a call, on one thread, still beats
+torch's widening through scratch at 2). Beyond 2 threads, not measured: torch's kernels,
+which scale with the threads."""
 
 Settings = ctypes.Array
 """A group's hyperparameters packed for the kernel (`settings`)."""
@@ -114,12 +116,10 @@ def disabled() -> Iterator[None]:
         _off[0] = before
 
 
-def kernel(lean: bool = True) -> Library | None:
+def kernel() -> Library | None:
     """The kernel where it is the faster path, else None (torch's path): `library()` while
-    torch steps on one CPU thread (the trainer's ranks: OMP_NUM_THREADS=1), and for `lean`
-    storage (bf16 moments or remainders, which torch's path widens through scratch) on up to
-    `MAX_THREADS`."""
-    return library() if torch.get_num_threads() <= (MAX_THREADS if lean else 1) else None
+    torch steps on up to `MAX_THREADS` CPU threads (the trainer's ranks: OMP_NUM_THREADS=1)."""
+    return library() if torch.get_num_threads() <= MAX_THREADS else None
 
 
 def library() -> Library | None:
@@ -178,7 +178,7 @@ def update(
     """
     mode = REMAINDER if remainder is not None else MASTER if param is None else MASTER_AND_PARAM
     tensors = (master, remainder, param, grad, exp_avg, exp_avg_sq)
-    _check(tensors, mode, found_inf, hyper)
+    check(tensors, mode, found_inf, hyper)
     kinds = (grad.dtype == torch.bfloat16) | (exp_avg.dtype == torch.bfloat16) << 1 | mode << 2
     flags = int(adamw) | int(maximize) << 1
     flag = found_inf.data_ptr() if found_inf is not None else None
@@ -224,7 +224,7 @@ def update_coded(
                 f"cpu_adam.update_coded: {name} has {t.numel()} elements, expected {n} ({each})"
             )
         if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
-            raise ValueError(_misread(name, t, (dtype,), n))
+            raise ValueError(misread(name, t, (dtype,), n))
     if not readable_flag(found_inf) or not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
         raise ValueError("cpu_adam.update_coded: found_inf or hyper unreadable (see update)")
     if not rows:
@@ -235,68 +235,6 @@ def update_coded(
     ptrs = [t.data_ptr() for _, t, _, _ in wanted]
     tables = values.data_ptr(), thresholds.data_ptr()
     lib.oc_adam_coded(rows, cols, *ptrs, hyper, flags, *tables, flag)
-
-
-_NAMES = ("master", "remainder", "param", "grad", "exp_avg", "exp_avg_sq")
-_FLOATS = (torch.float32, torch.bfloat16)
-_WANTED = {  # mode -> the dtypes each of _NAMES may have (None: not given)
-    MASTER: ((torch.float32,), None, None, _FLOATS, _FLOATS, _FLOATS),
-    MASTER_AND_PARAM: ((torch.float32,), None, (torch.bfloat16,), _FLOATS, _FLOATS, _FLOATS),
-    REMAINDER: (None, (torch.int16,), (torch.bfloat16,), _FLOATS, _FLOATS, _FLOATS),
-}
-
-
-def _check(
-    tensors: tuple[torch.Tensor | None, ...],
-    mode: int,
-    found_inf: torch.Tensor | None,
-    hyper: Settings,
-) -> None:
-    """Raise ValueError unless every tensor is what `oc_adam` will read and write (a few
-    microseconds a call: the checks are the cheap ones, the message is made on failure)."""
-    n = tensors[3].numel()  # type: ignore[union-attr]
-    for name, t, dtypes in zip(_NAMES, tensors, _WANTED[mode]):
-        if t is None or dtypes is None:
-            if t is not dtypes:  # one given, the other not
-                raise ValueError(
-                    "cpu_adam.update: give master (and param, to set it to the master "
-                    f"rounded), or param and remainder; {name} is "
-                    f"{'missing' if t is None else 'extra'}"
-                )
-        elif t.dtype not in dtypes or not t.is_cpu or not t.is_contiguous() or t.numel() != n:
-            raise ValueError(_misread(name, t, dtypes, n))
-    if tensors[5].dtype != tensors[4].dtype:  # type: ignore[union-attr]
-        raise ValueError(
-            f"cpu_adam.update: exp_avg_sq is a {tensors[5].dtype} tensor and exp_avg a "  # type: ignore[union-attr]
-            f"{tensors[4].dtype} one; both moments have one dtype"  # type: ignore[union-attr]
-        )
-    if not readable_flag(found_inf):
-        raise ValueError(
-            f"cpu_adam.update: found_inf is {found_inf.dtype} x {found_inf.numel()} on "
-            f"{found_inf.device}; expected one float32 value on the CPU"
-        )
-    if not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
-        raise ValueError(f"cpu_adam.update: hyper is {hyper!r}; make it with settings()")
-
-
-def readable_flag(found_inf: torch.Tensor | None) -> bool:
-    """Whether `update` can read `found_inf`: none, or one fp32 value in host memory."""
-    return found_inf is None or (
-        found_inf.dtype == torch.float32 and found_inf.is_cpu and found_inf.numel() == 1
-    )
-
-
-def _misread(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], n: int) -> str:
-    if t.numel() != n:
-        return (
-            f"cpu_adam.update: {name} has {t.numel()} elements and grad {n}; every tensor of "
-            "one update has the same number"
-        )
-    return (
-        f"cpu_adam.update: {name} is a {t.dtype} tensor on {t.device} (contiguous: "
-        f"{t.is_contiguous()}); expected a contiguous CPU tensor of "
-        f"{' or '.join(map(str, dtypes))}"
-    )
 
 
 def load(source: Path) -> Library | None:
@@ -333,6 +271,17 @@ def _bind(lib: Library) -> None:
     coded = lib.oc_adam_coded
     coded.restype = ctypes.c_int
     coded.argtypes = [ctypes.c_int64, ctypes.c_int64, *[pointer] * 7, ctypes.c_int, *[pointer] * 3]
+    spans = lib.oc_adam_spans
+    spans.restype = ctypes.c_int
+    spans.argtypes = [ctypes.c_int64, *[pointer] * 9, ctypes.c_int, ctypes.c_int, pointer]
+    spans.argtypes += [ctypes.c_int]  # threads
+    squares = lib.oc_sum_squares
+    squares.restype = None
+    squares.argtypes = [ctypes.c_int64, *[pointer] * 3, ctypes.c_int, pointer, ctypes.c_int]
+    lib.oc_use_runtime.restype = None
+    lib.oc_use_runtime.argtypes = [pointer] * 3
+    lib.oc_team_probe.restype = None
+    lib.oc_team_probe.argtypes = [pointer, ctypes.c_int]
 
 
 def _self_check(lib: Library) -> str:

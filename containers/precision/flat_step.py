@@ -24,6 +24,7 @@ import torch
 from containers.norm import local, scratch
 from containers.optim import cpu_adam
 from containers.optim.compiled_adam import compiled_adam
+from containers.optim.cpu_spans import update_spans
 from containers.precision import remainders as rem
 
 if TYPE_CHECKING:
@@ -127,27 +128,27 @@ def step_one_pass(
     grads: list[torch.Tensor | None],
     found_inf: torch.Tensor | None,
 ) -> None:
-    """`step_chunks`' result on a CPU in one pass a tensor (`lib`: `one_pass`'s kernel):
-    each gradient read where it lies, masters (or parameters and remainders) and moments read
-    and written in their own dtypes, no scratch; drops each gradient once it is stepped."""
+    """`step_chunks`' result on a CPU in one pass (`lib`: `one_pass`'s kernel, one call a
+    thread: `containers.optim.cpu_spans`): each gradient read where it lies, masters (or
+    parameters and remainders) and moments read and written in their own dtypes in the flat
+    buffers, no scratch; drops the gradients."""
     buf = flat.buffers
     beta1, beta2 = group["betas"]
     hyper = cpu_adam.settings(
         lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
         eps=group["eps"], step=float(buf["step"][0]), factor=factor,
     )  # fmt: skip
+    live = [i for i, g in enumerate(grads) if g is not None]
     kept = "remainder" if flat.remainders else "master"
-    views = flat.views
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        cpu_adam.update(
-            lib, hyper, grad=g, exp_avg=views["exp_avg"][i], exp_avg_sq=views["exp_avg_sq"][i],
-            param=local(flat.model[i]), **{kept: views[kept][i]}, adamw=decoupled,
-            maximize=group.get("maximize", False), found_inf=found_inf,
-        )  # fmt: skip
-        grads[i] = None
-        flat.model[i].grad = None
+    update_spans(
+        lib, hyper, grads=[grads[i] for i in live], params=[local(flat.model[i]) for i in live],
+        starts=[flat.starts[i] for i in live], exp_avg=buf["exp_avg"],
+        exp_avg_sq=buf["exp_avg_sq"], **{kept: buf[kept]}, adamw=decoupled,
+        maximize=group.get("maximize", False), found_inf=found_inf,
+    )  # fmt: skip
+    for p in flat.model:
+        p.grad = None
+    grads.clear()
 
 
 def one_pass(
@@ -160,10 +161,11 @@ def one_pass(
         return None
     if not cpu_adam.readable_flag(found_inf):
         return None
-    wanted = (torch.float32, torch.bfloat16)
-    if not all(
-        g is None or (g.dtype in wanted and g.is_contiguous() and local(p).is_contiguous())
-        for g, p in zip(grads, flat.model)
+    taken = [g for g in grads if g is not None]
+    if not (
+        {g.dtype for g in taken} <= {torch.float32, torch.bfloat16}
+        and all(map(torch.Tensor.is_contiguous, taken))
+        and all(map(torch.Tensor.is_contiguous, map(local, flat.model)))
     ):
         return None
-    return cpu_adam.kernel(lean=flat.lean or flat.remainders)
+    return cpu_adam.kernel()

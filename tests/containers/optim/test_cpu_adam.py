@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,8 +11,8 @@ import torch.nn as nn
 
 from config import MixedPrecision as MP
 from containers import LeanAdam, LeanAdamW, MixedPrecisionOptimizersContainer
-from containers.optim import cpu_adam
-from containers.precision import remainders
+from containers.optim import cpu_adam, cpu_spans
+from containers.precision import flat_step, remainders
 from tests.harness.helpers import loose_params, same_grads
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eps": 1e-8}
@@ -27,27 +25,24 @@ RULES = {  # torch's kernel, and what it is asked
 
 
 @pytest.fixture
-def lib():
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler here: the containers take torch's path (tested below)")
-    found = cpu_adam.library()
-    assert found is not None, "a C compiler is here: the kernel must build and pass its check"
-    return found
-
-
-@pytest.fixture
 def calls(lib, monkeypatch):
-    """One CPU thread (the containers take the kernel), and its calls counted."""
+    """One CPU thread (the containers take the kernel), and the numels it stepped counted:
+    a tensor a call (`update`), or a flat group's tensors in one call (`update_spans`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     counted: list[int] = []
-    update = cpu_adam.update
+    update, spans = cpu_adam.update, cpu_spans.update_spans
 
     def counting(*args, **kwargs):
         counted.append(kwargs["grad"].numel())
         update(*args, **kwargs)
 
+    def counting_spans(*args, **kwargs):
+        counted.extend(g.numel() for g in kwargs["grads"])
+        spans(*args, **kwargs)
+
     monkeypatch.setattr(cpu_adam, "update", counting)
+    monkeypatch.setattr(flat_step, "update_spans", counting_spans)
     yield counted
     torch.set_num_threads(threads)
 
@@ -143,11 +138,10 @@ def test_a_set_flag_writes_nothing(lib):
 def test_the_containers_take_it_where_torch_steps_on_few_threads(lib):
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert cpu_adam.kernel() is lib and cpu_adam.kernel(lean=False) is lib
-        torch.set_num_threads(cpu_adam.MAX_THREADS)  # lean state only, which torch widens
-        assert cpu_adam.kernel() is lib and cpu_adam.kernel(lean=False) is None
-        torch.set_num_threads(cpu_adam.MAX_THREADS + 1)  # torch's kernels scale, this does not
+        for n in (1, cpu_adam.MAX_THREADS):
+            torch.set_num_threads(n)
+            assert cpu_adam.kernel() is lib
+        torch.set_num_threads(cpu_adam.MAX_THREADS + 1)  # not measured beyond: torch's path
         assert cpu_adam.kernel() is None
     finally:
         torch.set_num_threads(threads)
@@ -204,10 +198,14 @@ def _mp_run(cls, kw: dict, shapes) -> dict:
     [(torch.optim.AdamW, {}), (torch.optim.Adam, {}), (LeanAdamW, {"moment_dtype": "bfloat16"})],
     ids=["fp32 masters", "adam, fp32 masters", "remainders and bf16 moments"],
 )
-def test_mixed_precision_steps_the_same_bits_in_one_pass_as_through_fp32_scratch(calls, cls, kw):
-    shapes = [(5, 3), (7,), (4, 67), (2, 2, 64)]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mixed_precision_steps_the_same_bits_in_one_pass_as_through_fp32_scratch(
+    calls, cls, kw, threads
+):
+    shapes = [(5, 3), (7,), (4, 67), (2, 2, 64), (300, 33)]  # on 2 threads: one cut in the last
+    torch.set_num_threads(threads)
     ours = _mp_run(cls, kw, shapes)
-    assert sorted(set(calls)) == [7, 15, 256, 268]  # every tensor, tails and all
+    assert sorted(set(calls)) == [7, 15, 256, 268, 9900]  # every tensor, tails and all
     with cpu_adam.disabled():
         theirs = _mp_run(cls, kw, shapes)
     assert ours.keys() == theirs.keys()
@@ -292,7 +290,7 @@ def test_a_missing_compiler_falls_back_with_one_line(tmp_path, cache, monkeypatc
 @pytest.mark.parametrize(
     ("old", "new", "said"),
     [
-        ("int oc_adam_abi(void) { return 2; }", "int oc_adam_abi(void) { return 3; }", "layout 3"),
+        ("int oc_adam_abi(void) { return 3; }", "int oc_adam_abi(void) { return 4; }", "layout 4"),
         # the second moment without the multiply-add torch's build forms: other roundings
         ("v = fmaf(c2 * g, g, v * b2);", "v = v * b2 + c2 * g * g;", "disagrees"),
     ],
