@@ -7,8 +7,10 @@ threads. A ctypes call a tensor costs ~10 us of Python (checks, pointers, the ca
 into `threads()` shares of about equal elements (at multiples of `CUT` elements inside a
 tensor), handed over in one call, and the shares run on torch's own OpenMP threads: the kernel
 links no runtime; it is given torch's `GOMP_parallel` (`team`), checked to run on torch's
-threads (no new thread appears) before it is used. Threads of our own beside torch's spinning
-OpenMP workers were slower (2 cores: 12.6 against 9.9 ms a step). Without that runtime (another
+threads (no new thread appears) before it is used. Python threads of our own (ctypes lets go
+of the GIL) were slower: they shared the 2 cores with torch's OpenMP workers, which spin a
+while after each of torch's parallel regions (a mixed-precision step 12.6 ms; 9.9 with the
+spinning cut short by GOMP_SPINCOUNT; on torch's threads 7.6). Without that runtime (another
 OpenMP, a failed check) each call runs on the calling thread.
 
 A cut changes no update's bits (the kernel computes each element apart, all on its vector

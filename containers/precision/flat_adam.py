@@ -10,11 +10,12 @@ them (`Tensor.set_`, so every holder of a master still holds it) and the optimiz
 entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
-chunk's flat slices (on a CPU stepping on few threads, the same bits in one pass a tensor:
-`flat_step.step_one_pass`). With `[mixed_precision] compile = true` the group steps instead as one
-inductor graph over its tensors where they lie (`containers.precision.flat_step`): each
-gradient read once, masters, moments and parameters written in the same pass, no scratch; a
-few fp32 ulp from the eager kernel (another order of roundings).
+chunk's flat slices (on a CPU stepping on few threads, the same bits in one pass, one call a
+group: `flat_step.step_one_pass`, with `compile = true` too). With `[mixed_precision] compile =
+true` elsewhere the group steps instead as one inductor graph over its tensors where they lie
+(`containers.precision.flat_step`): each gradient read once, masters, moments and parameters
+written in the same pass, no scratch; a few fp32 ulp from the eager kernel (another order of
+roundings).
 
 Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
 kernel runs every element on its vector path whatever the chunking (a tensor's last few
@@ -353,8 +354,8 @@ class FlatGroup:
         found_inf: torch.Tensor | None = None,
     ) -> None:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk (on a
-        CPU where `flat_step.one_pass` has its kernel: one pass a tensor, the same bits), or
-        all in one inductor pass if `compiled` (and the gradients are low precision); drop
+        CPU where `flat_step.one_pass` has its kernel: one pass, the same bits, `compiled` or
+        not), or all in one inductor pass if `compiled` (and the gradients are low precision); drop
         each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
         sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out).
         Where `found_inf` (a device flag) is set, the kernels change nothing (masters and

@@ -3,16 +3,19 @@
 Eager (`step_chunks`): each chunk of low-precision gradients cast into fp32 scratch, multiplied
 (unscale x clip), stepped by one torch fused Adam/AdamW call on the chunk's flat slices
 (remainders joined into the scratch beside it; bf16 moments too, widened, unless torch's kernel
-takes them as they are: `FlatGroup.widened`) and written back. On a CPU stepping
-on few threads the same bits come from one pass a tensor (`step_one_pass`,
-`containers.optim.cpu_adam`): each storage read and written once in its own dtype.
+takes them as they are: `FlatGroup.widened`) and written back. On a CPU stepping on few threads
+the same bits come from one pass (`step_one_pass`: `containers.optim.cpu_spans`, one call a
+group on torch's threads): each storage read and written once in its own dtype. A CPU group
+steps so with `compile = true` too: 1.00-1.11x the fp32 fused AdamW step where inductor's graph
+took 2.43x (benchmarks/README.md).
 
-Compiled (`step_compiled`, `[mixed_precision] compile = true` or `implementation =
-"compiled"`): one inductor graph (`containers.optim.compiled_adam`) over the group's tensors
-where they lie: each low-precision gradient read once, its master (or, with remainders, its
-bf16 parameter and 16-bit remainder), moments and parameter read and written in the same
-pass, the masters and moments as views of the flat buffers. Nothing is gathered or scattered,
-no scratch is used, and nothing waits for the host. A few fp32 ulp from the eager kernel.
+Compiled (`step_compiled`, `[mixed_precision] compile = true` or `implementation = "compiled"`,
+where the one pass does not step): one inductor graph (`containers.optim.compiled_adam`) over
+the group's tensors where they lie: each low-precision gradient read once, its master (or, with
+remainders, its bf16 parameter and 16-bit remainder), moments and parameter read and written in
+the same pass, the masters and moments as views of the flat buffers. Nothing is gathered or
+scattered, no scratch is used, and nothing waits for the host. A few fp32 ulp from the eager
+kernel.
 """
 
 from __future__ import annotations
