@@ -19,7 +19,7 @@ group's size (HSDP replicas), told by `shards`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,11 +68,6 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     if device not in _scratch:
         _scratch[device] = torch.empty(kept, dtype=torch.float32, device=device)
     return _scratch[device][:numel]
-
-
-SquareSum = Callable[[list[torch.Tensor]], torch.Tensor]
-"""Tensors -> the sum of squares of all their elements as an fp32 scalar (e.g. a compiled
-kernel)."""
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -179,8 +174,6 @@ class GlobalNorm:
     def __call__(
         self,
         grads: Sequence[torch.Tensor],
-        square_sum: SquareSum | None = None,
-        min_numel: int = 0,
         params: Sequence[torch.Tensor] | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
@@ -188,8 +181,6 @@ class GlobalNorm:
         gradient on any rank is, or if a sum of squares overflowed fp32 (elements beyond
         ~1.8e19). Every rank must call it (one all-reduce when needed).
 
-        `square_sum` replaces the fp32 sum of squares (e.g. a compiled kernel) for tensors of
-        at least `min_numel` elements; smaller ones take the foreach path.
         `params`: the parameters whose gradients `grads` are, in order (needed for `shards`).
         `exact`: sum in fp64 (an fp64 scalar), where squares of finite fp32 values cannot
         overflow: inf or nan only if a gradient is. A second read, for the rare step whose
@@ -209,28 +200,16 @@ class GlobalNorm:
             if exact:
                 sq = exact_sum_of_squares(tensors, self.device)
             else:
-                sq = sum_of_squares(tensors, square_sum, min_numel, self.device)
+                sq = sum_of_squares(tensors, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
         return total.sqrt()
 
 
-def sum_of_squares(
-    tensors: list[torch.Tensor],
-    square_sum: SquareSum | None,
-    min_numel: int,
-    device: torch.device,
-) -> torch.Tensor:
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of squares of `tensors`' elements as an fp32 scalar on `device`, accumulated in
     fp32 without an fp32 copy of any tensor."""
-    if square_sum is not None:
-        big = [t for t in tensors if t.numel() >= min_numel]
-        sums = [square_sum(big).to(device)] if big else []
-        rest = [t for t in tensors if t.numel() < min_numel]
-        if rest:
-            sums.append(sum_of_squares(rest, None, 0, device))
-        return torch.stack(sums).sum()
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)

@@ -443,7 +443,7 @@ def test_low_precision_gradients_larger_than_the_scratch_buffer_go_through_it(mo
     torch.manual_seed(0)
     grads = [torch.randn(2 * kept + 5).bfloat16(), torch.randn(3, 7).bfloat16()]
     with cpu_adam.disabled():  # (the kernel, where it is, reads them where they lie: below)
-        total = norm.sum_of_squares(grads, None, 0, torch.device("cpu"))
+        total = norm.sum_of_squares(grads, torch.device("cpu"))
     assert asked and max(asked) <= kept
     exact = sum(g.double().square().sum() for g in grads)
     assert torch.isclose(total.double(), exact, rtol=1e-4)  # (fp32 sums of 2M squares)
@@ -457,7 +457,7 @@ def test_bf16_gradients_on_a_cpu_are_measured_by_the_kernel_in_one_read(monkeypa
     monkeypatch.setattr(norm, "scratch", None)  # any use of it fails
     torch.manual_seed(0)
     grads = [torch.randn(3_000_001).bfloat16(), torch.randn(3, 7).bfloat16()]
-    total = norm.sum_of_squares(grads, None, 0, torch.device("cpu"))
+    total = norm.sum_of_squares(grads, torch.device("cpu"))
     exact = sum(g.double().square().sum() for g in grads)
     assert total.dtype == torch.float32
     assert torch.isclose(total.double(), exact, rtol=1e-6)
