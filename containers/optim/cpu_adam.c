@@ -5,8 +5,13 @@
  * `cpu_adam.py` builds this file, checks that claim against the installed torch before using
  * it, and says why it exists. Compiled with -ffp-contract=off: every fused multiply-add below
  * is written out, and no other may be formed. */
+#define _DEFAULT_SOURCE /* syscall() under -std=c99 */
 #include <math.h>
 #include <stdint.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef union {
   float f;
@@ -157,10 +162,11 @@ static void (*run_parallel)(Body, void *, unsigned, unsigned);
 static int (*thread_num)(void);
 static int (*team_size)(void);
 
-void oc_use_runtime(void *parallel, void *num, void *size) {
-  run_parallel = (void (*)(Body, void *, unsigned, unsigned))parallel;
-  thread_num = (int (*)(void))num;
-  team_size = (int (*)(void))size;
+void oc_use_runtime(void (*parallel)(Body, void *, unsigned, unsigned), int (*num)(void),
+                    int (*size)(void)) {
+  run_parallel = parallel;
+  thread_num = num;
+  team_size = size;
 }
 
 /* Work cut into shares (`first[s]` .. `first[s + 1]` of the spans): thread t of a team of n
@@ -267,16 +273,21 @@ void oc_sum_squares(int64_t shares, const int64_t *first, const int64_t *spans,
   in_team(squares_body, &job, threads);
 }
 
-/* Each thread of a team of `threads` writes its number into `seen[number]` (the check that
- * the runtime is torch's: its threads, no new ones). */
+/* Each thread of a team of `threads` writes its thread id (Linux's; 0 elsewhere) into
+ * `tids[number]`: the check that the runtime is torch's, whose threads exist before the probe
+ * (a second runtime starts threads of its own). */
 static void probe_body(void *arg) {
   int t, n;
   me(&t, &n);
-  ((int *)arg)[t] = t + 1;
+#ifdef __linux__
+  ((int64_t *)arg)[t] = (int64_t)syscall(SYS_gettid);
+#else
+  ((int64_t *)arg)[t] = 0;
+#endif
 }
 
-void oc_team_probe(int *seen, int threads) {
-  if (run_parallel) run_parallel(probe_body, seen, (unsigned)threads, 0);
+void oc_team_probe(int64_t *tids, int threads) {
+  if (run_parallel) run_parallel(probe_body, tids, (unsigned)threads, 0);
 }
 
 enum { BLOCK = 32, SPAN = 64 * BLOCK };

@@ -60,10 +60,11 @@ def team(lib: cpu_adam.Library) -> bool:
 
 def give_runtime(lib: cpu_adam.Library, where: ctypes.CDLL) -> bool:
     """Give `lib` the OpenMP runtime whose entry points `where` finds (the process's global
-    ones: torch loads its runtime globally) if it is the one torch runs: a probe region of
-    torch's thread count made no new thread in the process (a second runtime starts its own).
-    False (and `lib` on one thread) where there is none, it is another, or the threads cannot
-    be counted (no /proc)."""
+    ones: torch loads its runtime globally) if it is the one torch runs: every thread of a
+    probe region of torch's thread count is a thread the process had before (torch's workers,
+    started by a region of torch's first; a second runtime starts threads of its own). False
+    (and `lib` on one thread) where there is none, it is another, or threads cannot be told
+    apart (no /proc)."""
     lib.oc_use_runtime(None, None, None)
     _teams[id(lib)] = False
     try:
@@ -73,28 +74,27 @@ def give_runtime(lib: cpu_adam.Library, where: ctypes.CDLL) -> bool:
         return False
     n = max(1, torch.get_num_threads())
     torch.ones(1 << 22).sum()  # torch's workers started (a region above its grain size)
-    before = _tasks()
+    before = _threads_now()
     lib.oc_use_runtime(*entry)
-    seen = (ctypes.c_int * n)()
-    lib.oc_team_probe(seen, n)
-    after = _tasks()
-    if before is None or before != after or list(seen) != list(range(1, n + 1)):
+    tids = (ctypes.c_int64 * n)()
+    lib.oc_team_probe(tids, n)
+    team = {str(t) for t in tids}
+    if before is None or len(team) != n or not team <= before:
         lib.oc_use_runtime(None, None, None)
         logger.warning(
             "cpu_spans: the OpenMP runtime found is not shown to be torch's (a probe of %d "
-            "threads numbered %s; threads in the process %s -> %s); the CPU kernel runs on "
-            "one thread",
-            n, [t - 1 for t in seen], before, after,
+            "threads ran on %d new to the process); the CPU kernel runs on one thread",
+            n, len(team - (before or set())),
         )  # fmt: skip
         return False
     _teams[id(lib)] = True
     return True
 
 
-def _tasks() -> int | None:
-    """Threads in this process, or None where they cannot be counted."""
+def _threads_now() -> set[str] | None:
+    """The ids of this process's threads, or None where they cannot be listed."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        return set(os.listdir("/proc/self/task"))
     except OSError:
         return None
 
