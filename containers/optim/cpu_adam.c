@@ -154,7 +154,7 @@ int oc_adam(int64_t n, float *master, int16_t *rem, uint16_t *param, const void 
 
 enum { LANES = 64 };
 
-/* The OpenMP runtime torch steps with, if `cpu_adam.py` found and checked it: its
+/* The OpenMP runtime torch steps with, if `cpu_spans.py` found and checked it: its
  * GOMP_parallel, omp_get_thread_num and omp_get_num_threads (this file links no runtime of its
  * own, so there is never a second one). Without it every call runs on the calling thread. */
 typedef void (*Body)(void *);
