@@ -162,6 +162,8 @@ def update_spans(
         ValueError: a tensor the kernel would misread (device, dtype, layout, numel, a span
             past a buffer's end), before anything is written.
     """
+    if master is not None and remainder is not None:
+        raise ValueError("cpu_spans.update_spans: give master or remainder, not both")
     mode = cpu_checks.REMAINDER if remainder is not None else cpu_checks.MASTER_AND_PARAM
     kept = remainder if remainder is not None else master
     numels = tuple(p.numel() for p in params)

@@ -117,7 +117,8 @@ MISREAD = {  # what is wrong -> the words the error must say
     "a span past the buffers": "tensor 2 (3000 elements from 5000) runs past the flat buffers'",
     "fewer starts": "2 grads, 2 params and 1 starts",
     "moments of two sizes": "exp_avg and exp_avg_sq differ in dtype or size",
-    "no master": "give master or remainder",
+    "no master": "give master or remainder (a flat buffer)",
+    "master and remainder": "give master or remainder, not both",
 }
 
 
@@ -139,6 +140,8 @@ def _misread(name: str) -> dict:
         kw["exp_avg_sq"] = v[:-1]
     elif name == "no master":
         del kw["master"]
+    elif name == "master and remainder":
+        kw["remainder"] = torch.zeros(kw["master"].numel(), dtype=torch.int16)
     return kw
 
 
