@@ -128,7 +128,7 @@ static Consts constants(const double *hyper, int flags) {
   return k;
 }
 
-/* `update` with the kinds (and the L2 bit, 4) as `oc_adam` takes them; -1 for unknown ones. */
+/* `update` for `kinds` as `oc_adam` takes them, the L2 bit as bit 4; -1 for unknown kinds. */
 static int dispatch(int64_t n, float *master, int16_t *rem, uint16_t *param, const void *grad,
                     void *exp_avg, void *exp_avg_sq, const Consts *k, int kinds) {
   switch (kinds) {
