@@ -124,13 +124,13 @@ class CodedAdamW(torch.optim.AdamW):
 
 def register() -> None:
     """`[optimizer] name = "AdamW-<code>"` for each code (in every process of a run)."""
-    from components.optimizer import _OPTIMIZERS, register_optimizer
+    from components.optimizer_registry import OPTIMIZERS, register_optimizer
 
     for name, codes in CODES.items():
         cls = type(f"CodedAdamW_{name}", (CodedAdamW,), {"codes": codes})
 
         def factory(cfg: object, cls: type = cls) -> tuple[type, dict]:
-            _, kwargs = _OPTIMIZERS["AdamW"](cfg)
+            _, kwargs = OPTIMIZERS["AdamW"](cfg)
             return cls, kwargs
 
         register_optimizer(f"AdamW-{name}", factory)

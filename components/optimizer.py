@@ -1,15 +1,15 @@
-"""Optimizer and container registries, and `build_optimizers` that turns config into a container.
+"""`build_optimizers`: config (and the job's runtime objects) into a container; the built-in
+containers registered.
 
-`register_optimizer(name, factory)` adds an optimizer: the factory maps the `[optimizer]` config
-to `(optimizer_cls, kwargs)`. `register_container(name, factory)` adds a container variant,
-selected by `[optimizer] container`.
+The registries (`register_optimizer`, `register_container`, `resolve_optimizer`) live in
+`components.optimizer_registry` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -18,15 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from components.optimizer_registry import (
+    CONTAINERS,
+    LEAN,
+    OPTIMIZERS,
+    register_container,
+    register_optimizer,
+    registered_containers,
+    registered_optimizers,
+    resolve_optimizer,
+)
 from components.optimizer_settings import (
-    COMPILED,
-    adafactor_kwargs,
-    adagrad_kwargs,
-    adam_kwargs,
     implementation_kwargs,
     is_sharded,
-    momentum_kwargs,
-    muon_kwargs,
     refuse_on_shards,
     slower_than_compiled,
 )
@@ -39,14 +43,12 @@ from containers import (
     InBackward,
     LeanAdam,
     LeanAdamW,
-    LeanSGD,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     ParamGroupRule,
     Precision,
     ShadowWeights,
-    ShardedMuon,
     Timing,
     TorchFTGate,
 )
@@ -64,29 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-OptimizerFactory = Callable[[OptimizerConfig], tuple[type[Optimizer], dict[str, Any]]]
-
-
-class ContainerFactory(Protocol):
-    """Builds a container from the parts `build_optimizers` composed (plus any runtime
-    objects a third-party container asks its caller for)."""
-
-    def __call__(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        *,
-        param_groups: Sequence[ParamGroupRule],
-        precision: Precision,
-        gate: Gate | None,
-        timing: Timing | None,
-        max_norm: float | None,
-        mesh: DeviceMesh | None,
-        ema: ShadowWeights | None,
-        **runtime: Any,
-    ) -> OptimizersContainer: ...
 
 
 class OptimizersBuilder(Protocol):
@@ -106,120 +85,10 @@ class OptimizersBuilder(Protocol):
     ) -> OptimizersContainer: ...
 
 
-_OPTIMIZERS: dict[str, OptimizerFactory] = {}
-_CONTAINERS: dict[str, ContainerFactory] = {}
-
-
-def _register(table: dict[str, Any], kind: str, name: str, factory: Any) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{kind} name {name!r}: expected a non-empty string")
-    if name in table:
-        raise ValueError(f"{kind} {name!r} is already registered; pick another name")
-    if not callable(factory):
-        raise ValueError(f"{kind} {name!r}: factory {factory!r} is not callable")
-    table[name] = factory
-
-
-def register_optimizer(name: str, factory: OptimizerFactory) -> None:
-    """Make `[optimizer] name = "<name>"` build the `(cls, kwargs)` that `factory` returns."""
-    _register(_OPTIMIZERS, "optimizer", name, factory)
-
-
-def register_container(name: str, factory: ContainerFactory) -> None:
-    """Make `[optimizer] container = "<name>"` build its container with `factory`."""
-    _register(_CONTAINERS, "container", name, factory)
-
-
-def registered_optimizers() -> list[str]:
-    return sorted(_OPTIMIZERS)
-
-
-def registered_containers() -> list[str]:
-    return sorted(_CONTAINERS)
-
-
-def _lean_moments(cfg: OptimizerConfig) -> bool:
-    """Whether the section or any of its groups keeps moments in a lower dtype."""
-    dtypes = {cfg.moment_dtype, *(g.moment_dtype for g in cfg.param_groups)}
-    return bool(dtypes - {None, "float32"})
-
-
-def _plain_or_lean(
-    plain: type[Optimizer],
-    lean: type[Optimizer],
-    settings: Callable[[OptimizerConfig], dict[str, Any]],
-) -> OptimizerFactory:
-    """Adam's, AdamW's or SGD's factory: torch's class, or its lean twin when any group keeps
-    bf16 state (one class for every group, so a part keeps one inner optimizer)."""
-
-    def factory(cfg: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
-        if not _lean_moments(cfg) and not (cfg.implementation == "compiled" and lean in COMPILED):
-            return plain, settings(cfg)
-        return lean, {**settings(cfg), "moment_dtype": cfg.moment_dtype}
-
-    return factory
-
-
-_LEAN: dict[type[Optimizer], type[Optimizer]] = {
-    torch.optim.Adam: LeanAdam,
-    torch.optim.AdamW: LeanAdamW,
-    torch.optim.SGD: LeanSGD,
-}
-for _cls, _lean_cls in _LEAN.items():
-    _settings = momentum_kwargs if _cls is torch.optim.SGD else adam_kwargs
-    register_optimizer(_cls.__name__, _plain_or_lean(_cls, _lean_cls, _settings))
-for _cls in (
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-):
-    register_optimizer(_cls.__name__, lambda cfg, cls=_cls: (cls, adam_kwargs(cfg)))
-register_optimizer("Adagrad", lambda cfg: (torch.optim.Adagrad, adagrad_kwargs(cfg)))
-# torch's Muon math with Newton-Schulz on whole matrices of sharded parameters, the work
-# spread over the ranks (torch's own gathers every matrix on every rank).
-register_optimizer(
-    "Muon", lambda cfg: (ShardedMuon, {**muon_kwargs(cfg), "moment_dtype": cfg.moment_dtype})
-)
-register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kwargs(cfg)))
-
-
-def resolve_optimizer(
-    cfg: OptimizerConfig, name: str | None = None, where: str = "[optimizer]"
-) -> tuple[type[Optimizer], dict[str, Any]]:
-    """The registered optimizer `name` (default `cfg.name`): its class and hyperparameters."""
-    name = cfg.name if name is None else name
-    if name not in _OPTIMIZERS:
-        known = ", ".join(registered_optimizers())
-        raise ConfigError(
-            f"{where} name = {name!r}: unknown optimizer; registered: {known} "
-            "(add one with components.optimizer.register_optimizer)"
-        )
-    cls, kwargs = _OPTIMIZERS[name](cfg)
-    if cfg.moment_dtype != "float32":
-        if "moment_dtype" not in kwargs:
-            raise ConfigError(
-                f"{where} moment_dtype = {cfg.moment_dtype!r}: {name} keeps its state in the "
-                "parameters' dtype here (bf16 state is Adam's, AdamW's, SGD's and Muon's); set "
-                "this group's moment_dtype = 'float32' or use one of those"
-            )
-        if cfg.moment_dtype == "8bit" and cls not in (LeanAdam, LeanAdamW):
-            raise ConfigError(
-                f"{where} moment_dtype = '8bit': 8-bit codes are Adam's and AdamW's moments, "
-                f"not {name}'s state; use moment_dtype = 'bfloat16' here"
-            )
-        if cfg.implementation in ("foreach", "for-loop") and cls in (LeanAdam, LeanAdamW):
-            raise ConfigError(
-                f"[optimizer] implementation = {cfg.implementation!r}: bf16 moments "
-                f"({where} moment_dtype) step through torch's fused kernel over fp32 "
-                "scratch; use implementation 'auto' or 'fused'"
-            )
-    return cls, kwargs
-
-
 def check_names(cfg: OptimizerConfig) -> None:
     """Raise `ConfigError` unless the container and every optimizer `cfg` names are
     registered (cheap: `build_job` checks it before any process group exists)."""
-    if cfg.container not in _CONTAINERS:
+    if cfg.container not in CONTAINERS:
         raise ConfigError(
             f"[optimizer] container = {cfg.container!r}: unknown container; registered: "
             f"{', '.join(registered_containers())}"
@@ -266,7 +135,7 @@ def _rules(
         group_cls, group_kwargs = resolve_optimizer(group_cfg, group.name or cfg.name, where)
         refuse_on_shards(group_cls, group.name or cfg.name, where, sharded)
         group_kwargs |= implementation_kwargs(group_cls, cfg.implementation, device, where, dtensor)
-        if _LEAN.get(group_cls) is cls:  # a float32 group of a lean section: the same class
+        if LEAN.get(group_cls) is cls:  # a float32 group of a lean section: the same class
             group_cls, group_kwargs = cls, {**group_kwargs, "moment_dtype": "float32"}
         if group_cls is cls:
             diff = {k: v for k, v in group_kwargs.items() if kwargs.get(k) != v}
@@ -290,7 +159,7 @@ def _group_config(
         if f.name not in ("pattern", "name") and getattr(group, f.name) is not None
     }
     group_cfg = dataclasses.replace(cfg, **overrides)
-    factory = _OPTIMIZERS.get(group.name or group_cfg.name)
+    factory = OPTIMIZERS.get(group.name or group_cfg.name)
     if group.moment_dtype is not None or group_cfg.moment_dtype != "8bit" or factory is None:
         return group_cfg
     lean = dataclasses.replace(group_cfg, moment_dtype="bfloat16")
@@ -347,7 +216,7 @@ def build_optimizers(
     if note := slower_than_compiled(cls, kwargs, device):
         logger.info(note)
     try:
-        return _CONTAINERS[cfg.container](
+        return CONTAINERS[cfg.container](
             list(model_parts),
             cls,
             kwargs,

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from components import optimizer as registry
+from components import optimizer_registry as registry
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers, register_container, register_optimizer
 from components.optimizer_settings import implementation_kwargs, slower_than_compiled
@@ -27,12 +27,12 @@ from tests.harness.helpers import assert_same, three_parts, train
 
 @pytest.fixture
 def restore_registries():
-    saved = dict(registry._OPTIMIZERS), dict(registry._CONTAINERS)
+    saved = dict(registry.OPTIMIZERS), dict(registry.CONTAINERS)
     yield
-    registry._OPTIMIZERS.clear()
-    registry._OPTIMIZERS.update(saved[0])
-    registry._CONTAINERS.clear()
-    registry._CONTAINERS.update(saved[1])
+    registry.OPTIMIZERS.clear()
+    registry.OPTIMIZERS.update(saved[0])
+    registry.CONTAINERS.clear()
+    registry.CONTAINERS.update(saved[1])
 
 
 def _inner(container: OptimizersContainer) -> list[dict]:
