@@ -43,19 +43,23 @@ Share = tuple[tuple[int, int, int], ...]
 """A thread's spans: (tensor index, first element, end)."""
 
 _P = ctypes.c_void_p
-_teams: dict[int, bool] = {}  # id(lib) -> torch's runtime given and checked
+_teams: dict[tuple[int, int], bool] = {}  # (id(lib), threads) -> torch's runtime checked
 
 
 def threads(lib: cpu_adam.Library) -> int:
-    """How many threads share a call: torch's intra-op count where `team(lib)`, else 1."""
-    return max(1, torch.get_num_threads()) if team(lib) else 1
+    """How many threads share a call: torch's intra-op count where `team(lib)` (one thread
+    needs no runtime), else 1."""
+    n = max(1, torch.get_num_threads())
+    return n if n == 1 or team(lib) else 1
 
 
 def team(lib: cpu_adam.Library) -> bool:
-    """Whether `lib` runs its shares on torch's OpenMP threads (`give_runtime`, once)."""
-    if id(lib) not in _teams:
+    """Whether `lib` runs its shares on torch's OpenMP threads at torch's thread count
+    (`give_runtime`, once a count: a probe of one thread would tell no runtime apart)."""
+    key = (id(lib), max(1, torch.get_num_threads()))
+    if key not in _teams:
         give_runtime(lib, ctypes.CDLL(None))
-    return _teams[id(lib)]
+    return _teams[key]
 
 
 def give_runtime(lib: cpu_adam.Library, where: ctypes.CDLL) -> bool:
@@ -65,14 +69,14 @@ def give_runtime(lib: cpu_adam.Library, where: ctypes.CDLL) -> bool:
     started by a region of torch's first; a second runtime starts threads of its own). False
     (and `lib` on one thread) where there is none, it is another, or threads cannot be told
     apart (no /proc)."""
+    n = max(1, torch.get_num_threads())
     lib.oc_use_runtime(None, None, None)
-    _teams[id(lib)] = False
+    _teams[id(lib), n] = False
     try:
         entry = [ctypes.cast(getattr(where, n), _P) for n in _RUNTIME]
     except AttributeError as e:
         logger.info("cpu_spans: no OpenMP runtime found (%s); the CPU kernel runs on one thread", e)
         return False
-    n = max(1, torch.get_num_threads())
     torch.ones(1 << 22).sum()  # torch's workers started (a region above its grain size)
     before = _threads_now()
     lib.oc_use_runtime(*entry)
@@ -87,7 +91,7 @@ def give_runtime(lib: cpu_adam.Library, where: ctypes.CDLL) -> bool:
             n, len(team - (before or set())),
         )  # fmt: skip
         return False
-    _teams[id(lib)] = True
+    _teams[id(lib), n] = True
     return True
 
 

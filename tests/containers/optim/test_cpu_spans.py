@@ -178,3 +178,21 @@ def test_a_second_openmp_runtime_is_refused_and_the_kernel_runs_on_one_thread(
         assert cpu_spans.sum_of_squares(lib, grads) == pytest.approx(theirs, rel=1e-6)
     finally:
         assert cpu_spans.give_runtime(lib, ctypes.CDLL(None))
+
+
+def test_the_runtime_is_checked_for_each_thread_count_one_thread_needs_none(lib, monkeypatch):
+    """A probe of one thread tells no runtime apart: one thread runs without one, and a count
+    torch moves to later is probed then."""
+    monkeypatch.setattr(cpu_spans, "_teams", {})
+    before = torch.get_num_threads()
+    tensors = [torch.randn(70001).bfloat16()]
+    exact = float(tensors[0].double().square().sum())
+    try:
+        torch.set_num_threads(1)
+        assert cpu_spans.sum_of_squares(lib, tensors) == pytest.approx(exact, rel=1e-6)
+        assert cpu_spans._teams == {}
+        torch.set_num_threads(2)
+        assert cpu_spans.sum_of_squares(lib, tensors) == pytest.approx(exact, rel=1e-6)
+        assert cpu_spans._teams == {(id(lib), 2): True}
+    finally:
+        torch.set_num_threads(before)
