@@ -52,6 +52,7 @@ from containers.optim.cpu_checks import (
     MASTER_AND_PARAM,
     REMAINDER,
     check,
+    check_flag_and_hyper,
     misread,
     readable_flag,
 )
@@ -225,8 +226,7 @@ def update_coded(
             )
         if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             raise ValueError(misread(name, t, (dtype,), n))
-    if not readable_flag(found_inf) or not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
-        raise ValueError("cpu_adam.update_coded: found_inf or hyper unreadable (see update)")
+    check_flag_and_hyper(found_inf, hyper, "cpu_adam.update_coded")
     if not rows:
         return
     values, thresholds = log_tables(torch.device("cpu"))

@@ -69,15 +69,18 @@ def check(
     check_flag_and_hyper(found_inf, hyper)
 
 
-def check_flag_and_hyper(found_inf: torch.Tensor | None, hyper: ctypes.Array) -> None:
-    """Raise ValueError unless the kernel can read `found_inf` and `hyper`."""
+def check_flag_and_hyper(
+    found_inf: torch.Tensor | None, hyper: ctypes.Array, where: str = "cpu_adam.update"
+) -> None:
+    """Raise ValueError (its message starting with `where`, the caller) unless the kernel can
+    read `found_inf` and `hyper`."""
     if not readable_flag(found_inf):
         raise ValueError(
-            f"cpu_adam.update: found_inf is {found_inf.dtype} x {found_inf.numel()} on "
+            f"{where}: found_inf is {found_inf.dtype} x {found_inf.numel()} on "
             f"{found_inf.device}; expected one float32 value on the CPU"
         )
     if not isinstance(hyper, ctypes.Array) or len(hyper) != HYPER:
-        raise ValueError(f"cpu_adam.update: hyper is {hyper!r}; make it with settings()")
+        raise ValueError(f"{where}: hyper is {hyper!r}; make it with settings()")
 
 
 def readable_flag(found_inf: torch.Tensor | None) -> bool:

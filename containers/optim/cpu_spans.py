@@ -278,7 +278,7 @@ def _check_spans(
             raise ValueError(
                 cpu_checks.misread(f"{name}[{i}]", t, (dtype,), sizes[i], _WHERE, "its parameter")
             )
-    cpu_checks.check_flag_and_hyper(found_inf, hyper)
+    cpu_checks.check_flag_and_hyper(found_inf, hyper, _WHERE)
 
 
 _IS_CPU = operator.attrgetter("is_cpu")

@@ -119,6 +119,7 @@ MISREAD = {  # what is wrong -> the words the error must say
     "moments of two sizes": "exp_avg and exp_avg_sq differ in dtype or size",
     "no master": "give master or remainder (a flat buffer)",
     "master and remainder": "give master or remainder, not both",
+    "a flag of 2 values": "cpu_spans.update_spans: found_inf is torch.float32 x 2",
 }
 
 
@@ -142,6 +143,8 @@ def _misread(name: str) -> dict:
         del kw["master"]
     elif name == "master and remainder":
         kw["remainder"] = torch.zeros(kw["master"].numel(), dtype=torch.int16)
+    elif name == "a flag of 2 values":
+        kw["found_inf"] = torch.zeros(2)
     return kw
 
 
