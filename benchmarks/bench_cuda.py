@@ -746,17 +746,9 @@ COMPILED = {
         torch.bfloat16, _compiled("float32", max_norm=None), MP, ("", "")
     ),
 }  # fmt: skip
-LEAN = {
-    FP32: CONTENDERS[FP32],
-    "AdamW, bf16 moments": CONTENDERS["AdamW, bf16 moments, one pass"],
-    "AdamW, 8-bit moments": CONTENDERS["AdamW, 8-bit moments, one pass"],
-    MP: CONTENDERS[MP],
-    "mixed precision, remainders + bf16 moments": CONTENDERS[
-        "mixed precision, remainders + bf16 moments, one pass"
-    ],
-}
-"""`bench_lean_state.py`'s rows that a GPU times (its through-scratch/one-pass pairs are the
-CPU's question: `containers.optim.cpu_adam`)."""
+LEAN = {name: CONTENDERS[name] for name in (FP32, "AdamW, bf16 moments", "AdamW, 8-bit moments",
+        MP, "mixed precision, remainders + bf16 moments")}  # fmt: skip
+"""`bench_lean_state.py`'s rows that a GPU times."""
 ISSUE_25 = {MP: " <= 2.00", "mixed precision, fp32 masters + moments, compile": " <= 1.20"}
 """Issue 25's goals against one fp32 fused AdamW: eager mixed precision, compiled."""
 

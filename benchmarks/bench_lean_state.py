@@ -48,7 +48,6 @@ from containers import (  # noqa: E402
     load_planner,
 )
 from containers.norm import SCRATCH_NUMEL, local  # noqa: E402
-from containers.optim import cpu_adam  # noqa: E402
 
 POLICIES = {"float32": "fp32 moments (today)", "bfloat16": "bf16 moments"}
 DEBUG = ["--job.config_file", "config/debug.toml"]
@@ -76,30 +75,15 @@ def _mixed(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
     return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
-# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param,
-# whether `containers.optim.cpu_adam` may step it: False times torch's path through scratch)
+# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param)
 TODAY, MP_TODAY = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
 CONTENDERS = {
-    TODAY: (torch.float32, _default(False), None, ("", ""), False),
-    "AdamW, bf16 moments, through fp32 scratch (before)": (
-        torch.float32, _default(True), TODAY, ("<= 4.2", ""), False
-    ),
-    "AdamW, bf16 moments, one pass": (torch.float32, _default(True), TODAY, ("<= 4.2", ""), True),
-    "AdamW, 8-bit moments, through torch ops": (
-        torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", ""), False
-    ),
-    "AdamW, 8-bit moments, one pass": (
-        torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", ""), True
-    ),
-    MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", ""), False),
-    "mixed precision, fp32 masters + moments, one pass": (
-        torch.bfloat16, _mixed(False), MP_TODAY, ("", ""), True
-    ),
-    "mixed precision, remainders + bf16 moments, through fp32 scratch (before)": (
-        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5"), False
-    ),
-    "mixed precision, remainders + bf16 moments, one pass": (
-        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5"), True
+    TODAY: (torch.float32, _default(False), None, ("", "")),
+    "AdamW, bf16 moments": (torch.float32, _default(True), TODAY, ("<= 4.2", "")),
+    "AdamW, 8-bit moments": (torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", "")),
+    MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", "")),
+    "mixed precision, remainders + bf16 moments": (
+        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5")
     ),
 }  # fmt: skip
 
@@ -139,18 +123,16 @@ def step_table(width: int, layers: int, repeats: int, steps: int) -> str:
         order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
         for name in order:
             model, opt = runs[name]
-            one_pass = CONTENDERS[name][4]
             elapsed = 0.0
             for k in range(steps + 1):  # the first makes the state
                 for p, g in zip(model.parameters(), grads):
                     p.grad = g.to(p.dtype)  # fresh, as backward gives: the step frees it
-                with contextlib.nullcontext() if one_pass else cpu_adam.disabled():
-                    start = time.perf_counter()
-                    opt.step()
-                    elapsed += (time.perf_counter() - start) if k else 0.0
+                start = time.perf_counter()
+                opt.step()
+                elapsed += (time.perf_counter() - start) if k else 0.0
             times[name].append(elapsed / steps)
     rows = []
-    for name, (_, _, baseline, goals, _) in CONTENDERS.items():
+    for name, (_, _, baseline, goals) in CONTENDERS.items():
         param_bytes, kept = steady_bytes(*runs[name])
         base_bytes, base_kept = steady_bytes(*runs[baseline or name])
         t, t0 = statistics.median(times[name]), statistics.median(times[baseline or name])

@@ -26,8 +26,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from containers.optim import cpu_adam, cpu_spans
-
 __all__ = [
     "GlobalNorm",
     "all_finite",
@@ -218,10 +216,6 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
         if dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(group)  # one kernel per list, as torch's own norm
             sums.append(torch.stack(norms).float().square().sum().to(device))
-        elif (lib := _cpu_kernel(group)) is not None:
-            # one read of each bf16 element, split over the threads (no fp32 copy)
-            sq = cpu_spans.sum_of_squares(lib, group)
-            sums.append(torch.tensor(sq, dtype=torch.float32, device=device))
         else:
             sums.append(torch.stack(_low_precision_square_sums(group)).sum().to(device))
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
@@ -242,17 +236,6 @@ def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) 
     if not sums:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
-
-
-def _cpu_kernel(tensors: list[torch.Tensor]) -> cpu_adam.Library | None:
-    """The one-pass kernel if it can sum the squares of `tensors` (contiguous bf16 on a CPU,
-    where `cpu_adam.kernel` has it), else None."""
-    first = tensors[0]
-    if not first.is_cpu or first.dtype != torch.bfloat16:
-        return None
-    if not all(t.is_contiguous() for t in tensors):
-        return None
-    return cpu_adam.kernel()
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -3,8 +3,7 @@ Newton-Schulz work spread over the ranks that shard the matrices (and its moment
 asked); `LeanAdam` and `LeanAdamW` (`lean_adam`), torch's Adam and AdamW with bf16 or 8-bit
 moments (`coded_adam`, `moment_codes`); `LeanSGD` (`lean_sgd`), torch's SGD with bf16
 momentum; what they share (`lean`); and the update paths lean state steps through
-(`adam_steps`): one inductor graph (`compiled_adam`), and on a CPU one pass of C over each
-tensor's own dtypes (`cpu_adam`, built by `c_library`)."""
+(`adam_steps`), one of them an inductor graph (`compiled_adam`)."""
 
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.optim.lean_sgd import LeanSGD

@@ -7,10 +7,7 @@ for bit, torch's fused step on the fp32 values of the bf16 moments followed by r
 `containers.optim.coded_adam`); and `compiled` groups as one inductor graph
 (`containers.optim.compiled_adam`).
 
-On a CPU `containers.optim.cpu_adam` computes the bf16 and 8-bit steps' bits in one pass over
-the moments (the widening and rounding passes cost more than the update: 1.3-1.6x the fp32
-step, against 0.8-0.94x), and torch's kernel steps only each tensor's last `numel % 16`
-elements. Where torch's own fused kernel takes bf16 moments beside fp32 parameters (its
+Where torch's own fused kernel takes bf16 moments beside fp32 parameters (its
 mixed-precision CUDA kernel, absent from torch 2.11: `lean.fused_takes_bf16_moments` asks the
 device once), it steps them as they are, no scratch: bit for bit what torch's
 `AdamW(fused=True)` does with bf16 state (torchtitan's `fused_opt_states_bf16`), whose bias
@@ -25,7 +22,6 @@ import torch
 from torch.optim.adam import adam
 
 from containers.norm import local, scratch, scratch_numel
-from containers.optim import cpu_adam
 from containers.optim.coded_adam import CODED, coded_adam
 from containers.optim.compiled_adam import compiled_adam, compiled_coded_adam, takes_codes
 from containers.optim.lean import fused_takes_bf16_moments
@@ -131,8 +127,6 @@ def lean_adam(
         batch.clear()
         filled = 0
 
-    one_pass = not amsgrad and cpu_adam.readable_flag(found_inf)
-    stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
     direct: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) for torch's
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
@@ -144,22 +138,6 @@ def lean_adam(
             _step_whole(kernel, p, g, ms, steps[i], amsgrad, settings)
             continue
         n, begin = p.numel(), 0
-        cpu = one_pass and p.is_cpu and g.dtype == torch.float32 and n >= cpu_adam.VECTOR
-        if cpu and (lib := cpu_adam.kernel()) is not None:
-            # one pass over the bf16 moments (the kernel is built at the first CPU step);
-            # torch's kernel steps the tail (`body_numel`)
-            begin = cpu_adam.body_numel(n)
-            count = float(steps[i])
-            if count not in stepped:
-                stepped[count] = cpu_adam.settings(**hyper, step=count)
-            body = (p, g, *ms) if begin == n else [t.view(-1)[:begin] for t in (p, g, *ms)]
-            cpu_adam.update(
-                lib, stepped[count], master=body[0], grad=body[1], exp_avg=body[2],
-                exp_avg_sq=body[3], adamw=decoupled_weight_decay, maximize=maximize,
-                found_inf=found_inf,
-            )  # fmt: skip
-            if begin == n:
-                continue
         flat = [t.view(-1) for t in (p, g, *ms)]
         for start in range(begin, n, chunk):
             stop = min(start + chunk, n)

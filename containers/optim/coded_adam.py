@@ -14,10 +14,7 @@ a checkpoint moving it to or from a layout that codes it converts on load.
 A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused kernel there
 with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
 torch's fused step on the decoded moments followed by encoding them (tests hold it). Encoding
-what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing. On a
-CPU `containers.optim.cpu_adam` does all three in one pass over each tensor with the
-arithmetic of the kernel's vector loop (checked bit for bit when it loads); torch's kernel
-steps a call's last `numel % 16` elements in a scalar loop that may round otherwise.
+what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
 
 from containers.norm import local, scratch, scratch_numel
-from containers.optim import cpu_adam
 from containers.optim.moment_codes import (
     BLOCK,
     decode_log,
@@ -236,12 +232,7 @@ def coded_adam(
     settings: dict[str, Any],
 ) -> None:
     """Torch's fused `kernel` over coded moments, a run of rows at a time (see the module
-    docstring). `steps` hold the count this update is (the caller adds and takes back).
-    On a CPU `containers.optim.cpu_adam` computes the same in one pass over each tensor."""
-    # (built at the first CPU step only: a GPU job never builds or loads it)
-    on_cpu = bool(params) and local(params[0]).is_cpu
-    lib = cpu_adam.kernel() if on_cpu and cpu_adam.readable_flag(settings["found_inf"]) else None
-    stepped: dict[float, cpu_adam.Settings] = {}  # step count -> its settings for cpu_adam
+    docstring). `steps` hold the count this update is (the caller adds and takes back)."""
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         m, v = exp_avgs[i], exp_avg_sqs[i]
@@ -249,18 +240,6 @@ def coded_adam(
         if not p.numel():
             continue
         contiguous = all(t.is_contiguous() for t in (p, g, *codes))
-        one_pass = p.is_cpu and g.dtype == p.dtype == torch.float32 and contiguous
-        if lib is not None and one_pass:
-            count = float(steps[i])
-            if count not in stepped:
-                hyper = {k: settings[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
-                stepped[count] = cpu_adam.settings(**hyper, step=count)
-            cpu_adam.update_coded(
-                lib, stepped[count], master=p, grad=g, exp_avg=(codes[0], codes[1]),
-                exp_avg_sq=(codes[2], codes[3]), adamw=kernel is torch._fused_adamw_,
-                maximize=settings["maximize"], found_inf=settings["found_inf"],
-            )  # fmt: skip
-            continue
         if not contiguous:
             _step_rows(kernel, settings, p, g, codes, steps[i])
             continue

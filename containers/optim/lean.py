@@ -108,7 +108,7 @@ def fused_takes_bf16_moments(device: torch.device) -> bool:
     """Whether torch's fused Adam/AdamW kernel on `device` steps bf16 moments beside fp32
     parameters and gradients itself (torch's mixed-precision CUDA kernel, which torch 2.11
     lacks; torchtitan's `fused_opt_states_bf16` path), asked once per device type by a step of
-    a few values. Never on a CPU, where `cpu_adam` steps them in one pass."""
+    a few values. Never on a CPU."""
     return device.type != "cpu" and not _widen[0] and _probe(device.type)
 
 

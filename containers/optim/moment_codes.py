@@ -161,7 +161,7 @@ def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Ten
     peak = blocks.amax(-1, keepdim=True)
     ratio = blocks / peak.clamp_min(torch.finfo(torch.float32).tiny)
     # An estimate within 0.55 of the code (log2 from the exponent bits, a little under it),
-    # then the code the thresholds bracket: one step either way (`cpu_adam.c` does the same).
+    # then the code the thresholds bracket: one step either way.
     under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
     c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
     up = thresholds[c0] > ratio

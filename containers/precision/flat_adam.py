@@ -10,12 +10,10 @@ them (`Tensor.set_`, so every holder of a master still holds it) and the optimiz
 entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
 layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
 time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
-chunk's flat slices (on a CPU stepping on few threads, the same bits in one pass, one call a
-group: `flat_step.step_one_pass`, with `compile = true` too). With `[mixed_precision] compile =
-true` elsewhere the group steps instead as one inductor graph over its tensors where they lie
-(`containers.precision.flat_step`): each gradient read once, masters, moments and parameters
-written in the same pass, no scratch; a few fp32 ulp from the eager kernel (another order of
-roundings).
+chunk's flat slices. With `implementation = "compiled"` the group steps instead as one
+inductor graph over its tensors where they lie (`containers.optim.compiled_adam`): each
+gradient read once, masters, moments and parameters written in the same pass, no scratch; a
+few fp32 ulp from the eager kernel (another order of roundings).
 
 Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
 kernel runs every element on its vector path whatever the chunking (a tensor's last few
@@ -41,11 +39,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.norm import local, scratch_numel, shaped_like
+from containers.norm import local, scratch, scratch_numel, shaped_like
+from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import fused_takes_bf16_moments, moment_dtype_of
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.precision import remainders as rem
-from containers.precision.flat_step import one_pass, step_chunks, step_compiled, step_one_pass
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
@@ -353,9 +351,8 @@ class FlatGroup:
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk (on a
-        CPU where `flat_step.one_pass` has its kernel: one pass, the same bits, `compiled` or
-        not), or all in one inductor pass if `compiled` (and the gradients are low precision); drop
+        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
+        all in one inductor pass if `compiled` (and the gradients are low precision); drop
         each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
         sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out).
         Where `found_inf` (a device flag) is set, the kernels change nothing (masters and
@@ -367,16 +364,99 @@ class FlatGroup:
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
         compiled = compiled or group.get("compiled", False)  # `implementation = "compiled"`
-        # On a CPU the kernel before inductor's graph: the same one pass, faster there
-        # (inductor's CPU code steps bf16 at half its vector width beside fp32 masters).
-        if (lib := one_pass(self, grads, found_inf)) is not None:
-            step_one_pass(lib, self, group, decoupled, factor, grads, found_inf)
-        elif compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
-            step_compiled(self, group, decoupled, factor, grads, found_inf)
+        if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
+            self._step_compiled(group, decoupled, factor, grads, found_inf)
         else:
-            step_chunks(self, group, decoupled, factor, grads, found_inf)
+            self._step_chunks(group, decoupled, factor, grads, found_inf)
         if found_inf is not None:
             buf["step"].sub_(found_inf)
+
+    def _step_compiled(
+        self,
+        group: dict,
+        decoupled: bool,
+        factor: float,
+        grads: list[torch.Tensor | None],
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """This group's step (its counts already advanced) as one inductor graph over its tensors;
+        drops the gradients. Where `found_inf` (a device flag) is set, nothing changes."""
+        live = [i for i, g in enumerate(grads) if g is not None]
+        taken = [grads[i] for i in live]
+        for p in self.model:
+            p.grad = None
+        grads.clear()
+        views = self.views
+        pick = lambda name: [views[name][i] for i in live]  # noqa: E731
+        beta1, beta2 = group["betas"]
+        compiled_adam(
+            taken, [local(self.model[i]) for i in live],
+            pick("remainder" if self.remainders else "master"), pick("exp_avg"),
+            pick("exp_avg_sq"),
+            # (`ready`: the counts agree; a view, where an index would copy and sync)
+            self.buffers["step"][:1].expand(len(live)), lr=float(group["lr"]), beta1=beta1,
+            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group.get("maximize", False), decoupled_weight_decay=decoupled, factor=factor,
+            found_inf=found_inf, remainders=self.remainders,
+        )  # fmt: skip
+
+    def _step_chunks(
+        self,
+        group: dict,
+        decoupled: bool,
+        factor: float,
+        grads: list[torch.Tensor | None],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """`FlatGroup.step`'s eager path (its counts already advanced): torch's fused kernel
+        over fp32 scratch, chunk by chunk; drops each gradient once it is cast. Where `found_inf`
+        is set the kernel changes nothing (masters and moments round-trip exactly)."""
+        buf = self.buffers
+        beta1, beta2 = group["betas"]
+        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        step = [buf["step"][0]]
+        device = buf["exp_avg"].device
+        low = [local(p) for p in self.model]
+        for c, (start, stop, _) in enumerate(self.chunks):
+            n = stop - start
+            work = scratch(device, n * self.regions)
+            into = self.chunk_views(c, work[:n])
+            torch._foreach_copy_(into, self.pieces(c, grads))
+            for i in self.done[c]:
+                grads[i] = None
+                self.model[i].grad = None  # cast: the low-precision gradient can go now
+            if factor != 1.0:
+                work[:n].mul_(factor)
+            cast_to = self.pieces(c, low)
+            if self.remainders:
+                master = work[n : 2 * n]
+                bits = self.chunk_views(c, master.view(torch.int32))
+                torch._foreach_copy_(bits, [t.view(torch.int16) for t in cast_to])
+                rem.join(master.view(torch.int32), buf["remainder"][start:stop])
+            else:
+                master = buf["master"][start:stop]
+            moments = [buf["exp_avg"][start:stop], buf["exp_avg_sq"][start:stop]]
+            if self.widened:
+                at = (1 + self.remainders) * n  # after the gradients (and masters)
+                wide = [work[at : at + n], work[at + n : at + 2 * n]]
+                torch._foreach_copy_(wide, moments)
+                moments, narrow = wide, moments
+            update(
+                [master], [work[:n]], [moments[0]], [moments[1]], [], step, lr=group["lr"],
+                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                amsgrad=False, maximize=group.get("maximize", False), found_inf=found_inf,
+            )  # fmt: skip
+            if self.widened:
+                torch._foreach_copy_(narrow, moments)
+            if self.remainders:
+                high = work[:n].view(torch.int32)  # the gradients are spent
+                rem.split(master.view(torch.int32), high)
+                torch._foreach_copy_(
+                    [t.view(torch.int16) for t in cast_to], self.chunk_views(c, high)
+                )
+                buf["remainder"][start:stop].copy_(master.view(torch.int32))
+            else:
+                torch._foreach_copy_(cast_to, self.pieces(c, self.cast_from))
 
 
 def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -32,7 +32,6 @@ from containers import (
     norm,
 )
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
-from containers.optim import cpu_adam
 from tests.harness.dist import run_ranks
 
 
@@ -442,22 +441,7 @@ def test_low_precision_gradients_larger_than_the_scratch_buffer_go_through_it(mo
     monkeypatch.setattr(norm, "scratch", recording)
     torch.manual_seed(0)
     grads = [torch.randn(2 * kept + 5).bfloat16(), torch.randn(3, 7).bfloat16()]
-    with cpu_adam.disabled():  # (the kernel, where it is, reads them where they lie: below)
-        total = norm.sum_of_squares(grads, torch.device("cpu"))
+    total = norm.sum_of_squares(grads, torch.device("cpu"))
     assert asked and max(asked) <= kept
     exact = sum(g.double().square().sum() for g in grads)
     assert torch.isclose(total.double(), exact, rtol=1e-4)  # (fp32 sums of 2M squares)
-
-
-def test_bf16_gradients_on_a_cpu_are_measured_by_the_kernel_in_one_read(monkeypatch):
-    """Where the CPU kernel is, bf16 gradients' squares are summed where they lie (fp32 sums
-    of 256, added in fp64): no scratch, closer to the exact sum than fp32 dots."""
-    if cpu_adam.kernel() is None:
-        pytest.skip("no CPU kernel here (no C compiler, or more threads than it steps on)")
-    monkeypatch.setattr(norm, "scratch", None)  # any use of it fails
-    torch.manual_seed(0)
-    grads = [torch.randn(3_000_001).bfloat16(), torch.randn(3, 7).bfloat16()]
-    total = norm.sum_of_squares(grads, torch.device("cpu"))
-    exact = sum(g.double().square().sum() for g in grads)
-    assert total.dtype == torch.float32
-    assert torch.isclose(total.double(), exact, rtol=1e-6)

@@ -129,11 +129,8 @@ def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def compiled_calls(monkeypatch: Any, graph: str = "_compiled") -> list[int]:
     """A list that grows by one at each call of a compiled Adam graph
-    (`containers.optim.compiled_adam`'s `_compiled`, or its 8-bit `_compiled_coded`); the
-    CPU kernel off (`cpu_adam.disabled`), which a mixed-precision step on a CPU takes first."""
-    from containers.optim import compiled_adam, cpu_adam
-
-    monkeypatch.setattr(cpu_adam, "_off", [True])
+    (`containers.optim.compiled_adam`'s `_compiled`, or its 8-bit `_compiled_coded`)."""
+    from containers.optim import compiled_adam
 
     compiled, calls = getattr(compiled_adam, graph)(), []
 

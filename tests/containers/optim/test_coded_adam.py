@@ -10,7 +10,7 @@ from torch.distributed.tensor import Shard
 
 import containers.optim.coded_adam as coded_adam
 from containers import LeanAdam, LeanAdamW, OptimizersContainer
-from containers.optim import cpu_adam, moment_codes
+from containers.optim import moment_codes
 from tests.harness.helpers import (
     assert_same,
     loose_params,
@@ -53,20 +53,10 @@ def _value(state: dict, name: str) -> torch.Tensor:
         (LeanAdam, {"lr": 1e-2, "weight_decay": 0.1, "maximize": True, "betas": (0.8, 0.99)}),
     ],
 )
-@pytest.mark.parametrize("path", ["one pass", "torch ops"])
 def test_an_8bit_step_is_torchs_fused_step_on_the_decoded_moments_coded_again(
-    cls, kwargs, path, monkeypatch
+    cls, kwargs, monkeypatch
 ):
-    """Both paths: `cpu_adam`'s one pass over each tensor (where it is built here), and
-    torch ops (decode a run of rows into scratch, torch's kernel, encode)."""
-    if path == "one pass" and cpu_adam.library() is None:
-        pytest.skip("no C compiler here: the one pass is not used")
-    if path == "torch ops":
-        monkeypatch.setattr(cpu_adam, "_off", [True])
-    monkeypatch.setattr(cpu_adam, "kernel", lambda lean=True: cpu_adam.library())  # any threads
-    calls, one_pass = [], cpu_adam.update_coded
-    counted = lambda *a, **k: calls.append(1) or one_pass(*a, **k)  # noqa: E731
-    monkeypatch.setattr(cpu_adam, "update_coded", counted)
+    """Decode a run of rows into scratch, torch's kernel, encode: torch's bits."""
     monkeypatch.setattr(coded_adam, "scratch_numel", lambda _: 1 << 13)  # 40 rows a run
     coded_params, ref_params = loose_params(SHAPES), loose_params(SHAPES)
     opt = cls(coded_params, moment_dtype="8bit", **kwargs)
@@ -87,7 +77,6 @@ def test_an_8bit_step_is_torchs_fused_step_on_the_decoded_moments_coded_again(
     assert kept["exp_avg"]["code"].dtype == torch.int8
     assert kept["exp_avg_sq"]["code"].dtype == torch.uint8
     assert opt.state[coded_params[1]]["exp_avg"].dtype == torch.bfloat16
-    assert bool(calls) == (path == "one pass")  # (the transposed tensor: torch ops always)
 
 
 def test_8bit_moments_take_2_25_bytes_a_parameter_and_a_flagged_step_changes_nothing():
