@@ -18,7 +18,6 @@ table (steady bytes per parameter, step time) of `bench_lean_state.py`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import statistics
@@ -369,11 +368,11 @@ def _held(name: str, values: torch.Tensor, p: torch.Tensor, moments: str) -> tor
 
 @check("bf16 moments == torch's fused AdamW over bf16 state, or else widened (3 steps)")
 def _lean_is_torchs(device: torch.device) -> str:
-    """Where torch's kernel takes bf16 moments (`fused_takes_bf16_moments`), LeanAdamW is it;
+    """Where torch's kernel takes bf16 moments (`paths.BF16_FUSED_DEVICES`), LeanAdamW is it;
     else the fused step on the widened moments, rounded back."""
-    from containers.optim.lean import fused_takes_bf16_moments
+    from containers.optim.paths import BF16_FUSED_DEVICES
 
-    direct = fused_takes_bf16_moments(device)
+    direct = device.type in BF16_FUSED_DEVICES
     _against_fused(device, [3000, 1 << 20, 77], "bfloat16", bf16_state=direct)
     return "equal: torch's kernel over bf16 state" if direct else "equal: widened"
 
@@ -758,13 +757,7 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     step (`[mixed_precision] compile = true`) with fp32 and bf16 moments."""
     # (compiled rows on a GPU only: on a CPU inductor's first compile takes longer than the
     # smoke run, and its figures are another question, bench_mixed_precision.py's)
-    from containers.optim.lean import fused_takes_bf16_moments, widening
-
     contenders = {**LEAN, **(COMPILED if device.type == "cuda" else {})}
-    # Where torch's kernel takes bf16 moments, the widening it replaces, side by side.
-    widened = "AdamW, bf16 moments, widened (a torch without the kernel)"
-    if fused_takes_bf16_moments(device):
-        contenders[widened] = LEAN["AdamW, bf16 moments"]
     runs = {}
     for name, (dtype, build, *_) in contenders.items():
         torch.manual_seed(0)
@@ -777,15 +770,11 @@ def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> s
     # As backward leaves them: in the parameters' dtype (no step changes a gradient).
     given = {d: [g.to(d) for g in grads] for d in (torch.float32, torch.bfloat16)}
 
-    # Rows that time a path as it was, side by side (switches of the library's).
-    switches = {widened: widening}
-
     def stepper(model: nn.Module, opt: OptimizersContainer, name: str) -> Callable[[], None]:
         def step() -> None:
             for p, g in zip(model.parameters(), given[next(model.parameters()).dtype]):
                 p.grad = g
-            with switches.get(name, contextlib.nullcontext)():
-                opt.step()
+            opt.step()
 
         return step
 

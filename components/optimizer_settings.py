@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from config import ConfigError
 from config import Optimizer as OptimizerConfig
 from containers import LeanAdam, LeanAdamW
-from containers.optim.lean import fused_takes_bf16_moments
+from containers.optim.paths import BF16_FUSED_DEVICES
 
 __all__ = [
     "COMPILED",
@@ -39,13 +39,13 @@ COMPILED = (LeanAdam, LeanAdamW)
 def slower_than_compiled(cls: type[Optimizer], kwargs: dict[str, Any], device: torch.device) -> str:
     """A line for the log where `cls(**kwargs)` keeps lean moments on a GPU that its eager
     path steps several times slower than `implementation = "compiled"` (measured on an H100,
-    benchmarks/README.md); "" elsewhere (a CPU steps them in one pass: `cpu_adam`)."""
+    benchmarks/README.md); "" elsewhere."""
     moments = kwargs.get("moment_dtype", "float32")
     if device.type != "cuda" or cls not in COMPILED or kwargs.get("compiled"):
         return ""
     if moments == "8bit":
         eager, graph = "11.9x", "1.9x"
-    elif moments == "bfloat16" and not fused_takes_bf16_moments(device):
+    elif moments == "bfloat16" and device.type not in BF16_FUSED_DEVICES:
         eager, graph = "2.0x", "0.9x"
     else:
         return ""

@@ -22,6 +22,7 @@ multiply by a scalar factor, no host sync), so the one check catches it too.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,12 +41,15 @@ from containers.contract import StateView, defaults_of, with_step_hooks
 from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
+from containers.optim.paths import path_lines
 from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -167,6 +171,7 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         self._found_inf: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self.last_report = StepReport()
+        self._paths_said = False  # the update paths are logged at the first step
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
@@ -266,6 +271,10 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
             with torch.enable_grad():
                 loss = closure()
         self._found_inf = self._norm = None
+        if not self._paths_said:
+            self._paths_said = True
+            for line in path_lines(self.optimizers, masters=self.precision.keeps_masters):
+                logger.info("%s", line)
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)
             if self.timing.in_backward:

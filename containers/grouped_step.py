@@ -42,11 +42,9 @@ from torch.optim import Optimizer
 from torch.optim import optimizer as torch_optimizer
 
 from containers.optim.adam_steps import step_group
-from containers.optim.lean_adam import LeanAdam, LeanAdamW
+from containers.optim.lean_adam import ADAMS
 
 __all__ = ["step_together"]
-
-_ADAM = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
 
 HYPERPARAMETERS = (
     "lr",
@@ -84,7 +82,7 @@ def _mergeable(key: tuple[Any, ...]) -> bool:
 def _groupable(opt: Optimizer) -> bool:
     """Whether nothing but the update itself happens in `opt.step()`."""
     return (
-        type(opt) in _ADAM
+        type(opt) in ADAMS
         and not opt._optimizer_step_pre_hooks
         and not opt._optimizer_step_post_hooks
         and _own_step(opt)
@@ -111,7 +109,7 @@ def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         return False
     return all(
-        type(opt) in _ADAM
+        type(opt) in ADAMS
         and not opt._optimizer_step_pre_hooks
         and not opt._optimizer_step_post_hooks
         and getattr(opt, "grad_scale", None) is None

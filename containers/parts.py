@@ -99,6 +99,10 @@ class Precision:
     `MasterWeights` (`containers.precision`) is the other.
     """
 
+    keeps_masters = False
+    """Whether the inner optimizers step fp32 masters of the model's parameters (their
+    update paths are the masters' ones: `containers.optim.paths`)."""
+
     must_skip_nonfinite = False
     """Whether steps with non-finite gradients must be skipped even where the container
     would apply them (loss scaling finds its overflows this way)."""

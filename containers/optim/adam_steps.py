@@ -1,5 +1,6 @@
-"""The update paths of an Adam/AdamW param group (`step_group`), which `LeanAdam(W)` and the
-grouped step take: torch's functional `adam` for float32 moments; for bf16 moments
+"""The update paths of an Adam/AdamW param group (`step_group`, by the name
+`containers.optim.paths.adam_path` gives), which `LeanAdam(W)` and the grouped step take:
+torch's functional `adam` for float32 moments; for bf16 moments
 (`lean_adam`) torch's fused kernel on each chunk of moments (`scratch`-sized,
 cache-resident) widened into fp32 scratch and rounded back to nearest, so a lean step is, bit
 for bit, torch's fused step on the fp32 values of the bf16 moments followed by rounding them
@@ -8,10 +9,10 @@ for bit, torch's fused step on the fp32 values of the bf16 moments followed by r
 (`containers.optim.compiled_adam`).
 
 Where torch's own fused kernel takes bf16 moments beside fp32 parameters (its
-mixed-precision CUDA kernel, absent from torch 2.11: `lean.fused_takes_bf16_moments` asks the
-device once), it steps them as they are, no scratch: bit for bit what torch's
-`AdamW(fused=True)` does with bf16 state (torchtitan's `fused_opt_states_bf16`), whose bias
-corrections are taken in fp64, so its bits may differ from the widened step's by an ulp.
+mixed-precision CUDA kernel: `paths.BF16_FUSED_DEVICES`), it steps them as they are, no
+scratch: bit for bit what torch's `AdamW(fused=True)` does with bf16 state (torchtitan's
+`fused_opt_states_bf16`), whose bias corrections are taken in fp64, so its bits may differ
+from the widened step's by an ulp.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 from torch.optim.adam import adam
 
 from containers.norm import local, scratch, scratch_numel
-from containers.optim.coded_adam import CODED, coded_adam
+from containers.optim.coded_adam import coded_adam
 from containers.optim.compiled_adam import compiled_adam, compiled_coded_adam, takes_codes
-from containers.optim.lean import fused_takes_bf16_moments
+from containers.optim.paths import adam_path
 
 __all__ = ["lean_adam", "step_coded", "step_compiled", "step_group"]
 
@@ -41,9 +42,8 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update of a group's collected tensors: torch's functional `adam`,
-    `lean_adam` for a group that keeps its moments in a lower dtype, or one inductor graph
-    for a `compiled` group (`step_compiled`). `found_inf` (fused or compiled groups only, as
+    """One Adam/AdamW update of a group's collected tensors, through the group's path
+    (`containers.optim.paths.adam_path`). `found_inf` (fused or compiled groups only, as
     torch's): set, the kernels change nothing and the step counts go back."""
     beta1, beta2 = group["betas"]
     settings = dict(
@@ -51,24 +51,24 @@ def step_group(
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
-    if group.get("moment_dtype") == CODED:
+    path = adam_path(group)
+    if path in ("8bit scratch", "8bit compiled"):
         step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings,
-                   compiled=group.get("compiled", False))  # fmt: skip
-        return
-    if group.get("compiled"):
+                   compiled=path == "8bit compiled")  # fmt: skip
+    elif path == "compiled":
         step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
-        return
-    if group.get("moment_dtype", "float32") != "float32":
+    elif path in ("bf16 fused", "bf16 scratch"):
         lean_adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf=found_inf,
-            **settings,
+            widen=path == "bf16 scratch", **settings,
         )  # fmt: skip
-        return
-    adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
-        capturable=group["capturable"], differentiable=group["differentiable"],
-        fused=group["fused"], has_complex=has_complex, found_inf=found_inf, **settings,
-    )  # fmt: skip
+    else:
+        adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group["foreach"], capturable=group["capturable"],
+            differentiable=group["differentiable"], fused=group["fused"],
+            has_complex=has_complex, found_inf=found_inf, **settings,
+        )  # fmt: skip
 
 
 @torch.no_grad()
@@ -89,9 +89,11 @@ def lean_adam(
     maximize: bool,
     decoupled_weight_decay: bool,
     found_inf: torch.Tensor | None = None,
+    widen: bool = True,
 ) -> None:
     """Adam/AdamW over moments of a lower dtype than the parameters: torch's fused kernel on
-    fp32 scratch copies of them, a chunk at a time, rounded back (see the module docstring).
+    fp32 scratch copies of them, a chunk at a time, rounded back (`widen`), or on them as they
+    are (a device whose kernel takes them; parameters of the moments' own dtype always).
     Where `found_inf` is set the kernel changes nothing (the moments round-trip exactly
     through fp32) and the step counts go back, as torch's `_fused_adam` does."""
     torch._foreach_add_(steps, 1)
@@ -127,15 +129,13 @@ def lean_adam(
         batch.clear()
         filled = 0
 
-    direct: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) for torch's
+    # (param, grad, step, *moments) that torch's kernel steps as they are, by parameter dtype
+    direct: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         ms = [local(moment[i]) for moment in moments]
-        if _direct(p, g, ms):
-            direct.append((p, g, steps[i], *ms))
-            continue
-        if p.dtype != torch.float32 or not all(t.is_contiguous() for t in (p, g, *ms)):
-            _step_whole(kernel, p, g, ms, steps[i], amsgrad, settings)
+        if not widen or p.dtype == ms[0].dtype:
+            direct.setdefault(p.dtype, []).append((p, g, steps[i], *ms))
             continue
         n, begin = p.numel(), 0
         flat = [t.view(-1) for t in (p, g, *ms)]
@@ -147,23 +147,11 @@ def lean_adam(
             batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
             filled += stop - start
     flush()
-    if direct:  # torch's kernel over the bf16 moments themselves: no scratch
-        p, g, s, *ms = ([piece[k] for piece in direct] for k in range(3 + n_moments))
+    for pieces in direct.values():  # torch's kernel over the moments themselves: no scratch
+        p, g, s, *ms = ([piece[k] for piece in pieces] for k in range(3 + n_moments))
         kernel(p, g, ms[0], ms[1], ms[2] if amsgrad else [], s, **settings)
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
-
-
-def _direct(p: torch.Tensor, g: torch.Tensor, moments: list[torch.Tensor]) -> bool:
-    """Whether torch's fused kernel steps these local tensors as they are: contiguous fp32
-    parameter and gradient, bf16 moments, on a device whose kernel takes them
-    (`fused_takes_bf16_moments`)."""
-    return (
-        fused_takes_bf16_moments(p.device)  # (first: on a CPU it ends the test at once)
-        and p.dtype == g.dtype == torch.float32
-        and all(m.dtype == torch.bfloat16 for m in moments)
-        and all(t.is_contiguous() for t in (p, g, *moments))
-    )
 
 
 @torch.no_grad()
@@ -178,16 +166,10 @@ def step_compiled(
 ) -> None:
     """A `compiled` group's update: one inductor graph over its tensors, each moment read and
     written in its own dtype (`containers.optim.compiled_adam`); a tensor the graph cannot
-    view flat (not contiguous) steps alone through the fused kernel, widened."""
+    view flat (not contiguous) is refused when the group is built (`LeanAdam`)."""
     torch._foreach_add_(steps, 1)
     pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-    live = [i for i, p in enumerate(pieces[0]) if p.numel()]
-    flat = [i for i in live if all(ts[i].is_contiguous() for ts in pieces)]
-    kernel = torch._fused_adamw_ if settings["decoupled_weight_decay"] else torch._fused_adam_
-    whole = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
-    for i in sorted(set(live) - set(flat)):
-        p, g, m, v = (ts[i] for ts in pieces)
-        _step_whole(kernel, p, g, [m, v], steps[i], False, whole | {"found_inf": found_inf})
+    flat = [i for i, p in enumerate(pieces[0]) if p.numel()]
     if flat:
         pick = lambda k: [pieces[k][i] for i in flat]  # noqa: E731
         rest = {k: v for k, v in settings.items() if k != "amsgrad"}
@@ -249,21 +231,3 @@ def step_coded(
                    settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(codes[4], [found_inf] * len(codes[4]))
-
-
-def _step_whole(
-    kernel: Any,
-    p: torch.Tensor,
-    g: torch.Tensor,
-    moments: list[torch.Tensor],
-    step: torch.Tensor,
-    amsgrad: bool,
-    settings: dict[str, Any],
-) -> None:
-    """A parameter the chunks cannot view (not contiguous, or not fp32): its moments widened
-    to the parameter's dtype whole (or stepped in place, already of its dtype)."""
-    wide = [m.to(p.dtype) for m in moments]
-    kernel([p], [g], [wide[0]], [wide[1]], [wide[2]] if amsgrad else [], [step], **settings)
-    for m, w in zip(moments, wide):
-        if w is not m:
-            m.copy_(w)

@@ -10,10 +10,8 @@ would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -24,10 +22,8 @@ from containers.optim.coded_adam import CODED, coded, decode_moment, encode_mome
 __all__ = [
     "MOMENT_DTYPES",
     "check_moment_dtype",
-    "fused_takes_bf16_moments",
     "load_keeping_dtypes",
     "moment_dtype_of",
-    "widening",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,41 +98,3 @@ def _kept_as(policy: str, name: str, value: Any, p: torch.Tensor) -> Any:
         return encode_moment(name, decode_moment(name, value, torch.float32, p), p)
     dtype = MOMENT_DTYPES[policy]
     return decode_moment(name, value, dtype, p).to(device=p.device, dtype=dtype)
-
-
-def fused_takes_bf16_moments(device: torch.device) -> bool:
-    """Whether torch's fused Adam/AdamW kernel on `device` steps bf16 moments beside fp32
-    parameters and gradients itself (torch's mixed-precision CUDA kernel, which torch 2.11
-    lacks; torchtitan's `fused_opt_states_bf16` path), asked once per device type by a step of
-    a few values. Never on a CPU."""
-    return device.type != "cpu" and not _widen[0] and _probe(device.type)
-
-
-_widen = [False]
-
-
-@contextlib.contextmanager
-def widening() -> Iterator[None]:
-    """Within: `fused_takes_bf16_moments` is False, so bf16 moments are widened into fp32
-    scratch as on a torch without the kernel (benchmarks time both side by side)."""
-    before, _widen[0] = _widen[0], True
-    try:
-        yield
-    finally:
-        _widen[0] = before
-
-
-@functools.cache
-def _probe(kind: str) -> bool:
-    p = torch.ones(64, device=kind)
-    m, v = (torch.zeros_like(p, dtype=torch.bfloat16) for _ in range(2))
-    try:
-        torch._fused_adamw_(
-            [p], [torch.ones_like(p)], [m], [v], [], [torch.ones((), device=kind)], lr=0.5,
-            beta1=0.5, beta2=0.5, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-        )  # fmt: skip
-    except (RuntimeError, NotImplementedError) as e:
-        logger.info("bf16 moments on %s step through fp32 scratch: %s", kind, str(e)[:120])
-        return False
-    # (one step from zero moments moves each weight by lr: 1 - 0.5)
-    return bool((p == 0.5).all() and (m == 0.5).all() and (v == 0.5).all())

@@ -27,7 +27,7 @@ from containers.optim.adam_steps import step_group
 from containers.optim.coded_adam import CODED, new_moments, say_cuts
 from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
 
-__all__ = ["LeanAdam", "LeanAdamW"]
+__all__ = ["ADAMS", "LeanAdam", "LeanAdamW"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -74,6 +74,8 @@ class _Lean:
             for p in [params] if isinstance(params, torch.Tensor) else params:
                 say_cuts(p)
         lean = param_group["moment_dtype"] != "float32" or param_group["compiled"]
+        if lean:
+            _refuse_strided(param_group, name)
         if lean and param_group.get("fused") is None:
             # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
             param_group["fused"] = True
@@ -139,9 +141,29 @@ class _Lean:
             group["compiled"] = own
 
 
+def _refuse_strided(group: dict[str, Any], name: str) -> None:
+    """Lean and compiled groups step their tensors as flat views: refuse a parameter that is
+    not contiguous (a model's parameters and their FSDP2 shards are)."""
+    params = group["params"]
+    if not isinstance(params, (torch.Tensor, list, tuple, set)):  # (a generator: read it once)
+        group["params"] = params = list(params)
+    for p in [params] if isinstance(params, torch.Tensor) else params:
+        if not p.is_contiguous():
+            raise ValueError(
+                f"{name}: moment_dtype = {group['moment_dtype']!r}, compiled = "
+                f"{group['compiled']}: a parameter of shape {tuple(p.shape)} is not contiguous "
+                "(these groups step flat views); make it contiguous or use moment_dtype = "
+                "'float32' without compiled"
+            )
+
+
 class LeanAdam(_Lean, torch.optim.Adam):
     """`torch.optim.Adam` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
 
 
 class LeanAdamW(_Lean, torch.optim.AdamW):
     """`torch.optim.AdamW` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
+
+
+ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
+"""The classes whose groups a container may step itself: they share torch's `adam`."""

@@ -41,8 +41,8 @@ from torch.optim import Optimizer
 
 from containers.norm import local, scratch, scratch_numel, shaped_like
 from containers.optim.compiled_adam import compiled_adam
-from containers.optim.lean import fused_takes_bf16_moments, moment_dtype_of
-from containers.optim.lean_adam import LeanAdam, LeanAdamW
+from containers.optim.lean import moment_dtype_of
+from containers.optim.paths import BF16_FUSED_DEVICES, update_path
 from containers.precision import remainders as rem
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
@@ -52,19 +52,13 @@ PAD = 64
 the fused kernel's per-thread split (one 64-byte cache line)."""
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
 
 
 def eligible(opt: Optimizer, group: dict) -> bool:
-    """Whether `group` of `opt` can step flat: torch's own Adam or AdamW (or their lean
-    forms) with the fused kernel chosen, whose update of an element reads only that
-    element's gradient and state."""
-    if type(opt) not in _ADAMS or not group["params"]:
-        return False
-    if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
-        return False
-    tensors = [local(m) for m in group["params"]]
-    return all(t.is_contiguous() for t in tensors) and len({t.device for t in tensors}) == 1
+    """Whether `group` of `opt` steps flat (`containers.optim.paths.update_path`): torch's
+    Adam or AdamW (or their lean forms) with the fused kernel chosen, whose update of an
+    element reads only that element's gradient and state."""
+    return update_path(opt, group, masters=True) != "masters per tensor"
 
 
 def _position(opt: Optimizer, group: dict) -> int:
@@ -128,7 +122,7 @@ class FlatGroup:
         where = first.device
         self.lean = moment != first.dtype
         # moments widened into scratch for the kernel, unless torch's takes them as they are
-        self.widened = self.lean and not fused_takes_bf16_moments(where)
+        self.widened = self.lean and where.type not in BF16_FUSED_DEVICES
         self.remainders = remainders
         # fp32 scratch regions a chunk takes: gradients, then masters and moments if narrower
         self.regions = 1 + remainders + 2 * self.widened

@@ -50,6 +50,8 @@ class MasterWeights(MasterState, Precision):
         settings: the `[mixed_precision]` settings (dtypes, loss scaling, compile).
     """
 
+    keeps_masters = True
+
     def __init__(self, settings: MixedPrecisionConfig | None = None) -> None:
         self.settings = settings if settings is not None else MixedPrecisionConfig()
         self.param_dtype = getattr(torch, self.settings.param_dtype)

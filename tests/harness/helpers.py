@@ -35,11 +35,9 @@ def sharded_three_parts(seed: int = 0) -> list[nn.Module]:
 
 
 def loose_params(shapes: list[tuple[int, ...]], seed: int = 0) -> list[torch.Tensor]:
-    """Leaf tensors of `shapes` (seeded), the last one transposed: not contiguous."""
+    """Leaf tensors of `shapes` (seeded)."""
     g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in shapes]
-    params[-1] = params[-1].t()
-    return [p.requires_grad_() for p in params]
+    return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
 
 
 def same_grads(step: int, *params: list[torch.Tensor]) -> None:

@@ -21,7 +21,7 @@ from tests.harness.helpers import (
     train,
 )
 
-# A large tensor, a small one, a 3-d one, one not contiguous (stepped alone, widened).
+# A large tensor, a small one, a 3-d one, a matrix.
 SHAPES = [(300, 1000), (33,), (3, 5, 7), (64, 48)]
 
 
@@ -55,7 +55,7 @@ def test_a_compiled_step_is_the_fused_step_within_a_few_ulp_in_the_moments_dtype
 ):
     """Each step from the same state: the graph's parameters and moments within a few fp32
     ulp of the fused kernel's (on the widened moments, rounded back, for bf16), the moments
-    kept in their dtype, the step counts equal; the non-contiguous tensor steps alone."""
+    kept in their dtype, the step counts equal."""
     calls = compiled_calls(monkeypatch)
     ours, ref_params = _params(), _params()
     compiled = cls(ours, moment_dtype=moment_dtype, compiled=True, **kwargs)

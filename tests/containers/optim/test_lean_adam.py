@@ -33,7 +33,7 @@ from tests.harness.helpers import (
 )
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# A tensor spanning several chunks, one not contiguous, small ones batched into one chunk.
+# A tensor spanning several chunks, small ones batched into one chunk.
 SHAPES = [(700, 1000), (33,), (3, 5, 7), (64, 48)]
 
 
@@ -74,12 +74,10 @@ def test_a_lean_step_is_torchs_fused_step_on_the_widened_moments_rounded_back(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA kernel, on a GPU only")
 def test_where_torchs_kernel_takes_bf16_moments_a_lean_step_is_torchs_over_bf16_state():
-    """torch's mixed-precision CUDA kernel (not in torch 2.11: then the widened step, tested
-    above) steps the bf16 moments as they are: a lean step is torch's AdamW(fused=True) whose
-    state was made bf16 before its first step (torchtitan's recipe), bit for bit."""
+    """torch's mixed-precision CUDA kernel steps the bf16 moments as they are: a lean step is
+    torch's AdamW(fused=True) whose state was made bf16 before its first step (torchtitan's
+    recipe), bit for bit."""
     device = torch.device("cuda")
-    if not adam_steps.fused_takes_bf16_moments(device):
-        pytest.skip("this torch's CUDA fused AdamW refuses bf16 moments beside fp32 params")
     g = torch.Generator().manual_seed(0)
     shapes = [(700, 1000), (33,), (3, 5, 7)]
     lean_params = [torch.randn(s, generator=g).to(device).requires_grad_() for s in shapes]
@@ -340,3 +338,15 @@ def test_the_config_builds_lean_adamw_with_per_group_dtypes():
     assert dtypes == {"bfloat16", "float32"}
     plain = build_optimizers(three_parts(), OptimizerConfig())
     assert {type(o) for o in plain} == {torch.optim.AdamW}  # today's class when nothing asks
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"moment_dtype": "bfloat16"}, {"moment_dtype": "8bit"}, {"compiled": True}]
+)
+def test_a_lean_or_compiled_group_refuses_a_parameter_that_is_not_contiguous(kwargs):
+    """These groups step flat views: a strided parameter is refused by name when the group
+    is built, never stepped through a copy of it."""
+    strided = torch.randn(64, 48).t().requires_grad_()
+    with pytest.raises(ValueError, match=r"shape \(48, 64\) is not contiguous"):
+        LeanAdamW([torch.randn(8, requires_grad=True), strided], lr=1e-3, **kwargs)
+    LeanAdamW([strided], lr=1e-3)  # fp32 moments, eager: torch's own step takes it
