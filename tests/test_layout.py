@@ -60,12 +60,7 @@ def test_the_floors_are_checked_at_all():
 
 def test_containers_imports_without_the_trainers_packages():
     """A project with its own `config` (or `components`) package imports the library."""
-    code = (
-        "import sys\n"
-        "sys.modules['config'] = None\n"
-        "sys.modules['components'] = None\n"
-        "import containers\n"
-    )
+    code = "import sys; sys.modules['config'] = sys.modules['components'] = None; import containers"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
