@@ -40,7 +40,7 @@ from components.logs import FORMAT, setup_logging, start_line
 from components.metrics import MetricsLogger, group_lrs, lr_group_names, param_checksum
 from components.preemption import StopRequest, watch_parent
 from config import ConfigError, load_job_config, to_toml, usage
-from containers import GateLost
+from containers import GateLost, SettingsMismatch
 
 logger = logging.getLogger("train")
 
@@ -109,6 +109,8 @@ def main(argv: list[str]) -> int:
             loss_sum += job.forward_backward(inputs.to(job.device), labels.to(job.device))
         try:
             optimizers.step()  # averages across replica groups, clips, decides, applies
+        except SettingsMismatch as e:  # started with another group's config: exit 2, one line
+            raise ConfigError(str(e)) from e
         except GateLost as e:  # nothing changed: the state is the last committed step's
             job.checkpoint.maybe_save(state.step, force=True)
             fail(

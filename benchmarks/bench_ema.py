@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import markdown_table  # noqa: E402
-from config import MixedPrecision  # noqa: E402
 from containers import (  # noqa: E402
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     ShadowWeights,
 )
@@ -43,7 +43,7 @@ def _default(ema: ShadowWeights | None) -> Build:
 
 def _mixed(ema: ShadowWeights | None) -> Build:
     return lambda m: MixedPrecisionOptimizersContainer(
-        [m], torch.optim.AdamW, KW, settings=MixedPrecision(), ema=ema
+        [m], torch.optim.AdamW, KW, settings=MixedPrecisionSettings(), ema=ema
     )
 
 

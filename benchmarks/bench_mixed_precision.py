@@ -39,8 +39,12 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh, train_peak
-from config import MixedPrecision
-from containers import InBackward, MixedPrecisionOptimizersContainer, norm
+from containers import (
+    InBackward,
+    MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
+    norm,
+)
 
 
 def _flat(n: int, parts: int, dtype: torch.dtype) -> list[nn.Module]:
@@ -123,7 +127,7 @@ def _build(kind: str, args: argparse.Namespace) -> tuple[list, list, Callable[[]
         opt = torch.optim.AdamW(params, **kw)
         return params, grads, opt.step, [opt]
     if kind in ("container", "compiled"):
-        settings = MixedPrecision(
+        settings = MixedPrecisionSettings(
             loss_scaling="static", initial_scale=1024.0, compile=kind == "compiled"
         )
         opt = MixedPrecisionOptimizersContainer(
@@ -203,7 +207,7 @@ def _fwd_bwd(kind: str, args: argparse.Namespace) -> dict[str, float]:
     width = args.fb_width
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(args.fb_layers)))
     model = model.to(torch.bfloat16)
-    settings = MixedPrecision(loss_scaling="none")
+    settings = MixedPrecisionSettings(loss_scaling="none")
     timing = InBackward() if kind == "fwd_bwd_in_backward" else None
     opt = MixedPrecisionOptimizersContainer(
         [model], torch.optim.AdamW, {"lr": 1e-4, "fused": True}, settings=settings, timing=timing

@@ -45,6 +45,7 @@ from containers import (
     LeanAdamW,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     ParamGroupRule,
     Precision,
@@ -58,6 +59,7 @@ __all__ = [
     "build_optimizers",
     "build_precision",
     "check_names",
+    "mixed_precision_settings",
     "register_container",
     "register_optimizer",
     "registered_containers",
@@ -114,10 +116,19 @@ def build_precision(
     (`cast_model`) before sharding, then hands it to `build_optimizers`."""
     if cfg.container == "mixed_precision":
         try:
-            return MasterWeights(mixed_precision)
+            return MasterWeights(
+                None if mixed_precision is None else mixed_precision_settings(mixed_precision)
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from e
     return Precision()
+
+
+def mixed_precision_settings(section: MixedPrecisionConfig) -> MixedPrecisionSettings:
+    """The library's settings from the `[mixed_precision]` section (the one place it converts:
+    the library never reads the trainer's config)."""
+    names = [f.name for f in dataclasses.fields(MixedPrecisionSettings)]
+    return MixedPrecisionSettings(**{name: getattr(section, name) for name in names})
 
 
 def _rules(

@@ -13,6 +13,13 @@ from typing import Literal
 
 from config.fields import bounded
 from config.optimizer_config import Optimizer
+from containers.precision.settings import (
+    GradAccumulationDtype,
+    LossScaling,
+    MasterDtype,
+    MixedPrecisionSettings,
+    ParamDtype,
+)
 
 FloatDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -268,43 +275,48 @@ class FaultTolerance:
     """DiLoCo: Nesterov momentum in the outer step (torchtitan's choice)."""
 
 
+_MP = MixedPrecisionSettings()  # the library's defaults
+
+
 @dataclass(kw_only=True)
 class MixedPrecision:
     """The mixed-precision container's settings (`[optimizer] container = "mixed_precision"`;
-    another container refuses a key set here, which it would not read)."""
+    another container refuses a key set here, which it would not read). The defaults are the
+    library's (`containers.MixedPrecisionSettings`), which `components.optimizer` builds from
+    this section."""
 
-    param_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    param_dtype: ParamDtype = _MP.param_dtype
     """Dtype the model parameters are kept in."""
 
-    master_dtype: Literal["float32"] = "float32"
+    master_dtype: MasterDtype = _MP.master_dtype
     """Dtype of the master weights the optimizer steps on."""
 
-    loss_scaling: Literal["auto", "dynamic", "static", "none"] = "auto"
+    loss_scaling: LossScaling = _MP.loss_scaling
     """Loss scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`; "auto" is
     "dynamic" for float16 and "none" for bfloat16 (fp32's exponent range: no scale needed)."""
 
-    initial_scale: float = bounded(2.0**16, gt=0.0)
+    initial_scale: float = bounded(_MP.initial_scale, gt=0.0)
     """Loss scale at the start."""
 
-    growth_factor: float = bounded(2.0, gt=1.0)
+    growth_factor: float = bounded(_MP.growth_factor, gt=1.0)
     """Scale multiplier after `growth_interval` steps without overflow."""
 
-    backoff_factor: float = bounded(0.5, gt=0.0, lt=1.0)
+    backoff_factor: float = bounded(_MP.backoff_factor, gt=0.0, lt=1.0)
     """Scale multiplier after an overflow."""
 
-    growth_interval: int = bounded(1000, ge=1)
+    growth_interval: int = bounded(_MP.growth_interval, ge=1)
     """Overflow-free steps before the scale grows."""
 
-    hysteresis: int = bounded(2, ge=1)
+    hysteresis: int = bounded(_MP.hysteresis, ge=1)
     """Overflows tolerated before the scale backs off."""
 
-    min_scale: float = bounded(1.0, gt=0.0)
+    min_scale: float = bounded(_MP.min_scale, gt=0.0)
     """Lowest loss scale."""
 
-    max_scale: float = bounded(2.0**24, gt=0.0)
+    max_scale: float = bounded(_MP.max_scale, gt=0.0)
     """Highest loss scale."""
 
-    compile: bool = False
+    compile: bool = _MP.compile
     """Step fused Adam/AdamW groups as one `torch.compile`d (inductor) graph each, over their
     tensors where they lie: each gradient read once, master (or parameter and remainder),
     moments and parameter written in the same pass, no scratch, no host sync of its own.
@@ -313,14 +325,14 @@ class MixedPrecision:
     for hundreds of tensors), then inductor's cache. On an H200 the graph alone is 0.92x a
     fused fp32 AdamW step; on a CPU slower than the eager step: for GPUs."""
 
-    store_param_remainders: bool = False
+    store_param_remainders: bool = _MP.store_param_remainders
     """Keep each fp32 master as its bf16 parameter plus a 16-bit remainder (Megatron's name):
     the same master bit for bit in 2 bytes/param instead of 4. bfloat16 parameters and fused
     Adam/AdamW only (with `[optimizer] moment_dtype = "bfloat16"`: 8 bytes/param of state in
     all); checkpoints hold the fp32 masters either way, so runs with and without it load each
     other's. The parameter rounds ties away from zero (torch's cast: to even)."""
 
-    grad_accumulation_dtype: Literal["param_dtype", "float32"] = "param_dtype"
+    grad_accumulation_dtype: GradAccumulationDtype = _MP.grad_accumulation_dtype
     """Dtype the gradients are summed in over a step's micro-batches: "param_dtype" adds each
     micro-batch's into the last in bf16/fp16 (least memory); "float32" keeps an fp32 sum per
     parameter (+2 bytes/param until the step; with 4 micro-batches on the debug job, 3% lower

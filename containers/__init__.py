@@ -10,8 +10,8 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
     norm.py          the global gradient norm over the job's mesh; local-shard helpers
     grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
     ema.py           ShadowWeights: an EMA of the stepped weights, state of the container
-    precision/       MasterWeights (mixed precision) and its update paths
-    gate/            TorchFTGate (torchft), DiLoCoGate
+    precision/       MasterWeights (mixed precision), its settings and update paths
+    gate/            TorchFTGate (torchft), DiLoCoGate, SettingsMismatch
     timing/          InBackward
     state/           the flat FQN state format, initial state, param-group rules, FSDP1 slices
     optim/           optimizers the project adds (ShardedMuon)
@@ -19,13 +19,14 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
 
 from containers.container import OptimizersContainer, Unit
 from containers.ema import ShadowWeights
-from containers.gate import DiLoCoGate, FTOptimizersContainer, TorchFTGate
+from containers.gate import DiLoCoGate, FTOptimizersContainer, SettingsMismatch, TorchFTGate
 from containers.optim import LeanAdam, LeanAdamW, LeanSGD, ShardedMuon
 from containers.parts import Gate, GateLost, Precision, StepReport, Timing
 from containers.precision import (
     LossScaler,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     load_planner,
 )
 from containers.state import ParamGroupRule
@@ -43,10 +44,12 @@ __all__ = [
     "LossScaler",
     "MasterWeights",
     "MixedPrecisionOptimizersContainer",
+    "MixedPrecisionSettings",
     "OptimizersContainer",
     "OptimizersInBackwardContainer",
     "ParamGroupRule",
     "Precision",
+    "SettingsMismatch",
     "ShadowWeights",
     "ShardedMuon",
     "StepReport",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from config import load_job_config
-from tests.harness.dist import launch
+from tests.harness.dist import REPO, launch
 
 ARGS = [
     *("--job.config_file", "config/debug.toml", "--model.flavor", "tiny"),
@@ -35,10 +36,13 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _tool(name: str, *args: str, cwd) -> str:
-    """`python -m scripts.<name>` from another directory (the installed package)."""
+    """`python -m scripts.<name>` from another directory, with the checkout on PYTHONPATH (the
+    installed distribution holds the library only)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, "-m", f"scripts.{name}", *args],
         cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=120,

@@ -19,14 +19,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from config.errors import ConfigError
-
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["SettingsAgreement"]
+__all__ = ["SettingsAgreement", "SettingsMismatch"]
 
 logger = logging.getLogger(__name__)
+
+
+class SettingsMismatch(ValueError):
+    """This replica group's settings differ from the reference group's, so it may not train
+    with them; the message is one line naming each differing key with both values."""
 
 
 class SettingsAgreement:
@@ -51,7 +54,7 @@ class SettingsAgreement:
         group, so the groups left run no collective on it this step.
 
         Raises:
-            ConfigError: this group's settings differ from the reference group's.
+            SettingsMismatch: this group's settings differ from the reference group's.
         """
         quorum = getattr(manager, "_quorum_id", None)  # torchft has no public accessor
         if quorum is not None and quorum == self._agreed_quorum:
@@ -80,7 +83,7 @@ class SettingsAgreement:
             self._agreed_quorum = quorum
             return None
         if self.settings != ref["settings"]:
-            raise ConfigError(
+            raise SettingsMismatch(
                 f"replica group {self.name} refused before it committed anything: its config "
                 f"differs from replica group {ref['name']}'s (at step {ref['step']}) in "
                 f"{_differences(self.settings, ref['settings'], ref['name'])}; replica groups "

@@ -64,7 +64,7 @@ class DiLoCoGate(Gate):
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
         agree_on: settings every replica group must share, compared at each new quorum
             before the average (`SettingsAgreement`; a group that differs is refused with a
-            `ConfigError` naming the keys); None: not compared.
+            `SettingsMismatch` naming the keys); None: not compared.
         name: this group's name in those messages.
     """
 

@@ -41,7 +41,7 @@ class TorchFTGate(Gate):
         agree_on: settings (key -> JSON-serializable value) every replica group must share,
             compared at each new quorum before the gradient average (`SettingsAgreement`):
             a group that differs from the first live group is refused with a
-            `ConfigError` naming the keys; None: not compared.
+            `SettingsMismatch` naming the keys; None: not compared.
         name: this group's name in those messages.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from config import MixedPrecision as MixedPrecisionConfig
+from containers.precision.settings import MixedPrecisionSettings
 
 __all__ = ["LossScaler"]
 
@@ -14,13 +14,15 @@ class LossScaler:
     """Loss scale that adapts ("dynamic"), stays fixed ("static") or is 1.0 ("none").
 
     Args:
-        settings: the `[mixed_precision]` settings (the only place the defaults live).
+        settings: the loss-scaling settings (default `MixedPrecisionSettings()`).
         fp16: whether the parameters are fp16; `loss_scaling = "auto"` scales only then
             (bf16 shares fp32's exponent range and needs no scaling).
     """
 
-    def __init__(self, settings: MixedPrecisionConfig | None = None, *, fp16: bool = True) -> None:
-        s = settings if settings is not None else MixedPrecisionConfig()
+    def __init__(
+        self, settings: MixedPrecisionSettings | None = None, *, fp16: bool = True
+    ) -> None:
+        s = settings if settings is not None else MixedPrecisionSettings()
         self.mode = s.loss_scaling if s.loss_scaling != "auto" else ("dynamic" if fp16 else "none")
         self.scale = s.initial_scale if self.mode != "none" else 1.0
         self.growth_factor, self.backoff_factor = s.growth_factor, s.backoff_factor

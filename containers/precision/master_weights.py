@@ -28,7 +28,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from config import MixedPrecision as MixedPrecisionConfig
 from containers.norm import GlobalNorm, local
 from containers.parts import Precision
 from containers.precision.eager import step_masters
@@ -36,6 +35,7 @@ from containers.precision.flat_adam import FlatGroup, eligible
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
+from containers.precision.settings import MixedPrecisionSettings
 from containers.precision.sums import FullPrecisionSums, from_initial
 
 __all__ = ["MasterWeights"]
@@ -47,13 +47,13 @@ class MasterWeights(MasterState, Precision):
     """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them.
 
     Args:
-        settings: the `[mixed_precision]` settings (dtypes, loss scaling, compile).
+        settings: dtypes, loss scaling, update path (default `MixedPrecisionSettings()`).
     """
 
     keeps_masters = True
 
-    def __init__(self, settings: MixedPrecisionConfig | None = None) -> None:
-        self.settings = settings if settings is not None else MixedPrecisionConfig()
+    def __init__(self, settings: MixedPrecisionSettings | None = None) -> None:
+        self.settings = settings if settings is not None else MixedPrecisionSettings()
         self.param_dtype = getattr(torch, self.settings.param_dtype)
         self.master_dtype = getattr(torch, self.settings.master_dtype)
         if self.param_dtype not in (torch.bfloat16, torch.float16):

@@ -11,13 +11,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from config import MixedPrecision as MixedPrecisionConfig
 from containers.container import OptimizersContainer
 from containers.ema import ShadowWeights
 from containers.parts import Gate, Timing
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
 from containers.precision.remainders import LoadPlanner
+from containers.precision.settings import MixedPrecisionSettings
 from containers.state.param_groups import ParamGroupRule
 
 __all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
@@ -38,7 +38,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         optimizer_cls: optimizer for the masters (any `torch.optim` one).
         optimizer_kwargs: its constructor kwargs.
         param_groups: rules that form param groups by FQN.
-        settings: the `[mixed_precision]` settings; default `config.MixedPrecision()`.
+        settings: dtypes, loss scaling, update path; default `MixedPrecisionSettings()`.
         precision: a `MasterWeights` built already (e.g. the one the model was cast with);
             replaces `settings`.
         max_norm: clip the global gradient norm to this; 0 or None leaves gradients
@@ -56,7 +56,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         optimizer_kwargs: Mapping[str, Any],
         *,
         param_groups: Sequence[ParamGroupRule] = (),
-        settings: MixedPrecisionConfig | None = None,
+        settings: MixedPrecisionSettings | None = None,
         precision: MasterWeights | None = None,
         max_norm: float | None = 0.0,
         gate: Gate | None = None,

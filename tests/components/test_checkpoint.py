@@ -307,10 +307,16 @@ def test_async_saves_are_published_as_soon_as_complete_on_two_ranks(tmp_path):
 
 def _lean_job(folder: Path, seed: int) -> tuple[list, object, TrainState, CheckpointManager]:
     """A mixed-precision job whose masters are kept as remainders, with bf16 moments."""
-    from config import MixedPrecision
-    from containers import LeanAdamW, MasterWeights, MixedPrecisionOptimizersContainer
+    from containers import (
+        LeanAdamW,
+        MasterWeights,
+        MixedPrecisionOptimizersContainer,
+        MixedPrecisionSettings,
+    )
 
-    precision = MasterWeights(MixedPrecision(loss_scaling="none", store_param_remainders=True))
+    precision = MasterWeights(
+        MixedPrecisionSettings(loss_scaling="none", store_param_remainders=True)
+    )
     parts = [precision.cast_model(p) for p in three_parts(seed)]
     kwargs = {"lr": 1e-2, "moment_dtype": "bfloat16"}
     optimizers = MixedPrecisionOptimizersContainer(parts, LeanAdamW, kwargs, precision=precision)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from config import JobConfig, ParamGroup, field_docs, load_job_config, usage
+from config import JobConfig, MixedPrecision, ParamGroup, field_docs, load_job_config, usage
 from tests.harness.dist import REPO
 
 SECTIONS = typing.get_type_hints(JobConfig)
@@ -69,3 +69,21 @@ def test_every_key_is_read_somewhere():
         if f.name not in read
     ]
     assert not unread, f"config keys that nothing reads: {unread}"
+
+
+def test_mixed_precision_is_the_librarys_settings_key_for_key():
+    """`[mixed_precision]` has the library's keys and defaults, and its values reach the
+    library's `MixedPrecisionSettings` as they are."""
+    from components.optimizer import mixed_precision_settings
+    from containers import MixedPrecisionSettings
+
+    assert dataclasses.asdict(MixedPrecision()) == dataclasses.asdict(MixedPrecisionSettings())
+    section = MixedPrecision(
+        param_dtype="float16",
+        loss_scaling="static",
+        initial_scale=8.0,
+        growth_interval=3,
+        compile=True,
+        grad_accumulation_dtype="float32",
+    )
+    assert dataclasses.asdict(mixed_precision_settings(section)) == dataclasses.asdict(section)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
-from config import MixedPrecision
 from containers import (
     FTOptimizersContainer,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     OptimizersInBackwardContainer,
     ShadowWeights,
@@ -100,7 +100,7 @@ def test_ema_weights_swaps_the_average_in_and_the_weights_back_bitwise(precision
     if precision == "fp32":
         opt = OptimizersContainer(parts, torch.optim.AdamW, KW, ema=ema)
     else:  # the average of the fp32 masters, rounded into the bf16 parameters
-        masters, dtype = MasterWeights(MixedPrecision()), torch.bfloat16
+        masters, dtype = MasterWeights(MixedPrecisionSettings()), torch.bfloat16
         parts = [masters.cast_model(p) for p in parts]
         opt = MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, KW, precision=masters, ema=ema
@@ -216,7 +216,7 @@ def test_bad_settings_and_remainders_are_refused_by_name():
     with pytest.raises(ValueError, match=r"store_param_remainders keeps the fp32 masters"):
         MixedPrecisionOptimizersContainer(
             three_parts(), torch.optim.AdamW, {**KW, "fused": True},
-            settings=MixedPrecision(store_param_remainders=True), ema=ShadowWeights(0.9),
+            settings=MixedPrecisionSettings(store_param_remainders=True), ema=ShadowWeights(0.9),
         )  # fmt: skip
 
 

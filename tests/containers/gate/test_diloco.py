@@ -393,10 +393,9 @@ def test_the_outer_momentum_follows_the_lean_moment_dtype_and_the_global_weights
 def test_masters_kept_as_remainders_are_refused_when_built():
     """The outer step writes the fp32 masters between steps; remainders keep them only
     inside the flat step: refused by name, before any global weight is cloned."""
-    from config import MixedPrecision
-    from containers import MasterWeights, MixedPrecisionOptimizersContainer
+    from containers import MasterWeights, MixedPrecisionOptimizersContainer, MixedPrecisionSettings
 
-    precision = MasterWeights(MixedPrecision(store_param_remainders=True))
+    precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=True))
     parts = [precision.cast_model(p) for p in three_parts()]
     with pytest.raises(ValueError, match=r"DiLoCoGate with MasterWeights: store_param_remainders"):
         MixedPrecisionOptimizersContainer(

@@ -13,10 +13,11 @@ import torch
 
 from components.ft import build_ft_manager, manager_port
 from components.optimizer import build_optimizers
-from config import ConfigError, FaultTolerance, MixedPrecision, load_job_config
+from config import ConfigError, FaultTolerance, load_job_config
 from containers import (
     FTOptimizersContainer,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     TorchFTGate,
 )
@@ -259,7 +260,7 @@ def test_a_lone_replica_group_skips_the_average_and_steps_as_without_torchft(man
 
 def test_mixed_precision_under_the_gate_only_committed_steps_reach_the_scaler_and_hooks(manager):
     parts = [p.to(torch.float16) for p in three_parts()]
-    settings = MixedPrecision(
+    settings = MixedPrecisionSettings(
         param_dtype="float16",
         loss_scaling="dynamic",
         initial_scale=1024.0,
@@ -531,7 +532,7 @@ def _served_and_sent() -> tuple[dict, dict]:
     from components.ft import _picklable
     from containers import MasterWeights
 
-    precision = MasterWeights(MixedPrecision(loss_scaling="none"))
+    precision = MasterWeights(MixedPrecisionSettings(loss_scaling="none"))
     parts = [precision.cast_model(p) for p in three_parts()]
     for part in parts:
         fully_shard(part, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from config import MixedPrecision as MP
 from containers import LeanAdam, LeanAdamW, MixedPrecisionOptimizersContainer
+from containers import MixedPrecisionSettings as MP
 from containers.precision.flat_adam import PAD
 
 FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show

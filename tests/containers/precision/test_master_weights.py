@@ -16,7 +16,6 @@ from torch.distributed.fsdp import fully_shard
 import containers.decision as decision_module
 from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
-from config import MixedPrecision as MP
 from config import load_job_config
 from containers import (
     Gate,
@@ -25,6 +24,9 @@ from containers import (
     MasterWeights,
     MixedPrecisionOptimizersContainer,
     ParamGroupRule,
+)
+from containers import (
+    MixedPrecisionSettings as MP,
 )
 from tests.harness.dist import launch, run_ranks
 from tests.harness.helpers import (

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from config import MixedPrecision as MP
 from containers import MixedPrecisionOptimizersContainer
+from containers import MixedPrecisionSettings as MP
 from containers.precision.overflow import adam_ratio_bound
 from tests.harness.helpers import assert_same, batch, forward, full, three_parts
 

@@ -11,12 +11,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from components.checkpoint import ModelWrapper
-from config import MixedPrecision as MP
 from containers import (
     InBackward,
     LeanAdamW,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
+)
+from containers import (
+    MixedPrecisionSettings as MP,
 )
 from containers.precision import load_planner, remainders
 from containers.precision.flat_adam import PAD

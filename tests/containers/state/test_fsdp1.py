@@ -11,11 +11,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from components.parallelize import shard_parts
-from config import MixedPrecision
 from containers import (
     InBackward,
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     OptimizersInBackwardContainer,
     ParamGroupRule,
@@ -126,7 +126,7 @@ def _refusals() -> list[str]:
             param_groups=[ParamGroupRule("head.weight", {}, torch.optim.Muon, {})],
         ),
         "in_backward_mixed": lambda: MixedPrecisionOptimizersContainer(
-            parts, torch.optim.AdamW, {}, settings=MixedPrecision(), timing=InBackward()
+            parts, torch.optim.AdamW, {}, settings=MixedPrecisionSettings(), timing=InBackward()
         ),
         "coded": lambda: OptimizersContainer(parts, LeanAdamW, {"moment_dtype": "8bit"}),
     }

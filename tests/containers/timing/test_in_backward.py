@@ -19,10 +19,10 @@ from components.models.llama.data import ByteTextLoader
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.optimizer import build_optimizers
 from config import ConfigError, LRScheduler, load_job_config
-from config import MixedPrecision as MixedPrecisionConfig
 from containers import (
     InBackward,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     OptimizersInBackwardContainer,
     ParamGroupRule,
@@ -240,7 +240,7 @@ def test_refused_combinations_name_the_key_and_the_fix():
     with pytest.raises(ValueError, match="precision cannot work with: loss scaling 'dynamic'"):
         MixedPrecisionOptimizersContainer(
             [p.half() for p in _parts()], torch.optim.AdamW, KW, timing=InBackward(),
-            settings=MixedPrecisionConfig(param_dtype="float16"),
+            settings=MixedPrecisionSettings(param_dtype="float16"),
         )  # fmt: skip
     cfg = load_job_config(["--optimizer.container", "in_backward", "--training.max_norm", "0"])
     ib = build_optimizers(_parts(), cfg.optimizer, gradient_accumulation_steps=2)
