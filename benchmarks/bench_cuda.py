@@ -36,13 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_lean_state import CONTENDERS, steady_bytes  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
-from config import MixedPrecision  # noqa: E402
 from containers import (  # noqa: E402
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     OptimizersInBackwardContainer,
 )
+from containers import MixedPrecisionSettings as MixedPrecision  # noqa: E402
 from containers.norm import exact_sum_of_squares, nonfinite_flag  # noqa: E402
 
 KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
@@ -235,9 +235,9 @@ def _mixed_precision_syncs(device: torch.device) -> str:
         ("compiled, max_norm 0", True, False, 0.0),
     ):
         parts = _parts(device, 4, 64, torch.bfloat16)
-        settings = MixedPrecision(compile=compile, store_param_remainders=keep)
+        settings = MixedPrecision(store_param_remainders=keep)
         opt = MixedPrecisionOptimizersContainer(
-            parts, torch.optim.AdamW, KW, settings=settings, max_norm=max_norm
+            parts, LeanAdamW, {**KW, "compiled": compile}, settings=settings, max_norm=max_norm
         )
         found[name] = _syncs(_stepper(parts, opt))
     assert all(n == 0 for n, _ in found.values()), found
@@ -256,10 +256,9 @@ def _compiled_close(device: torch.device) -> str:
         (True, True, "bfloat16"),
     ):
         parts = _parts(device, 2, 64, torch.bfloat16)
-        settings = MixedPrecision(compile=compile, store_param_remainders=keep)
-        opt = MixedPrecisionOptimizersContainer(
-            parts, LeanAdamW, {**KW, "moment_dtype": moments}, settings=settings
-        )
+        settings = MixedPrecision(store_param_remainders=keep)
+        kwargs = {**KW, "moment_dtype": moments, "compiled": compile}
+        opt = MixedPrecisionOptimizersContainer(parts, LeanAdamW, kwargs, settings=settings)
         for step in range(3):
             _give(parts, _grads(parts, step))
             opt.step()
@@ -709,8 +708,8 @@ def _with_flag(flag: Callable, step: Callable[[], None]) -> None:
 def _compiled(
     moment_dtype: str, remainders: bool = False, **container: Any
 ) -> Callable[[nn.Module], OptimizersContainer]:
-    kwargs = {**KW, "moment_dtype": moment_dtype}
-    settings = MixedPrecision(compile=True, store_param_remainders=remainders)
+    kwargs = {**KW, "moment_dtype": moment_dtype, "compiled": True}
+    settings = MixedPrecision(store_param_remainders=remainders)
     return lambda m: MixedPrecisionOptimizersContainer(
         [m], LeanAdamW, kwargs, settings=settings, **container
     )
@@ -754,7 +753,7 @@ ISSUE_25 = {MP: " <= 2.00", "mixed precision, fp32 masters + moments, compile": 
 
 def lean_table(device: torch.device, width: int, layers: int, repeats: int) -> str:
     """`bench_lean_state.py`'s step table on this device, and mixed precision's compiled
-    step (`[mixed_precision] compile = true`) with fp32 and bf16 moments."""
+    step (`implementation = "compiled"`) with fp32 and bf16 moments."""
     # (compiled rows on a GPU only: on a CPU inductor's first compile takes longer than the
     # smoke run, and its figures are another question, bench_mixed_precision.py's)
     contenders = {**LEAN, **(COMPILED if device.type == "cuda" else {})}

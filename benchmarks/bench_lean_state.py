@@ -40,13 +40,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_mp_quality import run_job, tail_mean  # noqa: E402
 from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh  # noqa: E402
 from components.checkpoint import ModelWrapper  # noqa: E402
-from config import MixedPrecision  # noqa: E402
 from containers import (  # noqa: E402
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     load_planner,
 )
+from containers import MixedPrecisionSettings as MixedPrecision  # noqa: E402
 from containers.norm import SCRATCH_NUMEL, local  # noqa: E402
 
 POLICIES = {"float32": "fp32 moments (today)", "bfloat16": "bf16 moments"}

@@ -12,7 +12,8 @@ sizes); `--flat` gives `--parts` equal flat tensors instead.
 - fp32: torch fused AdamW on fp32 parameters (the 28 bytes/param floor);
 - container: MixedPrecisionOptimizersContainer on bf16 parameters, fp32 masters, static loss
   scale 1024 and max_norm 1 (so unscale and clip really run), fused AdamW; eager and compiled
-  (`compile=True`: one inductor pass over each flat group, `containers.precision.flat_adam`);
+  (`LeanAdamW(compiled=True)`, what `implementation = "compiled"` builds: one inductor pass
+  over each flat group, `containers.precision.flat_adam`);
 - seed: LightRFT FSDPadaptOptimizer's algorithm, re-implemented faithfully: fp32 copies of all
   gradients first, an fp64 norm, a separate unscale pass, a separate clip pass, the optimizer,
   then a per-tensor copy back;
@@ -35,12 +36,14 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.optim import AdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh, train_peak
 from containers import (
     InBackward,
+    LeanAdamW,
     MixedPrecisionOptimizersContainer,
     MixedPrecisionSettings,
     norm,
@@ -127,12 +130,9 @@ def _build(kind: str, args: argparse.Namespace) -> tuple[list, list, Callable[[]
         opt = torch.optim.AdamW(params, **kw)
         return params, grads, opt.step, [opt]
     if kind in ("container", "compiled"):
-        settings = MixedPrecisionSettings(
-            loss_scaling="static", initial_scale=1024.0, compile=kind == "compiled"
-        )
-        opt = MixedPrecisionOptimizersContainer(
-            models, torch.optim.AdamW, kw, max_norm=1.0, settings=settings
-        )
+        settings = MixedPrecisionSettings(loss_scaling="static", initial_scale=1024.0)
+        cls, kw = (LeanAdamW, {**kw, "compiled": True}) if kind == "compiled" else (AdamW, kw)
+        opt = MixedPrecisionOptimizersContainer(models, cls, kw, max_norm=1.0, settings=settings)
         return params, grads, opt.step, opt.optimizers
     masters = [p.detach().float() for p in params]
     opt = torch.optim.AdamW(masters, **kw)

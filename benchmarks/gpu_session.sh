@@ -91,7 +91,7 @@ if [[ $parts == *train* ]]; then
         --optimizer.moment_dtype 8bit --optimizer.implementation compiled
     resumes in_backward --job.config_file config/in_backward.toml
     resumes lean_mixed_precision --job.config_file config/mixed_precision.toml \
-        --mixed_precision.compile --mixed_precision.store_param_remainders \
+        --optimizer.implementation compiled --mixed_precision.store_param_remainders \
         --optimizer.moment_dtype bfloat16
     resumes debug --job.config_file config/debug.toml
 fi

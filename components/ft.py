@@ -48,8 +48,7 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
     groups average their gradients, so they must all train with the same values (the
     optimizer and its hyperparameters, the LR schedule, clip, precision, batch, model, seed).
 
-    `[mixed_precision]` counts only where the container uses it; its `compile` (one fused
-    pass, same math) does not count.
+    `[mixed_precision]` counts only where the container uses it.
     """
     sections: dict[str, dict[str, Any]] = {
         "model": dataclasses.asdict(cfg.model),
@@ -58,9 +57,7 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
         "training": {k: getattr(cfg.training, k) for k in _TRAINING_MATH},
     }
     if cfg.optimizer.container == "mixed_precision":
-        mp = dataclasses.asdict(cfg.mixed_precision)
-        mp.pop("compile")
-        sections["mixed_precision"] = mp
+        sections["mixed_precision"] = dataclasses.asdict(cfg.mixed_precision)
     return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
 
 

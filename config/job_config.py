@@ -316,15 +316,6 @@ class MixedPrecision:
     max_scale: float = bounded(_MP.max_scale, gt=0.0)
     """Highest loss scale."""
 
-    compile: bool = _MP.compile
-    """Step fused Adam/AdamW groups as one `torch.compile`d (inductor) graph each, over their
-    tensors where they lie: each gradient read once, master (or parameter and remainder),
-    moments and parameter written in the same pass, no scratch, no host sync of its own.
-    Within a few fp32 ulp of the eager step, not bitwise; other optimizers and fp32 gradient
-    sums step eagerly. Compiling takes seconds on a GPU per group shape (minutes on a CPU
-    for hundreds of tensors), then inductor's cache. On an H200 the graph alone is 0.92x a
-    fused fp32 AdamW step; on a CPU slower than the eager step: for GPUs."""
-
     store_param_remainders: bool = _MP.store_param_remainders
     """Keep each fp32 master as its bf16 parameter plus a 16-bit remainder (Megatron's name):
     the same master bit for bit in 2 bytes/param instead of 4. bfloat16 parameters and fused
@@ -337,7 +328,7 @@ class MixedPrecision:
     micro-batch's into the last in bf16/fp16 (least memory); "float32" keeps an fp32 sum per
     parameter (+2 bytes/param until the step; with 4 micro-batches on the debug job, 3% lower
     loss than bf16 sums). Not with early_step_in_backward or [fault_tolerance]; the sums step
-    eagerly even with `compile`."""
+    eagerly even in a `compiled` group."""
 
 
 @dataclass(kw_only=True)

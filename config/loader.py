@@ -127,6 +127,25 @@ def _check_bounds(field: dataclasses.Field, value: Any, where: str) -> None:
             )
 
 
+RETIRED = {
+    ("mixed_precision", "compile"): "[optimizer] implementation = 'compiled' (one inductor "
+    "graph a param group, under every container)",
+}
+"""Keys that are gone, and what replaced each: named in the refusal, not a close match."""
+
+
+def _unknown(section: str, key: str, options: typing.Iterable[str], value: Any = None) -> str:
+    """The refusal of `[section] key`: its replacement where it was retired, else the
+    closest known key."""
+    if (section, key) in RETIRED:
+        given = "" if value is None else f" = {value!r}"
+        return (
+            f"[{section}] {key}{given}: retired; set {RETIRED[section, key]} instead, and "
+            "leave this key out"
+        )
+    return f"[{section}] unknown key {key!r}; {_closest(key, options)}"
+
+
 def _build(cls: type, values: Any, section: str, from_cli: bool) -> Any:
     """Instantiate the dataclass `cls` from a mapping of raw values."""
     if not isinstance(values, dict):
@@ -137,7 +156,7 @@ def _build(cls: type, values: Any, section: str, from_cli: bool) -> Any:
     for key, raw in values.items():
         where = f"[{section}] {key}"
         if key not in fields:
-            raise ConfigError(f"[{section}] unknown key {key!r}; {_closest(key, fields)}")
+            raise ConfigError(_unknown(section, key, fields, raw))
         kwargs[key] = _coerce(raw, hints[key], section, key, from_cli)
         _check_bounds(fields[key], kwargs[key], where)
     for name, f in fields.items():
@@ -167,7 +186,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
             )
         hints = _hints(sections[section])
         if key not in hints:
-            raise ConfigError(f"[{section}] unknown key {key!r}; {_closest(key, hints)}")
+            raise ConfigError(_unknown(section, key, hints))
         if eq:
             value = inline
         elif hints[key] is bool:

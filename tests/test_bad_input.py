@@ -141,6 +141,25 @@ def test_a_refused_ft_job_never_connects(tmp_path):
     assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == store_port
 
 
+def test_a_retired_key_is_one_line_naming_its_replacement_before_any_rank(tmp_path):
+    """`[mixed_precision] compile` went: `[optimizer] implementation = "compiled"` is the one
+    compile knob. The launcher refuses it (exit 2) before it starts a rank or a folder."""
+    dump = tmp_path / "run"
+    args = ["--job.config_file", "config/mixed_precision.toml", "--job.dump_folder", str(dump)]
+    result = subprocess.run(
+        [sys.executable, "train.py", "--nproc_per_node", "2", *args, "--mixed_precision.compile"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith(
+        " error: [mixed_precision] compile: retired; set [optimizer] implementation = "
+        "'compiled' (one inductor graph a param group, under every container) instead, and "
+        "leave this key out"
+    ), lines
+    assert not dump.exists()
+
+
 def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path):
     result = launch(2, [*BASE, "--job.dump_folder", str(tmp_path), "--training.seq_len", "300"])
     out = result.stdout

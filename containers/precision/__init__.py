@@ -4,8 +4,8 @@ The fp32 precision (the model's own parameters) is `containers.parts.Precision`.
 `MasterWeights` (`master_weights`, its checkpoint state in `master_state`; its container
 variant in `mixed_precision`): bf16/fp16 model parameters, fp32 masters, loss scaling
 (`loss_scaler`), global clipping, overflow skip, offload. Its update paths: fused Adam/AdamW
-groups over flat buffers (`flat_adam`, stepped by `flat_step`: fused kernel per chunk, or one
-compiled graph), every other optimizer per tensor (`eager`); its masters start from the
+groups over flat buffers (`flat_adam`: fused kernel per chunk, or one compiled graph), every
+other optimizer per tensor (`eager`); its masters start from the
 full-precision init and may step on fp32 gradient sums (`sums`). Their settings, with
 their defaults: `MixedPrecisionSettings` (`settings`).
 """

@@ -341,14 +341,14 @@ class FlatGroup:
     def step(
         self,
         factor: float,
-        compiled: bool = False,
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
         """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
-        all in one inductor pass if `compiled` (and the gradients are low precision); drop
-        each low-precision gradient once it is cast. `sums`: parameter -> its fp32 gradient
-        sum (`containers.precision.sums`), stepped on instead of its gradient (and taken out).
+        all in one inductor pass if the group is `compiled` (and the gradients are low
+        precision); drop each low-precision gradient once it is cast. `sums`: parameter -> its
+        fp32 gradient sum (`containers.precision.sums`), stepped on instead of its gradient
+        (and taken out).
         Where `found_inf` (a device flag) is set, the kernels change nothing (masters and
         moments round-trip exactly through the scratch) and the step counts go back."""
         group, buf = self.opt.param_groups[self.index], self.buffers
@@ -357,8 +357,7 @@ class FlatGroup:
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest (its count stays even)
-        compiled = compiled or group.get("compiled", False)  # `implementation = "compiled"`
-        if compiled and all(g is None or g.dtype == self._low_dtype for g in grads):
+        if group.get("compiled") and all(g is None or g.dtype == self._low_dtype for g in grads):
             self._step_compiled(group, decoupled, factor, grads, found_inf)
         else:
             self._step_chunks(group, decoupled, factor, grads, found_inf)

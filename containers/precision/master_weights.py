@@ -6,7 +6,7 @@ for the global norm (non-finite gradients make it non-finite, so overflow detect
 defeated by 0 * inf); one collective, one host sync for the skip decision; then one of two
 update paths, each unscaling and clipping in the same multiply and writing the masters back:
 - fused Adam/AdamW groups keep masters and state in flat buffers (`flat_adam`): torch's fused
-  kernel chunk by chunk, or with `compile` one inductor graph over the group (`flat_step`); with
+  kernel chunk by chunk, or one inductor graph over a `compiled` group; with
   `store_param_remainders` a master is its bf16 parameter and an int16 remainder
   (`remainders`), and the moments may be bf16 (`LeanAdam(W)` groups);
 - every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
@@ -47,7 +47,7 @@ class MasterWeights(MasterState, Precision):
     """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them.
 
     Args:
-        settings: dtypes, loss scaling, update path (default `MixedPrecisionSettings()`).
+        settings: dtypes and loss scaling (default `MixedPrecisionSettings()`).
     """
 
     keeps_masters = True
@@ -61,7 +61,6 @@ class MasterWeights(MasterState, Precision):
                 f"param_dtype = {self.param_dtype}: use torch.bfloat16 or torch.float16"
             )
         self.scaler = LossScaler(self.settings, fp16=self.param_dtype == torch.float16)
-        self.compile = self.settings.compile
         self.remainders = self.settings.store_param_remainders
         if self.remainders and self.param_dtype != torch.bfloat16:
             raise ValueError(
@@ -297,7 +296,7 @@ class MasterWeights(MasterState, Precision):
                 stepped = 0
                 for flat in self._flat.get(id(opt), ()):
                     if flat.ready():
-                        flat.step(factor, self.compile, sums, found_inf)  # drops gradients
+                        flat.step(factor, sums, found_inf)  # drops gradients
                         stepped += 1
                     else:
                         unready.enter_context(flat.materialized())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +20,6 @@ from containers.precision.settings import MixedPrecisionSettings
 from containers.state.param_groups import ParamGroupRule
 
 __all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
-
-logger = logging.getLogger(__name__)
 
 
 class MixedPrecisionOptimizersContainer(OptimizersContainer):
@@ -85,13 +82,6 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         )
         # The masters exist: what none took (other pipeline stages' parameters) can go.
         self.precision._initial.clear()
-        eager = sorted({type(o).__name__ for o in self if not self.precision.steps_flat(o)})
-        if self.precision.compile and eager:
-            logger.warning(
-                "[mixed_precision] compile: only fused Adam/AdamW groups step compiled; %s "
-                "step eagerly",
-                ", ".join(eager),
-            )
 
     @property
     def scaler(self) -> LossScaler:
@@ -108,10 +98,6 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
     @property
     def last_step_skipped(self) -> bool:
         return self.last_report.skipped is not None
-
-    @property
-    def compile(self) -> bool:
-        return self.precision.compile
 
     @property
     def offloaded(self) -> bool:

@@ -26,7 +26,7 @@ GradAccumulationDtype = Literal["param_dtype", "float32"]
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecisionSettings:
-    """Dtypes, loss scaling and update path of a `MasterWeights` precision.
+    """Dtypes and loss scaling of a `MasterWeights` precision.
 
     Attributes:
         param_dtype: dtype the model parameters are kept in.
@@ -41,7 +41,6 @@ class MixedPrecisionSettings:
         hysteresis: overflows tolerated before the scale backs off.
         min_scale: lowest loss scale.
         max_scale: highest loss scale.
-        compile: step fused Adam/AdamW groups as one `torch.compile`d graph each.
         store_param_remainders: keep each float32 master as its bfloat16 parameter plus a
             16-bit remainder (bfloat16 parameters only).
         grad_accumulation_dtype: dtype the gradients are summed in over a step's
@@ -58,6 +57,5 @@ class MixedPrecisionSettings:
     hysteresis: int = 2
     min_scale: float = 1.0
     max_scale: float = 2.0**24
-    compile: bool = False
     store_param_remainders: bool = False
     grad_accumulation_dtype: GradAccumulationDtype = "param_dtype"

@@ -83,7 +83,7 @@ def test_mixed_precision_is_the_librarys_settings_key_for_key():
         loss_scaling="static",
         initial_scale=8.0,
         growth_interval=3,
-        compile=True,
+        store_param_remainders=False,
         grad_accumulation_dtype="float32",
     )
     assert dataclasses.asdict(mixed_precision_settings(section)) == dataclasses.asdict(section)

@@ -301,6 +301,12 @@ TOML_ERRORS = [
     ("[optimzer]\nlr = 0.1\n", r"unknown section \[optimzer\]; did you mean 'optimizer'\?"),
     ("[optimizer]\nlrr = 0.1\n", r"\[optimizer\] unknown key 'lrr'; did you mean 'lr'\?"),
     ("[training]\nstep = 5\n", r"\[training\] unknown key 'step'; did you mean 'steps'\?"),
+    # A retired key, with what replaced it.
+    (
+        "[mixed_precision]\ncompile = true\n",
+        r"\[mixed_precision\] compile = True: retired; set \[optimizer\] implementation = "
+        r"'compiled' .* instead",
+    ),
     ("[zzzz]\n", r"unknown section \[zzzz\]; valid: job, model, parallelism, optimizer"),
     # Wrong types.
     ('[training]\nsteps = "ten"\n', r"\[training\] steps = 'ten': expected an integer"),
@@ -360,6 +366,10 @@ CLI_ERRORS = [
     (["--training.step", "5"], r"\[training\] unknown key 'step'; did you mean 'steps'\?"),
     (["--optimizer.lrr=0.1"], r"\[optimizer\] unknown key 'lrr'; did you mean 'lr'\?"),
     (["--training=5"], r"unexpected argument '--training=5'"),
+    (
+        ["--mixed_precision.compile", "true"],
+        r"\[mixed_precision\] compile: retired; set \[optimizer\] implementation = 'compiled'",
+    ),
     (["--training=a.b"], r"\[training\] unknown key ''"),
     # Wrong types.
     (["--training.steps", "ten"], r"\[training\] steps = 'ten': expected an integer"),

@@ -125,6 +125,18 @@ def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
+def lean_compiled(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], compiled: bool
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """`cls` and `kwargs` as `implementation = "compiled"` (or not) builds them: Adam and
+    AdamW as their lean classes with `compiled` set, so eager and compiled runs keep the same
+    state keys."""
+    from containers import LeanAdam, LeanAdamW
+
+    lean = {torch.optim.Adam: LeanAdam, torch.optim.AdamW: LeanAdamW}.get(cls, cls)
+    return lean, {**kwargs, "compiled": compiled}
+
+
 def compiled_calls(monkeypatch: Any, graph: str = "_compiled") -> list[int]:
     """A list that grows by one at each call of a compiled Adam graph
     (`containers.optim.compiled_adam`'s `_compiled`, or its 8-bit `_compiled_coded`)."""

@@ -9,6 +9,7 @@ import torch.nn as nn
 from containers import LeanAdam, LeanAdamW, MixedPrecisionOptimizersContainer
 from containers import MixedPrecisionSettings as MP
 from containers.precision.flat_adam import PAD
+from tests.harness.helpers import lean_compiled
 
 FACTOR = 0.3  # unscale x clip: not a power of two, so a different rounding would show
 ALIGNED = [(4, PAD), (3 * PAD,), (PAD, 5), (2, 2, PAD)]  # sizes torch's kernel runs all-vector
@@ -166,9 +167,10 @@ def test_fp32_gradient_sums_step_flat_as_torch_fused_on_the_sums(compile):
     """grad_accumulation_dtype "float32": the flat groups step on the fp32 sums of the
     micro-batches' bf16 gradients (no per-tensor step), bitwise torch's fused AdamW on them."""
     model = _model(ALIGNED)
-    settings = MP(loss_scaling="none", grad_accumulation_dtype="float32", compile=compile)
+    settings = MP(loss_scaling="none", grad_accumulation_dtype="float32")
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
-    mp = MixedPrecisionOptimizersContainer([model], torch.optim.AdamW, kwargs, settings=settings)
+    built = lean_compiled(torch.optim.AdamW, kwargs, compile)
+    mp = MixedPrecisionOptimizersContainer([model], *built, settings=settings)
     masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
     ref = torch.optim.AdamW(masters, **kwargs)
     calls = []

@@ -37,6 +37,7 @@ from tests.harness.helpers import (
     forward,
     full,
     full_state,
+    lean_compiled,
     poisoned_run,
     three_parts,
 )
@@ -319,7 +320,7 @@ COMPILED_CASES = [
 def test_compiled_flat_step_is_within_a_few_ulp_of_the_eager_one_and_loads_either_way(
     cls, kwargs, monkeypatch
 ):
-    """`compile`: one inductor graph per flat group, its roundings in another order than
+    """`compiled` groups: one inductor graph per flat group, its roundings in another order than
     torch's fused kernel: masters and moments within 1e-6 relative after 4 steps, bf16
     parameters within one bf16 ulp; the same checkpoint format; an lr change compiles nothing."""
     calls = compiled_calls(monkeypatch)
@@ -327,10 +328,11 @@ def test_compiled_flat_step_is_within_a_few_ulp_of_the_eager_one_and_loads_eithe
     for compile in (False, True):
         parts = _parts(seed=1)
         mp = MixedPrecisionOptimizersContainer(
-            parts, cls, kwargs, max_norm=0.5,
-            settings=MP(loss_scaling="static", initial_scale=64.0, compile=compile),
+            parts, *lean_compiled(cls, kwargs, compile), max_norm=0.5,
+            settings=MP(loss_scaling="static", initial_scale=64.0),
         )  # fmt: skip
-        assert mp.compile is compile and all(mp.precision.steps_flat(o) for o in mp)
+        assert all(g["compiled"] is compile for g in mp.param_groups)
+        assert all(mp.precision.steps_flat(o) for o in mp)
         for step in range(4):
             if step == 2:
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -386,13 +388,14 @@ def test_a_skip_left_to_the_flat_kernels_is_the_host_decided_skip_bitwise(
     first gives the same masters, moments, step counts, weights and reports: a skip on the
     first step, a whole step's and one unit's."""
     monkeypatch.setattr(decision_module, "KERNEL_SKIP_DEVICES", frozenset({"cuda", "cpu"}))
-    settings = MP(compile=compile, store_param_remainders=remainders)
+    settings = MP(store_param_remainders=remainders)
+    cls, kwargs = lean_compiled(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, compile)
     runs = []
     for on_host in (False, True):
         parts = [part.to(torch.bfloat16) for part in three_parts()]
         precision = (_DecidesOnHost if on_host else MasterWeights)(settings)
         mp = MixedPrecisionOptimizersContainer(
-            parts, torch.optim.AdamW, {"lr": 1e-2, "fused": True}, precision=precision,
+            parts, cls, kwargs, precision=precision,
             timing=InBackward() if timing == "in_backward" else None, max_norm=max_norm,
         )  # fmt: skip
         per_unit = timing == "in_backward"

@@ -23,7 +23,15 @@ from containers import (
 from containers.precision import load_planner, remainders
 from containers.precision.flat_adam import PAD
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, batch, compiled_calls, forward, full, three_parts
+from tests.harness.helpers import (
+    assert_same,
+    batch,
+    compiled_calls,
+    forward,
+    full,
+    lean_compiled,
+    three_parts,
+)
 
 SHAPES = [(4, PAD), (3 * PAD,), (PAD, 5), (7,), (5, 3)]
 KW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
@@ -84,18 +92,20 @@ def _step(mp, model: nn.Module, step: int, unused: int | None = None) -> None:
 def test_remainders_keep_the_fp32_masters_bitwise_fed_the_same_gradients(
     cls, kwargs, compile, monkeypatch
 ):
-    """Steps across chunk boundaries (eager) or in one graph (`compile`), and one step with
+    """Steps across chunk boundaries (eager) or in one graph (a `compiled` group), and one step with
     an unused parameter (torch's own step on the masters made whole for it): masters, state
     and parameters as with fp32 masters, in 2 bytes a parameter."""
     calls = compiled_calls(monkeypatch)
     runs = []
     for keep in (False, True):
         model = _model()
-        mp = _container(model, keep, kwargs, cls, compile=compile)
+        mp = _container(model, keep, *lean_compiled(cls, kwargs, compile)[::-1])
         for step in range(5):
             _step(mp, model, step, unused=2 if step == 2 else None)
         runs.append((mp, model))
-    assert len(calls) == 2 * 2 * compile  # each run: the steps before the uneven counts
+    # each run, every step: the flat graph, and the group's own (compiled) step after the
+    # unused parameter made the counts uneven
+    assert len(calls) == 2 * 5 * compile
     (plain, plain_model), (kept, kept_model) = runs
     (flat,) = kept.precision._flat[id(kept.optimizers[0])]
     assert "master" not in flat.buffers and flat.buffers["remainder"].dtype == torch.int16
