@@ -20,7 +20,6 @@ import components.startup_signals  # noqa: F401  (first: torch's imports take se
 
 # isort: split
 
-import atexit
 import logging
 import os
 import sys
@@ -30,15 +29,16 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
-from components.checkpoint_save import SaveFailed
+from components.checkpoint import SaveFailed
 from components.comm import collective_failure, speak_once
 from components.job import build_job, validate_job
 from components.launcher import launch, split_nproc
 from components.logs import FORMAT, setup_logging, start_line
+from components.loop import LoopPolicy
 from components.metrics import MetricsLogger, group_lrs, lr_group_names, param_checksum
 from components.preemption import StopRequest, watch_parent
+from components.run_lock import release_held
 from config import ConfigError, load_job_config, to_toml, usage
 from containers import GateLost, SettingsMismatch
 
@@ -60,8 +60,6 @@ def main(argv: list[str]) -> int:
         logger.info("config (saved as config.toml in the dump folder):\n%s", resolved)
     job = build_job(cfg)
     run_log.keep_in(job.dump_folder)  # the folder is this run's now (and what was logged)
-    # What every rank agrees on is said once, by rank 0.
-    warn, fail = (logger.warning, logger.error) if job.rank == 0 else (logger.debug, logger.debug)
     job.checkpoint.load()
     if job.rank == 0:  # after the load: a refused resume leaves the folder's config as it was
         Path(job.dump_folder, "config.toml").write_text(resolved, encoding="utf-8")
@@ -85,77 +83,27 @@ def main(argv: list[str]) -> int:
         )
 
     # -- train ------------------------------------------------------------------------------
-    retry = None  # the micro-batches of a step the gate did not commit: run again as they are
-    skipped_in_a_row: list[int] = []
-    exit_code = 0
-    # A signal while starting up (any rank): stop before step 1, with nothing new to save.
-    early = torch.tensor(float(stop.requested), device=job.device)
-    if job.world_size > 1:
-        dist.all_reduce(early)
-    stopped_early = early.item() > 0
-    if stopped_early:
-        warn(
-            "stopped by %s before step %d: nothing trained, nothing new to save; the same "
-            "command resumes",
-            stop.signal.name if stop.signal else "a signal to another rank",
-            state.step + 1,
-        )
-    while state.step < steps and not stopped_early:
+    loop = LoopPolicy(job, cfg, stop)  # retries, skips and stops: components/loop.py
+    loop.agree_to_start()  # a signal while starting up (any rank): no step 1
+    while loop.running():
         start = time.perf_counter()
-        batches = retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
         optimizers.zero_grad()
         loss_sum = torch.zeros((), device=job.device)
-        for inputs, labels in batches:
+        for inputs, labels in loop.batches():  # an uncommitted step's again, or the next ones
             loss_sum += job.forward_backward(inputs.to(job.device), labels.to(job.device))
         try:
             optimizers.step()  # averages across replica groups, clips, decides, applies
         except SettingsMismatch as e:  # started with another group's config: exit 2, one line
             raise ConfigError(str(e)) from e
         except GateLost as e:  # nothing changed: the state is the last committed step's
-            job.checkpoint.maybe_save(state.step, force=True)
-            fail(
-                "stopped at step %d of %d: %s; %s",
-                state.step,
-                steps,
-                e,
-                f"saved in {job.checkpoint.folder}, the same command resumes"
-                if cfg.checkpoint.enable
-                else "checkpoint.enable = false: nothing saved",
-            )
-            exit_code = 1
+            loop.gate_lost(e)  # saves, says why; exit code 1
             break
         report = optimizers.last_report
-        if not report.committed and not report.nonfinite:
-            retry = batches
-            logger.warning(
-                "step %d was not committed (%s); running it again on the same batch",
-                state.step + 1,
-                report.skipped,
-            )
+        if loop.retry(report):  # not committed, nothing non-finite: the same batches again
             continue
-        retry = None
-        state.step += 1
         lrs = group_lrs(optimizers, lr_names)  # read after step(): healing may have set them
-        if report.committed:
-            job.lr_schedulers.step()
-            skipped_in_a_row.clear()
-        else:
-            state.skipped_steps += 1
-            if not report.backing_off:  # a loss scale finding its level is not stuck
-                skipped_in_a_row.append(state.step)
-            warn(
-                "step %d skipped: %s; %s, its batch spent",
-                state.step,
-                report.skipped,
-                "the other units' weights and optimizer state stepped, the lr schedule did not"
-                if report.partial
-                else "weights, optimizer state and lr schedule unchanged",
-            )
-        # One collective for the loss and for a stop signal that reached any rank.
-        shared = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=job.device)])
-        if job.world_size > 1:
-            dist.all_reduce(shared)
-            shared[0] /= job.loss_ranks  # the last pipeline stage's ranks hold the loss
+        loop.count(report)  # the step counted: committed (lr schedule steps) or skipped
+        loss, stop_flag = loop.share(loss_sum)  # one collective: loss, a signal on any rank
         extra = report.metrics()
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)
@@ -168,42 +116,17 @@ def main(argv: list[str]) -> int:
         elapsed = time.perf_counter() - start
         metrics.log(
             state.step,
-            shared[0].item(),
+            loss.item(),
             elapsed,
             job.tokens_per_step,
             lrs=lrs,
             skipped_steps=state.skipped_steps,
             **extra,
         )
-        stopping = shared[1].item() > 0
+        stopping = stop_flag.item() > 0
         # A skipped step changed nothing: no save over the good ones (`maybe_save`).
         job.checkpoint.maybe_save(state.step, force=stopping, skipped=not report.committed)
-        if stopping:
-            warn(
-                "stopped by %s at step %d of %d%s; the same command resumes",
-                stop.signal.name if stop.signal else "a signal to another rank",
-                state.step,
-                steps,
-                f", saved in {job.checkpoint.folder}"
-                if cfg.checkpoint.enable
-                else " (checkpoint.enable = false: nothing saved)",
-            )
-            break
-        if len(skipped_in_a_row) >= cfg.training.max_consecutive_skips:
-            kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
-            fail(
-                "steps %d-%d were all skipped for non-finite numbers (gradients, or weights an "
-                "update would overflow; [training] "
-                "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
-                "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
-                "to resume the newest, or pick one with [checkpoint] load_step)",
-                skipped_in_a_row[0],
-                skipped_in_a_row[-1],
-                cfg.training.max_consecutive_skips,
-                job.checkpoint.folder,
-                kept,
-            )
-            exit_code = 1
+        if loop.should_stop(stopping):  # the signal (saved above), or too many skips in a row
             break
 
     # -- close ------------------------------------------------------------------------------
@@ -214,7 +137,7 @@ def main(argv: list[str]) -> int:
     job.close()
     stop.close()
     run_log.close()
-    return exit_code
+    return loop.exit_code
 
 
 def run(
@@ -254,7 +177,8 @@ def exit_now(code: int) -> NoReturn:
     interpreter exit have aborted a rank now and then ("terminate called without an active
     exception", exit 134) after an exit-1 stop; everything the run writes is closed or flushed
     by then."""
-    atexit._run_exitfuncs()  # what exit handlers do (release the run lock, end logging)
+    release_held()  # what the run lock's atexit hook does: the folders free for the next run
+    logging.shutdown()  # and logging's: train.log and the console flushed and closed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

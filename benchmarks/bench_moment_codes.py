@@ -124,7 +124,7 @@ class CodedAdamW(torch.optim.AdamW):
 
 def register() -> None:
     """`[optimizer] name = "AdamW-<code>"` for each code (in every process of a run)."""
-    from components.optimizer_registry import OPTIMIZERS, register_optimizer
+    from components.optimizer.registry import OPTIMIZERS, register_optimizer
 
     for name, codes in CODES.items():
         cls = type(f"CodedAdamW_{name}", (CodedAdamW,), {"codes": codes})

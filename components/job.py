@@ -19,10 +19,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint import CheckpointManager, ModelWrapper, TrainState
-from components.checkpoint_files import checkpoint_steps
-from components.checkpoint_seed import open_seed
+from components.checkpoint.files import checkpoint_steps
+from components.checkpoint.seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
-from components.ema import build_ema
+from components.ema_builder import build_ema
 from components.ft import build_ft_manager, build_gate, check_ft_config, serve_state
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names

@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from config import ConfigError
 
-__all__ = ["LOCK_NAME", "RunLock", "RunLocks", "holds", "lock_dump_folder"]
+__all__ = ["LOCK_NAME", "RunLock", "RunLocks", "holds", "lock_dump_folder", "release_held"]
 
 logger = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
 # Filesystems without flock (some Lustre mounts): run unguarded rather than refuse to run.
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
-# The folders whose lock this process holds (resolved): only there is a `.tmp` provably dead.
-_HELD: set[Path] = set()
+# The locks this process holds, by folder (resolved): only there is a `.tmp` provably dead.
+_HELD: dict[Path, RunLock] = {}
 
 
 def holds(folder: str | os.PathLike) -> bool:
@@ -49,6 +49,14 @@ def _describe(record: str) -> str:
         return said + (f", dump folder {holder['dump_folder']}" if "dump_folder" in holder else "")
     except (ValueError, KeyError, TypeError):
         return "holder not recorded yet"
+
+
+def release_held() -> None:
+    """Release every run lock this process holds, newest first: for an exit that skips the
+    interpreter's teardown (`os._exit`), where the atexit hooks that would release them never
+    run."""
+    for lock in reversed(list(_HELD.values())):
+        lock.release()
 
 
 class RunLock:
@@ -116,7 +124,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
-        _HELD.add(self.folder.resolve())
+        _HELD[self.folder.resolve()] = self
         # Any exit of the interpreter (an error included) clears the record; only a process
         # killed outright leaves it, which the next run reports when it takes over.
         atexit.register(self.release)
@@ -143,7 +151,7 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         atexit.unregister(self.release)
-        _HELD.discard(self.folder.resolve())
+        _HELD.pop(self.folder.resolve(), None)
         try:
             os.ftruncate(fd, 0)
         finally:

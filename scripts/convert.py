@@ -39,7 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from components.checkpoint_seed import MASTERS, load_seed, open_seed, to_torchtitan, uncompiled
+from components.checkpoint.seed import MASTERS, load_seed, open_seed, to_torchtitan, uncompiled
 from components.job import Job, build_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from components.checkpoint_seed import open_seed
+from components.checkpoint.seed import open_seed
 from components.job import validate_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from components.checkpoint.resume import ConfigSettings
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers, lr_factor
-from components.resume import ConfigSettings
 from config import LRScheduler
 from containers import OptimizersContainer, ParamGroupRule
 from tests.harness.helpers import three_parts, train
@@ -87,7 +87,7 @@ def test_resume_keeps_the_step_but_takes_the_lr_from_the_config(caplog):
     new.load_state_dict(saved_optim)  # torch's contract: the checkpoint's base lr comes back...
     assert {g["initial_lr"] for g in new.param_groups} == {1e-3}
     new_sched.load_state_dict(saved_sched)  # ...the schedule applies its position...
-    with caplog.at_level(logging.INFO, logger="components.resume"):
+    with caplog.at_level(logging.INFO, logger="components.checkpoint.resume"):
         config.restore()  # ...and the trainer's rule puts the config's base back
     # The base lrs are compared, not the scheduled ones.
     assert [r.getMessage() for r in caplog.records] == [

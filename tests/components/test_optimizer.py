@@ -14,10 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from components import optimizer_registry as registry
 from components.models.llama.model import FLAVORS, Transformer, split_model
-from components.optimizer import build_optimizers, register_container, register_optimizer
-from components.optimizer_settings import implementation_kwargs, slower_than_compiled
+from components.optimizer import build_optimizers, register_container, register_optimizer, registry
+from components.optimizer.settings import implementation_kwargs, slower_than_compiled
 from config import ConfigError, ParamGroup, load_job_config
 from config import Optimizer as OptimizerConfig
 from containers import LeanAdamW, OptimizersContainer, ParamGroupRule, ShardedMuon

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from components.run_lock import LOCK_NAME, RunLock, lock_dump_folder
+from components.run_lock import LOCK_NAME, RunLock, holds, lock_dump_folder, release_held
 from config import ConfigError
 from tests.harness.dist import REPO, run_ranks
 
@@ -48,6 +48,20 @@ def test_a_live_holder_is_named_and_a_dead_ones_lock_is_taken_over(tmp_path, cap
     again.acquire()
     again.release()
     assert "ended without releasing" not in caplog.text
+
+
+def test_release_held_frees_every_lock_of_the_process(tmp_path):
+    """What train.py's `exit_now` calls before `os._exit`, where no atexit hook runs."""
+    dump, checkpoints = tmp_path / "dump", tmp_path / "checkpoints"
+    locks = lock_dump_folder(str(dump), checkpoints)
+    assert locks is not None and holds(dump) and holds(checkpoints)
+    release_held()
+    assert not holds(dump) and not holds(checkpoints)
+    for folder in (dump, checkpoints):
+        assert (folder / LOCK_NAME).read_text() == ""  # a clean end: no record left
+        again = RunLock(folder)
+        again.acquire()
+        again.release()
 
 
 def _try_lock(folder: str) -> str:

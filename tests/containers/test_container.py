@@ -27,7 +27,7 @@ from torch.optim.optimizer import (
 )
 
 import containers.decision as decision_module
-from components.resume import ConfigSettings
+from components.checkpoint.resume import ConfigSettings
 from containers import (
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
@@ -237,8 +237,8 @@ def test_a_load_takes_state_and_hyperparameters_as_torch_and_the_trainer_rule_pu
     assert [g["weight_decay"] for g in reader.param_groups] == [0.1, 0.0] * 3
     assert loaded["foreach"] is False  # kernel choices stay the container's
 
-    # The trainer's rule (components.resume): the config wins, said in one line.
-    with caplog.at_level(logging.INFO, logger="components.resume"):
+    # The trainer's rule (components.checkpoint.resume): the config wins, said in one line.
+    with caplog.at_level(logging.INFO, logger="components.checkpoint.resume"):
         config.restore()
     assert [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()] == [
         "resume: from the config, not the checkpoint: lr 0.01 -> 0.001, betas (0.9, 0.95) -> "
@@ -265,7 +265,7 @@ def test_a_load_takes_state_and_hyperparameters_as_torch_and_the_trainer_rule_pu
     # Nothing changed since: nothing to say.
     caplog.clear()
     reader.load_state_dict(_state_copy(reader))
-    with caplog.at_level(logging.INFO, logger="components.resume"):
+    with caplog.at_level(logging.INFO, logger="components.checkpoint.resume"):
         assert config.restore() == []
 
 

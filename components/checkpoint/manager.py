@@ -4,9 +4,9 @@ A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has fin
 `.metadata` is written last), so a process killed during a save never leaves a directory that
 resume would take; the previous checkpoint stays the newest complete one. A `step-N` damaged
 afterwards (files removed, truncated or overwritten) is reported when it would be loaded, never
-skipped for an older one (`components.checkpoint_files`). A save holding a non-finite value is
+skipped for an older one (`components.checkpoint.files`). A save holding a non-finite value is
 refused, and one that runs out of disk ends the run in one line
-(`components.checkpoint_save`). Only the run holding the folder's lock
+(`components.checkpoint.save`). Only the run holding the folder's lock
 (`components.run_lock`) removes what a stopped save left.
 """
 
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_files import (
+from components.checkpoint.files import (
     Damaged,
     check_matches,
     checkpoint_steps,
@@ -43,9 +43,9 @@ from components.checkpoint_files import (
     forgetting_on_failure,
     verify,
 )
-from components.checkpoint_save import audit, folder_bytes, kept_steps, save_failed
-from components.checkpoint_seed import load_seed, open_seed
-from components.resume import ConfigSettings
+from components.checkpoint.resume import ConfigSettings
+from components.checkpoint.save import audit, folder_bytes, kept_steps, save_failed
+from components.checkpoint.seed import load_seed, open_seed
 from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
@@ -171,7 +171,7 @@ class CheckpointManager:
 
     def load(self, read_only: bool = False) -> int:
         """Load the checkpoint that `load_step` picks (newest by default); return its step.
-        With none in the folder, `initial_load_path` seeds the run (`components.checkpoint_seed`).
+        With none in the folder, `initial_load_path` seeds the run (`components.checkpoint.seed`).
 
         A run that trains on from a step older than the newest would overwrite and rotate
         away the newer checkpoints: refused (or, with `set_aside_newer`, they are moved

@@ -1,8 +1,5 @@
 """`build_optimizers`: config (and the job's runtime objects) into a container; the built-in
-containers registered.
-
-The registries (`register_optimizer`, `register_container`, `resolve_optimizer`) live in
-`components.optimizer_registry` and are re-exported here.
+containers registered (in `components.optimizer.registry`, on import).
 """
 
 from __future__ import annotations
@@ -18,17 +15,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from components.optimizer_registry import (
+from components.optimizer.registry import (
     CONTAINERS,
     LEAN,
     OPTIMIZERS,
     register_container,
-    register_optimizer,
     registered_containers,
-    registered_optimizers,
     resolve_optimizer,
 )
-from components.optimizer_settings import (
+from components.optimizer.settings import (
     implementation_kwargs,
     is_sharded,
     refuse_on_shards,
@@ -60,11 +55,6 @@ __all__ = [
     "build_precision",
     "check_names",
     "mixed_precision_settings",
-    "register_container",
-    "register_optimizer",
-    "registered_containers",
-    "registered_optimizers",
-    "resolve_optimizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -214,7 +204,7 @@ def build_optimizers(
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
             norm counts every gradient element once over it. None: one stage over the world.
-        ema: an EMA of the weights to keep as container state (`components.ema.build_ema`).
+        ema: an EMA of the weights to keep as container state (`components.ema_builder.build_ema`).
         **runtime: runtime objects a third-party container needs.
     """
     check_names(cfg)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_files import (
+from components.checkpoint.files import (
     Damaged,
     agree_across_ranks,
     checkpoint_steps,

@@ -2,7 +2,8 @@
 optimizer (the factory maps the `[optimizer]` config to `(optimizer_cls, kwargs)`),
 `register_container(name, factory)` a container variant (`[optimizer] container`); torch's
 optimizers (and their lean twins) are registered here, the built-in containers in
-`components.optimizer`, which builds them. Both are re-exported there."""
+`components.optimizer.build`, which builds them. Both are re-exported by `components.optimizer`.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from components.optimizer_settings import (
+from components.optimizer.settings import (
     COMPILED,
     adafactor_kwargs,
     adagrad_kwargs,

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint_files import checkpoint_steps
+from components.checkpoint.files import checkpoint_steps
 
 __all__ = ["Audit", "SaveFailed", "audit", "folder_bytes", "kept_steps", "save_failed"]
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from components.ema import build_ema
+from components.ema_builder import build_ema
 from config import EMA, load_job_config
 from tests.harness.dist import launch
 from tests.harness.helpers import load_job_state

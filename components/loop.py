@@ -1,0 +1,179 @@
+"""What the training loop does with each step's outcome, so train.py's loop is only the step.
+
+A step the gate did not commit (a torchft quorum that failed, nothing non-finite) runs again on
+the same micro-batches. A skipped step (non-finite numbers) spends its batch; too many of them
+in a row (`[training] max_consecutive_skips`) stop the run with exit code 1. A stop signal that
+reached any rank stops every rank after the same step, agreed in the all-reduce that averages
+the loss (or before step 1, in one of its own). A lost gate (`GateLost`) saves the last
+committed state and stops with exit code 1. What every rank agrees on is said once, by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from components.job import Job
+from components.preemption import StopRequest
+from config import JobConfig
+from containers import GateLost, StepReport
+
+__all__ = ["LoopPolicy"]
+
+logger = logging.getLogger(__name__)
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoopPolicy:
+    """The retries, skips and stops of one run's training loop.
+
+    Args:
+        job: the built job (its train state, checkpoint manager, data and LR schedules).
+        cfg: the run's config.
+        stop: the stop request that the signal handlers set.
+    """
+
+    def __init__(self, job: Job, cfg: JobConfig, stop: StopRequest) -> None:
+        self.job = job
+        self.cfg = cfg
+        self.stop = stop
+        self.state = job.train_state
+        self.steps = cfg.training.steps
+        self.exit_code = 0
+        """1 once the run stopped for a lost gate or a skip streak; 0 otherwise."""
+        self._retry: Batches | None = None  # an uncommitted step's micro-batches, to run again
+        self._batches: Batches = []
+        self._skipped_in_a_row: list[int] = []
+        self._stopped_early = False
+        # What every rank agrees on is said once, by rank 0.
+        quiet = (logger.debug, logger.debug)
+        self._warn, self._fail = (logger.warning, logger.error) if job.rank == 0 else quiet
+
+    def agree_to_start(self) -> None:
+        """Stop before step 1, with nothing new to save, where a signal came while starting up
+        (on any rank). A collective: every rank calls it once, before the loop."""
+        early = torch.tensor(float(self.stop.requested), device=self.job.device)
+        if self.job.world_size > 1:
+            dist.all_reduce(early)
+        self._stopped_early = early.item() > 0
+        if self._stopped_early:
+            self._warn(
+                "stopped by %s before step %d: nothing trained, nothing new to save; the same "
+                "command resumes",
+                self._signal_name(),
+                self.state.step + 1,
+            )
+
+    def running(self) -> bool:
+        """Whether another step is to run (steps left, no stop before step 1)."""
+        return self.state.step < self.steps and not self._stopped_early
+
+    def batches(self) -> Batches:
+        """This step's micro-batches (inputs, labels): the uncommitted step's again, or the
+        next ones."""
+        job = self.job
+        self._batches = self._retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
+        return self._batches
+
+    def gate_lost(self, error: GateLost) -> None:
+        """Save the last committed step (nothing changed since) and say why the run stops."""
+        job, state = self.job, self.state
+        job.checkpoint.maybe_save(state.step, force=True)
+        self._fail(
+            "stopped at step %d of %d: %s; %s",
+            state.step,
+            self.steps,
+            error,
+            f"saved in {job.checkpoint.folder}, the same command resumes"
+            if self.cfg.checkpoint.enable
+            else "checkpoint.enable = false: nothing saved",
+        )
+        self.exit_code = 1
+
+    def retry(self, report: StepReport) -> bool:
+        """Whether the step runs again on the same micro-batches: not committed, nothing
+        non-finite (the gate's quorum failed)."""
+        if report.committed or report.nonfinite:
+            self._retry = None
+            return False
+        self._retry = self._batches
+        logger.warning(
+            "step %d was not committed (%s); running it again on the same batch",
+            self.state.step + 1,
+            report.skipped,
+        )
+        return True
+
+    def count(self, report: StepReport) -> None:
+        """Count the step: a committed one steps the LR schedules, a skipped one spends its
+        batch and may add to the skip streak."""
+        state = self.state
+        state.step += 1
+        if report.committed:
+            self.job.lr_schedulers.step()
+            self._skipped_in_a_row.clear()
+            return
+        state.skipped_steps += 1
+        if not report.backing_off:  # a loss scale finding its level is not stuck
+            self._skipped_in_a_row.append(state.step)
+        self._warn(
+            "step %d skipped: %s; %s, its batch spent",
+            state.step,
+            report.skipped,
+            "the other units' weights and optimizer state stepped, the lr schedule did not"
+            if report.partial
+            else "weights, optimizer state and lr schedule unchanged",
+        )
+
+    def share(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's loss (averaged over the ranks that hold it) and whether a stop signal
+        reached any rank, in one collective: every rank calls it once a counted step."""
+        job = self.job
+        stop_flag = torch.tensor(float(self.stop.requested), device=job.device)
+        shared = torch.stack([loss_sum, stop_flag])
+        if job.world_size > 1:
+            dist.all_reduce(shared)
+            shared[0] /= job.loss_ranks  # the last pipeline stage's ranks hold the loss
+        return shared[0], shared[1]
+
+    def should_stop(self, stopping: bool) -> bool:
+        """Whether the run stops after this step (saved by then): for the stop signal the
+        ranks agreed on (`stopping`), or for a skip streak (exit code 1); says why."""
+        job, cfg, state = self.job, self.cfg, self.state
+        if stopping:
+            self._warn(
+                "stopped by %s at step %d of %d%s; the same command resumes",
+                self._signal_name(),
+                state.step,
+                self.steps,
+                f", saved in {job.checkpoint.folder}"
+                if cfg.checkpoint.enable
+                else " (checkpoint.enable = false: nothing saved)",
+            )
+            return True
+        streak = self._skipped_in_a_row
+        if len(streak) < cfg.training.max_consecutive_skips:
+            return False
+        kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
+        self._fail(
+            "steps %d-%d were all skipped for non-finite numbers (gradients, or weights an "
+            "update would overflow; [training] "
+            "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
+            "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
+            "to resume the newest, or pick one with [checkpoint] load_step)",
+            streak[0],
+            streak[-1],
+            cfg.training.max_consecutive_skips,
+            job.checkpoint.folder,
+            kept,
+        )
+        self.exit_code = 1
+        return True
+
+    def _signal_name(self) -> str:
+        """The signal that stopped this rank, or that it came to another rank."""
+        signal = self.stop.signal
+        return signal.name if signal else "a signal to another rank"
