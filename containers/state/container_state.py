@@ -116,7 +116,7 @@ class ContainerState:
         counts, the precision's masters and scaler) and the groups' hyperparameters (lr,
         betas, weight decay, ...), by FQN; kernel choices (`fused`, `foreach`) stay the
         container's. A trainer that wants its config to win on resume sets it back after the
-        load (`components.resume.ConfigSettings`). A dict of another state layout
+        load (`components.checkpoint.resume.ConfigSettings`). A dict of another state layout
         (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
         """
         state_dict = dict(state_dict)
