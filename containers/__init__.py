@@ -6,7 +6,8 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
     container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
     contract.py      defaults, global step hooks and the state view kept by hand for torch
     parts.py         the part protocols (Precision, Gate, Timing) with their fp32 / always /
-                     after-backward defaults, StepReport, refuse_impossible
+                     after-backward defaults, StepReport
+    rules.py         the one table of part compositions that cannot work, with their reasons
     norm.py          the global gradient norm over the job's mesh; local-shard helpers
     grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
     ema.py           ShadowWeights: an EMA of the stepped weights, state of the container

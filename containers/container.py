@@ -42,7 +42,8 @@ from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.optim.paths import path_lines
-from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
+from containers.parts import Gate, Precision, StepReport, Timing
+from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
@@ -124,10 +125,7 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
         # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
-        refuse_impossible(
-            self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards),
-            ema=ema is not None,
-        )  # fmt: skip
+        refuse(self._features(ema))
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
         self.flat_shards.name({p: fqn for named in named_units for fqn, p in named})
@@ -184,6 +182,18 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         self.ema = ema
         if ema is not None:
             ema.attach([p for g in self.param_groups for p in g["params"]])
+
+    def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
+        """The features of `containers.rules` this composition brings, each named as its
+        refusal names it: the parts' own, a clip, an EMA and FSDP1 model parts."""
+        named = {**self.precision.features, **self.gate.features, **self.timing.features}
+        if self.max_norm:
+            named["clip"] = f"max_norm = {self.max_norm}"
+        if ema is not None:
+            named["ema"] = "an EMA of the weights"
+        if self.flat_shards:
+            named["fsdp1"] = "FSDP1 (FullyShardedDataParallel) model parts"
+        return named
 
     # -- what the trainer asks -----------------------------------------------------------
 

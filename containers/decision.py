@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from containers.parts import Gate, StepReport
+from containers.parts import StepReport
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -59,7 +59,7 @@ class Decision:
             and not hooks
             and self.ema is None
             and not self.precision.may_refuse
-            and type(self.gate).after_apply is Gate.after_apply
+            and not self.gate.works_after_apply
             and self.precision.skips_in_kernel(optimizers)
         )
 

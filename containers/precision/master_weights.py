@@ -87,27 +87,17 @@ class MasterWeights(MasterState, Precision):
     def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
         return self.scaler.mode != "none"
 
-    def stepped_weights_conflict(self) -> str | None:
-        if self.remainders:
-            return (
-                "store_param_remainders keeps the fp32 masters only within the flat step, where "
-                "an EMA could not read them nor DiLoCo's outer step write them; use "
-                "store_param_remainders = false"
-            )
-        return None
-
-    def in_backward_conflict(self) -> str | None:
-        if self.sums is not None:
-            return (
-                "grad_accumulation_dtype 'float32': the fp32 sums are stepped after backward; "
-                "use grad_accumulation_dtype 'param_dtype'"
-            )
+    @property
+    def features(self) -> dict[str, str]:  # type: ignore[override]
+        """Loss scaling (fp16), fp32 gradient sums and masters kept as remainders, where set."""
+        named = {}
         if self.scaler.mode != "none":
-            return (
-                f"loss scaling {self.scaler.mode!r}: an overflow found after some units "
-                "stepped cannot be undone; use loss_scaling 'none' (bf16)"
-            )
-        return None
+            named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaler.mode!r}"
+        if self.sums is not None:
+            named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
+        if self.remainders:
+            named["remainders"] = "MasterWeights' store_param_remainders"
+        return named
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Cast the floating-point parameters only: buffers that carry numerics (a rotary

@@ -397,7 +397,7 @@ def test_masters_kept_as_remainders_are_refused_when_built():
 
     precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=True))
     parts = [precision.cast_model(p) for p in three_parts()]
-    with pytest.raises(ValueError, match=r"DiLoCoGate with MasterWeights: store_param_remainders"):
+    with pytest.raises(ValueError, match=r"remainders with DiLoCoGate: the fp32 masters"):
         MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {**KW, "fused": True}, precision=precision,
             gate=DiLoCoGate(None, sync_steps=4),
