@@ -268,9 +268,8 @@ def run_splits(settings: Settings, kw: dict[str, Any], cfg: OptimizerConfig) -> 
         model = make_model(part_width(settings.params, parts), parts)
         auto = build_optimizers(clone_model(model), cfg)
         auto.skip_nonfinite = False
-        before = build_optimizers(clone_model(model), cfg)
+        before = build_optimizers(clone_model(model), cfg, precision=PerOptimizerSteps())
         before.skip_nonfinite = False
-        before.precision = PerOptimizerSteps()
         fused = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
         control = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
         t = time_interleaved(
