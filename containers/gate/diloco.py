@@ -30,10 +30,10 @@ from torch.optim import Optimizer
 
 from containers.gate.agreement import SettingsAgreement
 from containers.gate.fault_tolerant import wait_quorum
-from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost
 from containers.state.flat import describe_keys, flatten_into
 from containers.state.initial import derive
+from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
     from torchft import Manager

@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 from containers.container import OptimizersContainer
 from containers.ema import ShadowWeights
 from containers.gate.agreement import SettingsAgreement
-from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost, Precision
 from containers.state.param_groups import ParamGroupRule
+from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
     from torchft import Manager

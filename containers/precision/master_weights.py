@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.norm import GlobalNorm, local
+from containers.norm import GlobalNorm
 from containers.parts import Precision
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
@@ -37,6 +37,7 @@ from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
 from containers.precision.settings import MixedPrecisionSettings
 from containers.precision.sums import FullPrecisionSums, from_initial
+from containers.tensors import local
 
 __all__ = ["MasterWeights"]
 

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
 from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
-from containers.norm import shaped_like
+from containers.tensors import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
