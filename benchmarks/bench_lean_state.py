@@ -47,7 +47,7 @@ from containers import (  # noqa: E402
     load_planner,
 )
 from containers import MixedPrecisionSettings as MixedPrecision  # noqa: E402
-from containers.norm import SCRATCH_NUMEL, local  # noqa: E402
+from containers.tensors import SCRATCH_NUMEL, local  # noqa: E402
 
 POLICIES = {"float32": "fp32 moments (today)", "bfloat16": "bf16 moments"}
 DEBUG = ["--job.config_file", "config/debug.toml"]

@@ -114,7 +114,7 @@ def measure_memory(argv: list[str]) -> None:
 
     from components.job import build_job
     from config import load_job_config
-    from containers.norm import local
+    from containers.tensors import local
 
     job = build_job(load_job_config(argv))
     job.optimizers.zero_grad()

@@ -163,6 +163,9 @@ class PerOptimizerSteps(Precision):
     """The default precision as it was before `containers.grouped_step`: each inner
     optimizer's own `step()`, one kernel call per part (the "before" of sections 5 and 6)."""
 
+    def skips_in_kernel(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        return False  # (this apply reads no flag)
+
     @torch.no_grad()
     def apply(self, optimizers: Sequence[torch.optim.Optimizer], *_: Any) -> None:
         for opt in optimizers:
@@ -265,9 +268,8 @@ def run_splits(settings: Settings, kw: dict[str, Any], cfg: OptimizerConfig) -> 
         model = make_model(part_width(settings.params, parts), parts)
         auto = build_optimizers(clone_model(model), cfg)
         auto.skip_nonfinite = False
-        before = build_optimizers(clone_model(model), cfg)
+        before = build_optimizers(clone_model(model), cfg, precision=PerOptimizerSteps())
         before.skip_nonfinite = False
-        before.precision = PerOptimizerSteps()
         fused = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
         control = torch.optim.AdamW(all_params(clone_model(model)), **kw, fused=True)
         t = time_interleaved(

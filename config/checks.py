@@ -8,6 +8,7 @@ import dataclasses
 from config.errors import ConfigError
 from config.job_config import JobConfig, MixedPrecision, Training
 from config.optimizer_config import Optimizer as OptimizerConfig
+from containers.rules import conflict
 
 __all__ = ["accumulation_steps", "cross_check", "fsdp_mixed_precision", "steps_in_backward"]
 
@@ -17,41 +18,74 @@ def steps_in_backward(cfg: OptimizerConfig) -> bool:
     return cfg.early_step_in_backward or cfg.container == "in_backward"
 
 
-def _in_backward_conflicts(cfg: JobConfig) -> list[str]:
-    why = "steps each unit as soon as its gradients are ready, inside backward"
-    found = []
+def _features(cfg: JobConfig) -> dict[str, tuple[str, str]]:
+    """The features of `containers.rules` the job's parts bring, each as (the config key that
+    brings it, how to turn it off); a section counts only where it is read."""
+    opt, ft, mp = cfg.optimizer, cfg.fault_tolerance, cfg.mixed_precision
+    found: dict[str, tuple[str, str]] = {}
+    if cfg.parallelism.data_parallel_shard_impl == "fsdp1":
+        found["fsdp1"] = (
+            "[parallelism] data_parallel_shard_impl = 'fsdp1'",
+            "use data_parallel_shard_impl = 'fsdp2'",
+        )
+    if opt.early_step_in_backward:
+        found["in_backward"] = (
+            "[optimizer] early_step_in_backward = true",
+            "set early_step_in_backward = false",
+        )
+    elif opt.container == "in_backward":
+        found["in_backward"] = (
+            "[optimizer] container = 'in_backward'",
+            "set [optimizer] container = 'default'",
+        )
     if cfg.training.max_norm > 0:
-        found.append(
-            f"[training] max_norm = {cfg.training.max_norm}: the in-backward container {why}, "
-            "before the global norm exists, so it cannot clip; set max_norm = 0 or "
-            "early_step_in_backward = false"
-        )
-    if cfg.fault_tolerance.enable:
-        found.append(
-            f"[fault_tolerance] enable = true: the in-backward container {why}, before torchft "
-            "can decide whether the step commits; disable one of them"
-        )
-    mp = cfg.mixed_precision
-    scaled = mp.loss_scaling in ("dynamic", "static") or (
+        found["clip"] = (f"[training] max_norm = {cfg.training.max_norm}", "set max_norm = 0")
+    if ft.enable:
+        found["torchft"] = ("[fault_tolerance] enable = true", "disable fault tolerance")
+        if ft.semi_sync_method == "diloco":
+            found["diloco"] = (
+                "[fault_tolerance] semi_sync_method = 'diloco'",
+                "set semi_sync_method = 'none'",
+            )
+    if cfg.ema.enable:
+        found["ema"] = ("[ema] enable = true", "set [ema] enable = false")
+    if opt.container != "mixed_precision":
+        return found
+    if mp.loss_scaling in ("dynamic", "static") or (
         mp.loss_scaling == "auto" and mp.param_dtype == "float16"
-    )
-    if cfg.optimizer.container == "mixed_precision" and mp.grad_accumulation_dtype == "float32":
-        found.append(
-            f"[mixed_precision] grad_accumulation_dtype = 'float32': the in-backward container "
-            f"{why}, from its bf16 gradients, while fp32 sums are stepped after backward; use "
-            "grad_accumulation_dtype 'param_dtype'"
-        )
-    if cfg.optimizer.container == "mixed_precision" and scaled:
-        found.append(
+    ):
+        found["loss_scaling"] = (
             f"[mixed_precision] loss_scaling = {mp.loss_scaling!r} with param_dtype "
-            f"{mp.param_dtype!r}: the in-backward container {why}, so an overflow found after "
-            "some units stepped cannot be undone; use bfloat16 with loss_scaling 'none'"
+            f"{mp.param_dtype!r}",
+            "use bfloat16 with loss_scaling 'none'",
+        )
+    if mp.grad_accumulation_dtype == "float32":
+        found["fp32_sums"] = (
+            "[mixed_precision] grad_accumulation_dtype = 'float32'",
+            "use grad_accumulation_dtype 'param_dtype'",
+        )
+    if mp.store_param_remainders:
+        found["remainders"] = (
+            "[mixed_precision] store_param_remainders = true",
+            "set store_param_remainders = false",
         )
     return found
 
 
+def _composition_conflict(cfg: JobConfig) -> str | None:
+    """The first composition of parts `containers.rules` refuses, by its config keys, in one
+    line: what conflicts, why, and how to turn off either."""
+    features = _features(cfg)
+    rule = conflict(features)
+    if rule is None:
+        return None
+    (key_a, fix_a), (key_b, fix_b) = features[rule.a], features[rule.b]
+    return f"{key_a} with {key_b}: {rule.reason}; {fix_a} or {fix_b}"
+
+
 def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
-    """What FSDP1 model parts cannot run with (`containers.state.fsdp1` says why in full)."""
+    """What FSDP1 model parts cannot run with beside the parts' compositions
+    (`containers.state.fsdp1` says why in full)."""
     par = cfg.parallelism
     key = "[parallelism] data_parallel_shard_impl = 'fsdp1'"
     fix = "use data_parallel_shard_impl = 'fsdp2'"
@@ -63,17 +97,6 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
                 f"slices that tensor and pipeline parallelism cannot take; {fix} or set "
                 f"{degree} = 1"
             )
-    if steps_in_backward(cfg.optimizer):
-        found.append(
-            f"{key} with in-backward steps: FSDP1 gives the parameters their gradients only "
-            f"when backward has ended; {fix} or set [optimizer] early_step_in_backward = false "
-            "and container to 'default'"
-        )
-    if cfg.fault_tolerance.enable:
-        found.append(
-            f"{key} with [fault_tolerance] enable = true: FSDP1 state dicts gather across the "
-            f"group, which torchft cannot run while serving a healing peer; {fix}"
-        )
     policy = _fsdp_policy_set(cfg.training)
     if policy is not None:
         found.append(
@@ -178,15 +201,9 @@ def cross_check(cfg: JobConfig) -> None:
         )
     if cfg.parallelism.data_parallel_shard_impl == "fsdp1":
         problems += _fsdp1_conflicts(cfg)
-    if steps_in_backward(cfg.optimizer):
-        problems += _in_backward_conflicts(cfg)
+    if (composition := _composition_conflict(cfg)) is not None:
+        problems.append(composition)
     container = cfg.optimizer.container
-    if ft.enable and container == "mixed_precision" and mp.grad_accumulation_dtype == "float32":
-        problems.append(
-            "[mixed_precision] grad_accumulation_dtype = 'float32': torchft averages the bf16 "
-            "gradients across replica groups, but the masters would step on this group's own "
-            "fp32 sums; use grad_accumulation_dtype 'param_dtype' with [fault_tolerance]"
-        )
     if container != "mixed_precision":
         # Only the mixed-precision container reads the section: a key set for another would
         # be silently ignored (e.g. param_dtype, and the run trains in fp32).
@@ -198,20 +215,9 @@ def cross_check(cfg: JobConfig) -> None:
                     f"{container!r}; set container = 'mixed_precision' or leave the key out"
                 )
                 break
-    if container == "mixed_precision" and mp.store_param_remainders:
-        users = [("[ema] enable = true", ema.enable)]
-        users += [
-            ("[fault_tolerance] semi_sync_method = 'diloco'", ft.semi_sync_method == "diloco")
-        ]
-        if named := [key for key, on in users if on]:
-            problems.append(
-                f"[mixed_precision] store_param_remainders = true with {' and '.join(named)}: "
-                "the fp32 masters then exist only inside the step, where the EMA cannot read "
-                "them nor DiLoCo's outer step write them; set store_param_remainders = false"
-            )
-    conflict = _policy_conflict(cfg)
-    if conflict is not None:
-        problems.append(conflict)
+    policy = _policy_conflict(cfg)
+    if policy is not None:
+        problems.append(policy)
     if container == "fault_tolerant" and not ft.enable:
         problems.append(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "

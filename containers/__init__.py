@@ -6,15 +6,18 @@ One class runs one step pipeline; precision, gate and timing are parts plugged i
     container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
     contract.py      defaults, global step hooks and the state view kept by hand for torch
     parts.py         the part protocols (Precision, Gate, Timing) with their fp32 / always /
-                     after-backward defaults, StepReport, refuse_impossible
-    norm.py          the global gradient norm over the job's mesh; local-shard helpers
+                     after-backward defaults, StepReport
+    rules.py         the one table of part compositions that cannot work, with their reasons
+    norm.py          the global gradient norm over the job's mesh, the finite checks
+    tensors.py       local shards, flat views shaped back, the fp32 scratch buffer
     grouped_step.py  like Adam/AdamW groups of many inner optimizers in one kernel call
     ema.py           ShadowWeights: an EMA of the stepped weights, state of the container
     precision/       MasterWeights (mixed precision), its settings and update paths
     gate/            TorchFTGate (torchft), DiLoCoGate, SettingsMismatch
     timing/          InBackward
     state/           the flat FQN state format, initial state, param-group rules, FSDP1 slices
-    optim/           optimizers the project adds (ShardedMuon)
+    optim/           optimizers the project adds (ShardedMuon, LeanAdam(W), LeanSGD) and the
+                     update paths of a param group (`optim.paths`: the one chooser)
 """
 
 from containers.container import OptimizersContainer, Unit

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,8 @@ from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.optim.paths import path_lines
-from containers.parts import Gate, Precision, StepReport, Timing, refuse_impossible
+from containers.parts import Gate, Precision, StepReport, Timing
+from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
@@ -62,7 +63,7 @@ class Unit:
     optimizers: list[Optimizer] = field(default_factory=list)
 
 
-class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
+class OptimizersContainer(Optimizer, Stateful):
     """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts.
 
     Each unit (a model part, unless the timing splits finer) gets one inner optimizer per
@@ -124,10 +125,7 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
         # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
-        refuse_impossible(
-            self.precision, self.gate, self.timing, max_norm, fsdp1=bool(self.flat_shards),
-            ema=ema is not None,
-        )  # fmt: skip
+        refuse(self._features(ema))
         self._fqns: dict[torch.Tensor, str] = {}
         named_units = self.timing.units(self.model_parts, trainable(self.model_parts))
         self.flat_shards.name({p: fqn for named in named_units for fqn, p in named})
@@ -137,7 +135,7 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
             shards=self.flat_shards.shard_counts(),
         )
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self._local_norm = world > 1 and not self.global_norm.collective
+        local_norm = world > 1 and not self.global_norm.collective
         stepped_units = [
             [(fqn, self.precision.stepped(fqn, p)) for fqn, p in named] for named in named_units
         ]
@@ -165,6 +163,8 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         self._params = [p for unit in self.units for p in unit.params]  # read on every step
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
+        device = self._params[0].device
+        self.decision = Decision(self.precision, self.global_norm, device, local_norm)
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
         # The flag a kernel-skipped step left, and its norm: read when the report is asked.
@@ -184,6 +184,21 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         self.ema = ema
         if ema is not None:
             ema.attach([p for g in self.param_groups for p in g["params"]])
+        self._state = ContainerState(
+            self, self.optimizers, self._fqns, self.precision, self.gate, ema, self.flat_shards
+        )
+
+    def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
+        """The features of `containers.rules` this composition brings, each named as its
+        refusal names it: the parts' own, a clip, an EMA and FSDP1 model parts."""
+        named = {**self.precision.features, **self.gate.features, **self.timing.features}
+        if self.max_norm:
+            named["clip"] = f"max_norm = {self.max_norm}"
+        if ema is not None:
+            named["ema"] = "an EMA of the weights"
+        if self.flat_shards:
+            named["fsdp1"] = "FSDP1 (FullyShardedDataParallel) model parts"
+        return named
 
     # -- what the trainer asks -----------------------------------------------------------
 
@@ -300,10 +315,10 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
         if self.max_norm is not None and kernels:
             # Squares summed in fp64 cannot overflow: the norm is finite iff every gradient
             # is, so it is the exact flag itself (no second pass, no host decision).
-            norm, found = self._norm_and_flag(params, exact=True)
+            norm, found = self.decision.norm_and_flag(params, self.skip_nonfinite, exact=True)
             return self._left_to_kernels(found.float(), norm.float())
         if self.max_norm is not None:
-            norm, value, finite = self._measure(params)
+            norm, value, finite = self.decision.measure(params, self.skip_nonfinite)
         elif self.skip_nonfinite:
             # Without a clip, the cheapest check: one read of the gradients, no write; the
             # world agrees, as a norm would.
@@ -312,7 +327,7 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
             if kernels:
                 return self._left_to_kernels(nonfinite_flag(grads, groups))
             finite = all_finite(grads, groups)
-        refusal = self._refusal() if finite else None
+        refusal = self.decision.refusal(self.optimizers) if finite else None
         self.precision.decided(applied=finite and refusal is None, overflow=not finite)
         if refusal is not None:
             return StepReport(
@@ -320,20 +335,51 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
                 **self.precision.report(),
             )  # fmt: skip
         if not finite:
-            return StepReport(
-                committed=False,
-                skipped="non-finite loss or gradients"
-                + (f" (global norm {value})" if value is not None else ""),
-                nonfinite=True,
-                grad_norm=value,
-                **self.precision.report(),
-            )
+            return self.decision.nonfinite(value)
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
         self.gate.after_apply()
         if self.ema is not None:
             self.ema.update()
             self.ema.count()
         return StepReport(grad_norm=value, **self.precision.report())
+
+    def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
+        """Apply with the non-finite skip left to the kernels (`found`, a device flag) and
+        the gradients clipped by `norm` (None: no clip); no host sync: the report reads the
+        flag and the norm when asked."""
+        self._with_hooks(
+            lambda: self.precision.apply(self.optimizers, norm, self.max_norm, found_inf=found)
+        )
+        self._found_inf, self._norm = found, norm
+        return StepReport(**self.precision.report())
+
+    def leaves_skip_to_kernels(
+        self, optimizers: Sequence[Optimizer], per_unit: bool = False
+    ) -> bool:
+        """Whether a step (or a unit's, `per_unit`) may leave its non-finite skip to the
+        update kernels of `optimizers` (`Decision.kernels_may_skip`): nothing else follows
+        the decision (no step hooks around it, no EMA, a gate with nothing to do after the
+        update)."""
+        hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
+        return (
+            not hooks
+            and self.ema is None
+            and not self.gate.works_after_apply
+            and self.decision.kernels_may_skip(optimizers)
+        )
+
+    @property
+    def last_report(self) -> StepReport:
+        """What the last `step()` did. A step that left its non-finite skip to the kernels
+        is reported here, when asked: the one host sync it needs."""
+        found, self._found_inf = self._found_inf, None
+        norm, self._norm = self._norm, None
+        self._last_report = self.decision.read(self._last_report, found, norm)
+        return self._last_report
+
+    @last_report.setter
+    def last_report(self, report: StepReport) -> None:
+        self._last_report = report
 
     def _with_hooks(self, apply: Callable[[], None]) -> None:
         with_step_hooks(
@@ -347,6 +393,27 @@ class OptimizersContainer(ContainerState, Decision, Optimizer, Stateful):
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)
             self.timing.on_zero_grad()
+
+    # -- state (`containers.state.container_state`) ---------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's flat optimizer state dict plus the parts' entries (`ContainerState`)."""
+        return self._state.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a flat state dict; on any problem raise and leave the optimizer as it was."""
+        self._state.load_state_dict(state_dict)
+
+    def check_checkpoint_keys(
+        self, keys: Collection[str] | Mapping[str, torch.dtype | None]
+    ) -> str:
+        """Refuse a checkpoint of another state layout before anything loads, else fit
+        `state_dict()` to its keys as DCP's template (`ContainerState.check_checkpoint_keys`)."""
+        return self._state.check_checkpoint_keys(keys)
+
+    def forget_checkpoint_keys(self) -> None:
+        """Undo `check_checkpoint_keys`, where the load it was for failed."""
+        self._state.forget_checkpoint_keys()
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

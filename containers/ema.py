@@ -21,8 +21,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import torch
 
-from containers.norm import local
 from containers.state.flat import describe_keys
+from containers.tensors import local
 
 __all__ = ["EMA", "ShadowWeights"]
 

@@ -10,14 +10,13 @@ Every container runs the same step (`OptimizersContainer.step`); three parts plu
 - **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
   inside backward as each unit's gradients become final (`containers.timing.in_backward`).
 
-A part that cannot work when units apply inside backward says why in `in_backward_conflict`,
-one that cannot work on FSDP1 model parts in `fsdp1_conflict`; the container refuses such a
-composition when it is built (`refuse_impossible`).
+Each part declares the features it brings (`features`); the container refuses a composition
+that `containers.rules` lists as one that cannot work, when it is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,6 @@ __all__ = [
     "StepReport",
     "Timing",
     "params_with_grad",
-    "refuse_impossible",
 ]
 
 Named = list[tuple[str, torch.Tensor]]
@@ -92,7 +90,7 @@ class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
     A precision answers four kinds of question, in this order of a run's life:
-    composition (`in_backward_conflict`, `fsdp1_conflict`, `must_skip_nonfinite`); build
+    composition (`features`, `must_skip_nonfinite`); build
     (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`, `grad_norm`,
     `refusal`, `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers'
     (`state_dict`, `take_state`, `load_state`). This class is the plain answer to each;
@@ -110,16 +108,11 @@ class Precision:
     may_refuse = False
     """Whether `refusal` can ever answer (the container agrees on it across ranks then)."""
 
-    def in_backward_conflict(self) -> str | None:
-        return None
-
-    def fsdp1_conflict(self) -> str | None:
-        return None
-
-    def stepped_weights_conflict(self) -> str | None:
-        """Why the weights the inner optimizers step cannot be read or written between steps
-        (by an EMA of them, a gate's outer step), if so."""
-        return None
+    @property
+    def features(self) -> Mapping[str, str]:
+        """The features of `containers.rules` this precision brings, each with how a refusal
+        names it (none: plain fp32)."""
+        return {}
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Give `model` the parameter dtype this precision expects (before it is sharded)."""
@@ -177,9 +170,8 @@ class Precision:
         """Whether `apply(optimizers, found_inf=flag)` leaves the skip to the update kernels
         (torch's fused Adam family reads a device flag and changes nothing where it is set),
         so no host sync has to decide it first. A precision with an `apply` or a `decided` of
-        its own (told of each decision as the step makes it) says so itself."""
-        own = type(self).apply is Precision.apply and type(self).decided is Precision.decided
-        return own and kernel_skips(optimizers)
+        its own (told of each decision as the step makes it) answers for itself."""
+        return kernel_skips(optimizers)
 
     @torch.no_grad()
     def apply(
@@ -231,11 +223,15 @@ class Gate:
     refusal = "not committed"
     """What `StepReport.skipped` says when `commit()` returns False."""
 
-    def in_backward_conflict(self) -> str | None:
-        return None
+    @property
+    def features(self) -> Mapping[str, str]:
+        """The features of `containers.rules` this gate brings, each with how a refusal
+        names it (none: every step commits)."""
+        return {}
 
-    def fsdp1_conflict(self) -> str | None:
-        return None
+    works_after_apply = False
+    """Whether `after_apply` does anything (the container then leaves no skip to the kernels:
+    the decision must be known before it)."""
 
     def on_zero_grad(self) -> None:
         """A new step begins."""
@@ -245,9 +241,6 @@ class Gate:
 
     def commit(self) -> bool:
         return True
-
-    uses_stepped_weights = False
-    """Whether the gate reads and writes the stepped weights between steps (an outer step)."""
 
     def attach(self, container: OptimizersContainer) -> None:
         """Called once the container's inner optimizers exist."""
@@ -279,8 +272,11 @@ class Timing:
 
     in_backward = False
 
-    def fsdp1_conflict(self) -> str | None:
-        return None
+    @property
+    def features(self) -> Mapping[str, str]:
+        """The features of `containers.rules` this timing brings, each with how a refusal
+        names it (none: units apply after backward)."""
+        return {}
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
         """Split each part's trainable parameters into units with inner optimizers of their own."""
@@ -299,50 +295,3 @@ class Timing:
         """In `step()`, after `finish`, for timings that apply inside backward: what the
         step's units did."""
         return StepReport(**container.precision.report())
-
-
-def refuse_impossible(
-    precision: Precision,
-    gate: Gate,
-    timing: Timing,
-    max_norm: float | None,
-    fsdp1: bool,
-    ema: bool = False,
-) -> None:
-    """The one place where parts that cannot work together (or on FSDP1 model parts, or
-    with an EMA of the weights) are refused, with the reason: raise ValueError."""
-    if ema and fsdp1:
-        raise ValueError(
-            "an EMA of the weights over FSDP1 (FullyShardedDataParallel) model parts: its "
-            "flat-parameter slices are not kept as averages yet; use FSDP2"
-        )
-    users = [("an EMA of the weights", ema), (type(gate).__name__, gate.uses_stepped_weights)]
-    users = [name for name, uses in users if uses]
-    if users and (reason := precision.stepped_weights_conflict()):
-        raise ValueError(f"{' and '.join(users)} with {type(precision).__name__}: {reason}")
-    if fsdp1:
-        for part, obj in (("precision", precision), ("gate", gate), ("timing", timing)):
-            reason = obj.fsdp1_conflict()
-            if reason:
-                raise ValueError(
-                    f"the model parts are FSDP1 (FullyShardedDataParallel), which the {part} "
-                    f"{type(obj).__name__} cannot work with: {reason}"
-                )
-    if not timing.in_backward:
-        return
-    clip = None
-    if max_norm:
-        clip = (
-            f"max_norm = {max_norm}: the global gradient norm exists only once "
-            "backward has ended, after units stepped; set max_norm to 0 or None"
-        )
-    for part, reason in (
-        ("precision", precision.in_backward_conflict()),
-        ("gate", gate.in_backward_conflict()),
-        ("clipping", clip),
-    ):
-        if reason:
-            raise ValueError(
-                f"{type(timing).__name__} steps units inside backward, which this "
-                f"{part} cannot work with: {reason}"
-            )

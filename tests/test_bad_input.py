@@ -79,7 +79,8 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
         ),
         (
             [*FSDP1, "--optimizer.early_step_in_backward"],
-            "data_parallel_shard_impl = 'fsdp1' with in-backward steps: FSDP1 gives",
+            "[parallelism] data_parallel_shard_impl = 'fsdp1' with [optimizer] "
+            "early_step_in_backward = true: FSDP1 computes gradients on its flat parameters",
         ),
         (
             [*FSDP1, "--fault_tolerance.enable"],
@@ -101,11 +102,15 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
         ),
         (
             [*FP32_SUMS, "--optimizer.early_step_in_backward", "--training.max_norm", "0"],
-            "[mixed_precision] grad_accumulation_dtype = 'float32': the in-backward container",
+            "[optimizer] early_step_in_backward = true with [mixed_precision] "
+            "grad_accumulation_dtype = 'float32': units step inside backward from their bf16 "
+            "gradients, while the fp32 sums are stepped after backward; set "
+            "early_step_in_backward = false or use grad_accumulation_dtype 'param_dtype'",
         ),
         (
             [*FP32_SUMS, "--fault_tolerance.enable"],
-            "[mixed_precision] grad_accumulation_dtype = 'float32': torchft averages the bf16",
+            "[mixed_precision] grad_accumulation_dtype = 'float32' with [fault_tolerance] enable "
+            "= true: torchft averages the bf16",
         ),
         (
             ["--training.mixed_precision_reduce", "bfloat16"],

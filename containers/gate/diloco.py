@@ -30,10 +30,10 @@ from torch.optim import Optimizer
 
 from containers.gate.agreement import SettingsAgreement
 from containers.gate.fault_tolerant import wait_quorum
-from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost
 from containers.state.flat import describe_keys, flatten_into
 from containers.state.initial import derive
+from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -69,7 +69,7 @@ class DiLoCoGate(Gate):
     """
 
     refusal = "not committed by torchft"
-    uses_stepped_weights = True  # the global weights start from them, the outer step writes them
+    works_after_apply = True  # the outer step
 
     def __init__(
         self,
@@ -133,14 +133,9 @@ class DiLoCoGate(Gate):
         self._in_quorum = False  # torchft reads the state for a healing peer only then
         self._served = False
 
-    def in_backward_conflict(self) -> str | None:
-        return (
-            "DiLoCo's outer step follows the whole inner step; use the step after backward "
-            "(early_step_in_backward = false) or every-step averaging"
-        )
-
-    def fsdp1_conflict(self) -> str | None:
-        return "DiLoCo's global weights are kept as DTensors like their parameters; use FSDP2"
+    @property
+    def features(self) -> dict[str, str]:  # type: ignore[override]
+        return {"torchft": "DiLoCoGate (torchft)", "diloco": "DiLoCoGate"}
 
     def attach(self, container: OptimizersContainer) -> None:
         self.container = container

@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 from containers.container import OptimizersContainer
 from containers.ema import ShadowWeights
 from containers.gate.agreement import SettingsAgreement
-from containers.norm import local, shaped_like
 from containers.parts import Gate, GateLost, Precision
 from containers.state.param_groups import ParamGroupRule
+from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -53,19 +53,9 @@ class TorchFTGate(Gate):
         self.manager = manager
         self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
 
-    def in_backward_conflict(self) -> str | None:
-        return (
-            "torchft decides whether a step commits after backward, once every gradient is "
-            "averaged across replica groups; disable fault tolerance or the in-backward step"
-        )
-
-    def fsdp1_conflict(self) -> str | None:
-        return (
-            "torchft serves a healing peer the group's state from its own thread, and the "
-            "state dicts of FSDP1 parts gather every flat parameter across the group's ranks "
-            "(collectives that thread cannot run alongside training); shard with FSDP2 "
-            "([parallelism] data_parallel_shard_impl = 'fsdp2') or disable fault tolerance"
-        )
+    @property
+    def features(self) -> dict[str, str]:  # type: ignore[override]
+        return {"torchft": "TorchFTGate (torchft)"}
 
     def on_zero_grad(self) -> None:
         # The quorum may serve this group's state to a healing peer from its own thread: not

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
-from containers.norm import local, scratch, scratch_numel
 from containers.optim.coded_adam import coded_adam
 from containers.optim.compiled_adam import compiled_adam, compiled_coded_adam, takes_codes
 from containers.optim.paths import adam_path
+from containers.tensors import local, scratch, scratch_numel
 
 __all__ = ["lean_adam", "step_coded", "step_compiled", "step_group"]
 

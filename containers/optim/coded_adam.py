@@ -29,7 +29,6 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as _piece
 
-from containers.norm import local, scratch, scratch_numel
 from containers.optim.moment_codes import (
     BLOCK,
     decode_log,
@@ -38,6 +37,7 @@ from containers.optim.moment_codes import (
     encode_signed,
     scale_shape,
 )
+from containers.tensors import local, scratch, scratch_numel
 
 __all__ = [
     "CODED",

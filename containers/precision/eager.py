@@ -7,7 +7,7 @@ Casting every gradient at once
 would add 4 bytes/param at the step's peak; casting per tensor allocates (and page-faults) a
 fresh fp32 tensor each time, which on a CPU costs more than the cast. So the gradients are cast
 in chunks of about `CHUNK_NUMEL` elements into the fp32 scratch buffer that
-`containers.norm.scratch` keeps between steps (the norm pass uses it too), with one
+`containers.tensors.scratch` keeps between steps (the norm pass uses it too), with one
 `torch._foreach_copy_` per chunk, unscaled and clipped there with one `torch._foreach_mul_`
 while the chunk is in cache, stepped, and written back to the model parameters; each
 low-precision gradient is dropped as soon as it is cast. A tensor larger than a chunk gets a
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.norm import SCRATCH_NUMEL, local, scratch, shaped_like
 from containers.state.fsdp1 import ELEMENTWISE
+from containers.tensors import SCRATCH_NUMEL, local, scratch, shaped_like
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters", "step_whole"]
 

@@ -39,11 +39,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.optim import Optimizer
 
-from containers.norm import local, scratch, scratch_numel, shaped_like
 from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import moment_dtype_of
 from containers.optim.paths import BF16_FUSED_DEVICES, update_path
 from containers.precision import remainders as rem
+from containers.tensors import local, scratch, scratch_numel, shaped_like
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 

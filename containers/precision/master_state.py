@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from containers.norm import local
 from containers.precision.remainders import Sink
 from containers.state.flat import describe_keys
+from containers.tensors import local
 
 if TYPE_CHECKING:
     from containers.precision.flat_adam import FlatGroup

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.norm import GlobalNorm, local
+from containers.norm import GlobalNorm
 from containers.parts import Precision
 from containers.precision.eager import step_masters
 from containers.precision.flat_adam import FlatGroup, eligible
@@ -37,6 +37,7 @@ from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
 from containers.precision.settings import MixedPrecisionSettings
 from containers.precision.sums import FullPrecisionSums, from_initial
+from containers.tensors import local
 
 __all__ = ["MasterWeights"]
 
@@ -87,27 +88,17 @@ class MasterWeights(MasterState, Precision):
     def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
         return self.scaler.mode != "none"
 
-    def stepped_weights_conflict(self) -> str | None:
-        if self.remainders:
-            return (
-                "store_param_remainders keeps the fp32 masters only within the flat step, where "
-                "an EMA could not read them nor DiLoCo's outer step write them; use "
-                "store_param_remainders = false"
-            )
-        return None
-
-    def in_backward_conflict(self) -> str | None:
-        if self.sums is not None:
-            return (
-                "grad_accumulation_dtype 'float32': the fp32 sums are stepped after backward; "
-                "use grad_accumulation_dtype 'param_dtype'"
-            )
+    @property
+    def features(self) -> dict[str, str]:  # type: ignore[override]
+        """Loss scaling (fp16), fp32 gradient sums and masters kept as remainders, where set."""
+        named = {}
         if self.scaler.mode != "none":
-            return (
-                f"loss scaling {self.scaler.mode!r}: an overflow found after some units "
-                "stepped cannot be undone; use loss_scaling 'none' (bf16)"
-            )
-        return None
+            named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaler.mode!r}"
+        if self.sums is not None:
+            named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
+        if self.remainders:
+            named["remainders"] = "MasterWeights' store_param_remainders"
+        return named
 
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Cast the floating-point parameters only: buffers that carry numerics (a rotary

@@ -62,12 +62,6 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         ema: ShadowWeights | None = None,
     ) -> None:
         self.precision: MasterWeights = precision or MasterWeights(settings)
-        if self.precision.sums is not None and gate is not None and type(gate) is not Gate:
-            raise ValueError(
-                f"grad_accumulation_dtype 'float32' with gate {type(gate).__name__}: the gate "
-                "averages the bf16 .grad, but the masters would step on this group's own fp32 "
-                "sums; use grad_accumulation_dtype 'param_dtype'"
-            )
         super().__init__(
             model_parts,
             optimizer_cls,

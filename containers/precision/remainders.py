@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, ReadItem
 
-from containers.norm import local
+from containers.tensors import local
 
 __all__ = ["HALF_ULP", "LoadPlanner", "Sink", "join", "masters_of", "split", "store"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from containers.norm import local, shaped_like
+from containers.tensors import local, shaped_like
 
 __all__ = ["FullPrecisionSums", "from_initial"]
 

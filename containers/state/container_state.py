@@ -1,21 +1,23 @@
 """`ContainerState`: the container's flat FQN-keyed state dict, its load and key check.
 
-Part of `OptimizersContainer` (a base class), kept apart from the step pipeline: torch's flat
-optimizer state over every unit's inner optimizers, plus the entries of the container's parts
-(precision, gate, EMA), each of which takes and validates its own before anything changes.
+An object of `OptimizersContainer`, built with what it reads, kept apart from the step
+pipeline: torch's flat optimizer state over every unit's inner optimizers, plus the entries of
+the container's parts (precision, gate, EMA), each of which takes and validates its own before
+anything changes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from containers.ema import EMA
+from containers.ema import EMA, ShadowWeights
 from containers.optim.coded_adam import decode_moment, in_form_of
+from containers.parts import Gate, Precision
 from containers.state.flat import (
     PG,
     STATE,
@@ -33,23 +35,32 @@ logger = logging.getLogger(__name__)
 
 
 class ContainerState:
-    """`state_dict`, `load_state_dict` and `check_checkpoint_keys` of `OptimizersContainer`
-    (which sets every attribute below)."""
+    """`state_dict`, `load_state_dict` and `check_checkpoint_keys` of a container (`owner`,
+    whose state hooks are called with it): the flat state of `optimizers` (their tensors
+    named by `fqns`), plus the entries of its `precision`, `gate` and `ema` (if kept), FSDP1
+    slices converted by `flat_shards`."""
 
-    optimizers: list[Optimizer]
-    precision: Any
-    gate: Any
-    ema: Any
-    flat_shards: FlatShards
-    _fqns: dict[torch.Tensor, str]
-    _optimizer_state_dict_pre_hooks: dict[int, Callable]
-    _optimizer_state_dict_post_hooks: dict[int, Callable]
-    _optimizer_load_state_dict_pre_hooks: dict[int, Callable]
-    _optimizer_load_state_dict_post_hooks: dict[int, Callable]
-    # The flat keys (and dtypes) of the checkpoint a load is about to take
-    # (`check_checkpoint_keys`): the template's Adam moments take their form (8-bit codes or
-    # tensors of the checkpoint's dtype) until the load.
-    _checkpoint_keys: Mapping[str, torch.dtype | None] = {}
+    def __init__(
+        self,
+        owner: Optimizer,
+        optimizers: list[Optimizer],
+        fqns: dict[torch.Tensor, str],
+        precision: Precision,
+        gate: Gate,
+        ema: ShadowWeights | None,
+        flat_shards: FlatShards,
+    ) -> None:
+        self.owner = owner
+        self.optimizers = optimizers
+        self._fqns = fqns
+        self.precision = precision
+        self.gate = gate
+        self.ema = ema
+        self.flat_shards = flat_shards
+        # The flat keys (and dtypes) of the checkpoint a load is about to take
+        # (`check_checkpoint_keys`): the template's Adam moments take their form (8-bit
+        # codes or tensors of the checkpoint's dtype) until the load.
+        self._checkpoint_keys: Mapping[str, torch.dtype | None] = {}
 
     def _states(
         self,
@@ -85,8 +96,8 @@ class ContainerState:
         step, so the dict always covers every trainable parameter and serves as the template
         that DCP loads into.
         """
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        for hook in self.owner._optimizer_state_dict_pre_hooks.values():
+            hook(self.owner)
         flat: dict[str, Any] = {}
         for opt in self.optimizers:
             for p, st in self._states(opt, True, self._checkpoint_keys)[0].items():
@@ -103,8 +114,8 @@ class ContainerState:
             flat.update(self.ema.state_dict(self._fqns))
         if self.flat_shards:
             flat = self.flat_shards.export(flat)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, flat)
+        for hook in self.owner._optimizer_state_dict_post_hooks.values():
+            result = hook(self.owner, flat)
             if result is not None:
                 flat = result
         return flat
@@ -120,8 +131,8 @@ class ContainerState:
         (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
         """
         state_dict = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
+        for hook in self.owner._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self.owner, state_dict)
             if result is not None:
                 state_dict = result
         sliced: set[str] = set()
@@ -155,8 +166,8 @@ class ContainerState:
         self.gate.load_state(gate_taken)
         if self.ema is not None:
             self.ema.load_state(ema_taken)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for hook in self.owner._optimizer_load_state_dict_post_hooks.values():
+            hook(self.owner)
 
     def check_checkpoint_keys(
         self, keys: Collection[str] | Mapping[str, torch.dtype | None]

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.norm import local
+from containers.tensors import local
 
 __all__ = ["Derived", "derive", "initial_states"]
 

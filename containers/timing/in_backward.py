@@ -59,16 +59,9 @@ class InBackward(Timing):
         self._skipped = 0  # units skipped on this rank this step
         self._flags: list[torch.Tensor] = []  # of units that left their skip to the kernels
 
-    def fsdp1_conflict(self) -> str | None:
-        # Measured: FSDP1 runs forward and backward on its flat parameter, so hooks on the
-        # original parameters never fire, and their gradient views exist only once the
-        # whole backward has ended.
-        return (
-            "FSDP1 computes gradients on its flat parameters and gives the original "
-            "parameters theirs only when backward has ended, so no unit can step inside "
-            "backward; shard with FSDP2 ([parallelism] data_parallel_shard_impl = 'fsdp2') "
-            "or step after backward (early_step_in_backward = false)"
-        )
+    @property
+    def features(self) -> dict[str, str]:  # type: ignore[override]
+        return {"in_backward": "InBackward (units step inside backward)"}
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
         """One unit per FSDP2 module (its gradients arrive together after one reduce-scatter),

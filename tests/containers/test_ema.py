@@ -213,7 +213,7 @@ def test_bad_settings_and_remainders_are_refused_by_name():
         ShadowWeights(1.0)
     with pytest.raises(ValueError, match=r"update_every_n_steps = 0: use 1 or more"):
         ShadowWeights(0.9, update_every_n_steps=0)
-    with pytest.raises(ValueError, match=r"store_param_remainders keeps the fp32 masters"):
+    with pytest.raises(ValueError, match=r"remainders with an EMA of the weights: the fp32"):
         MixedPrecisionOptimizersContainer(
             three_parts(), torch.optim.AdamW, {**KW, "fused": True},
             settings=MixedPrecisionSettings(store_param_remainders=True), ema=ShadowWeights(0.9),

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
 from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
-from containers.norm import shaped_like
+from containers.tensors import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
 from tests.harness.helpers import (
@@ -397,7 +397,7 @@ def test_masters_kept_as_remainders_are_refused_when_built():
 
     precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=True))
     parts = [precision.cast_model(p) for p in three_parts()]
-    with pytest.raises(ValueError, match=r"DiLoCoGate with MasterWeights: store_param_remainders"):
+    with pytest.raises(ValueError, match=r"remainders with DiLoCoGate: the fp32 masters"):
         MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {**KW, "fused": True}, precision=precision,
             gate=DiLoCoGate(None, sync_steps=4),

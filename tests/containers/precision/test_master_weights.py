@@ -257,6 +257,10 @@ def test_fp32_sums_keep_what_bf16_accumulation_rounds_away():
 class _Avg(Gate):
     """A gate that, as torchft's, would change `.grad` before the step."""
 
+    @property
+    def features(self) -> dict[str, str]:
+        return {"torchft": "gate _Avg"}
+
 
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match=r"'embed.weight' is torch.float32, not param_dtype"):
@@ -264,7 +268,7 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="max_norm = -1"):
         MixedPrecisionOptimizersContainer(_parts(), torch.optim.AdamW, {}, max_norm=-1)
     parts, sums = _parts(), MP(grad_accumulation_dtype="float32")
-    with pytest.raises(ValueError, match="'float32' with gate _Avg: the gate averages"):
+    with pytest.raises(ValueError, match="'float32' with gate _Avg: torchft averages"):
         MixedPrecisionOptimizersContainer(parts, torch.optim.SGD, SGD, settings=sums, gate=_Avg())
     assert not any(p._post_accumulate_grad_hooks for m in parts for p in m.parameters())
     cfg = load_job_config(

@@ -215,11 +215,14 @@ def test_lr_schedules_and_user_lr_changes_reach_every_unit():
 
 def test_refused_combinations_name_the_key_and_the_fix():
     with pytest.raises(
-        ConfigError, match=r"\[training\] max_norm = 1.0: the in-backward container.*max_norm = 0"
+        ConfigError,
+        match=r"^\[optimizer\] container = 'in_backward' with \[training\] max_norm = 1.0: the "
+        r"global gradient norm .*; set \[optimizer\] container = 'default' or set max_norm = 0$",
     ):
         load_job_config(["--optimizer.container", "in_backward"])
     with pytest.raises(
-        ConfigError, match=r"\[fault_tolerance\] enable = true: the in-backward container"
+        ConfigError,
+        match=r"early_step_in_backward = true with \[fault_tolerance\] enable = true: torchft",
     ):
         load_job_config(
             [
@@ -237,7 +240,9 @@ def test_refused_combinations_name_the_key_and_the_fix():
     # The containers refuse the same compositions when built directly, in one place.
     with pytest.raises(ValueError, match=r"max_norm = 1\.0: the global gradient norm exists"):
         OptimizersContainer(_parts(), torch.optim.AdamW, KW, timing=InBackward(), max_norm=1.0)
-    with pytest.raises(ValueError, match="precision cannot work with: loss scaling 'dynamic'"):
+    with pytest.raises(
+        ValueError, match=r"InBackward .* with MasterWeights' loss scaling 'dynamic': an overflow"
+    ):
         MixedPrecisionOptimizersContainer(
             [p.half() for p in _parts()], torch.optim.AdamW, KW, timing=InBackward(),
             settings=MixedPrecisionSettings(param_dtype="float16"),

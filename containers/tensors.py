@@ -1,0 +1,66 @@
+"""Tensor helpers every part uses: a DTensor's local piece, a flat view shaped back as a
+parameter, a sparse gradient's values, and the fp32 scratch buffer kept per device."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CUDA_SCRATCH_NUMEL",
+    "SCRATCH_NUMEL",
+    "dense",
+    "local",
+    "scratch",
+    "scratch_numel",
+    "shaped_like",
+]
+
+SCRATCH_NUMEL = 1 << 20
+"""Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
+converted into it a piece at a time, by the norm and by the mixed-precision step."""
+
+CUDA_SCRATCH_NUMEL = 1 << 24
+"""The same on a GPU (64 MiB): there a chunk costs kernel launches, not cache misses, and at
+4 MiB a chunk the launches of a 134M-parameter step cost 15x its bytes (benchmarks/README.md)."""
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch_numel(device: torch.device) -> int:
+    """Elements of the fp32 scratch buffer kept on `device` (the most a chunk may use)."""
+    return CUDA_SCRATCH_NUMEL if device.type == "cuda" else SCRATCH_NUMEL
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of `numel` elements on `device`. Up to `scratch_numel(device)` it is
+    one buffer kept between calls (a fresh one would be page-faulted in at every step, which
+    on a CPU costs more than the conversion it serves); larger ones are allocated each time.
+    Callers must be done with it before the next call."""
+    kept = scratch_numel(device)
+    if numel > kept:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if device not in _scratch:
+        _scratch[device] = torch.empty(kept, dtype=torch.float32, device=device)
+    return _scratch[device][:numel]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` (a DTensor's local shard; a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`view` (a flat slice) shaped as `like`'s local piece, a DTensor placed as `like` if it is."""
+    view = view.view(local(like).shape)
+    if isinstance(like, DTensor):
+        return DTensor.from_local(
+            view, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+            run_check=False,
+        )  # fmt: skip
+    return view
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """The values of a sparse gradient (SparseAdam's embeddings), which norms cannot take."""
+    return grad.coalesce().values() if grad.is_sparse else grad
