@@ -5,7 +5,7 @@
 Two replica groups of the debug job (one process each, a real torchft lighthouse that waits for
 both, loopback gloo), trained through train.py side by side in one run per setting: every-step
 gradient averaging (`semi_sync_method = "none"`) and DiLoCo at each `sync_steps`. Bytes per
-inner step: each collective the gates make is one flat fp32 all-reduce of every trainable
+inner step: each collective the torchft parts make is one flat fp32 all-reduce of every trainable
 parameter (the gradients every step; the pseudo-gradients every `sync_steps`), so a group
 hands `4 x parameters / sync_steps` bytes to the all-reduce per step (a ring all-reduce moves
 about twice that over the wire). Loss: the mean of the last 20 steps over both groups. Two

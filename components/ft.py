@@ -16,8 +16,8 @@ from components.optimizer import resolve_optimizer
 from config import ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
 from config import Optimizer as OptimizerConfig
-from containers import DiLoCoGate, TorchFTGate
-from containers.parts import Gate
+from containers import DiLoCo, TorchFTGate
+from containers.parts import Gate, Outer
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "build_ft_manager",
     "build_gate",
+    "build_outer",
     "check_ft_config",
     "manager_port",
     "math_settings",
@@ -69,29 +70,40 @@ _DILOCO_MATH = (
 
 
 def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
-    """The gate of a torchft replica group (None without torchft): gradients averaged at
-    every step (`TorchFTGate`, groups of another math config refused), or DiLoCo's outer
-    step every `sync_steps` (`DiLoCoGate`, its outer optimizer from the registry)."""
-    if manager is None:
+    """The gate of a torchft replica group that averages gradients at every step
+    (`TorchFTGate`, groups of another math config refused); None without torchft, or under
+    DiLoCo, whose inner steps all commit (`build_outer`)."""
+    if manager is None or cfg.fault_tolerance.semi_sync_method == "diloco":
         return None
+    return TorchFTGate(manager, agree_on=math_settings(cfg), name=_group_name(cfg.fault_tolerance))
+
+
+def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
+    """The outer part of a DiLoCo replica group: its outer step every `sync_steps`
+    (`DiLoCo`, its outer optimizer from the registry, groups of another math or DiLoCo
+    config refused); None without torchft or DiLoCo."""
     ft = cfg.fault_tolerance
-    agree_on, name = math_settings(cfg), f"replica_{ft.replica_id}"
-    if ft.semi_sync_method == "diloco":
-        outer = OptimizerConfig(
-            name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
-            momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
-            # lean state: the outer momentum too (in bf16 where the inner moments are coded)
-            moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
-        )  # fmt: skip
-        cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
-        diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
-        return DiLoCoGate(
-            manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
-            num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
-            fragment_update_alpha=ft.fragment_update_alpha,
-            agree_on={**agree_on, **diloco}, name=name,
-        )  # fmt: skip
-    return TorchFTGate(manager, agree_on=agree_on, name=name)
+    if manager is None or ft.semi_sync_method != "diloco":
+        return None
+    outer = OptimizerConfig(
+        name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
+        momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
+        # lean state: the outer momentum too (in bf16 where the inner moments are coded)
+        moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
+    )  # fmt: skip
+    cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
+    diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
+    return DiLoCo(
+        manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
+        num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
+        fragment_update_alpha=ft.fragment_update_alpha,
+        agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
+    )  # fmt: skip
+
+
+def _group_name(cfg: FaultToleranceConfig) -> str:
+    """This replica group's name: its torchft replica id, and in a refused group's message."""
+    return f"replica_{cfg.replica_id}"
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
@@ -152,7 +164,7 @@ def build_ft_manager(
             rank=group_rank,
             world_size=group_world_size,
             lighthouse_addr=cfg.lighthouse or None,
-            replica_id=f"replica_{cfg.replica_id}",
+            replica_id=_group_name(cfg),
             port=manager_port(cfg),
             # Every replica initializes from the same seed, so step 0 needs no weight sync.
             init_sync=False,

@@ -23,7 +23,13 @@ from components.checkpoint.files import checkpoint_steps
 from components.checkpoint.seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
 from components.ema_builder import build_ema
-from components.ft import build_ft_manager, build_gate, check_ft_config, serve_state
+from components.ft import (
+    build_ft_manager,
+    build_gate,
+    build_outer,
+    check_ft_config,
+    serve_state,
+)
 from components.lr_scheduler import LRSchedulersContainer
 from components.optimizer import build_precision, check_names
 from components.parallel_dims import ParallelDims
@@ -246,6 +252,7 @@ def _build_locked(
         cfg.optimizer,
         precision=precision,
         gate=build_gate(cfg, ft_manager),
+        outer=build_outer(cfg, ft_manager),
         max_norm=cfg.training.max_norm,
         mesh=mesh,
         gradient_accumulation_steps=backward_passes(

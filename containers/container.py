@@ -10,6 +10,8 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
                                                as a flag (the norm's squares summed in fp64)
     decide    finite check                     a skipped step changes nothing but the scale
     apply     precision.apply                  inner optimizers; masters copied back
+    follow    outer.after_apply                a committed step's outer part (DiLoCo's
+                                               outer step every sync_steps)
     report    last_report (StepReport)         committed, why skipped, norm, scale
 
 run in `step()` after backward, or unit by unit inside backward (`containers.timing.in_backward`),
@@ -42,7 +44,7 @@ from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.optim.paths import path_lines
-from containers.parts import Gate, Precision, StepReport, Timing
+from containers.parts import Gate, Outer, Precision, StepReport, Timing
 from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
@@ -82,6 +84,8 @@ class OptimizersContainer(Optimizer, Stateful):
         precision: what the inner optimizers step (default: the fp32 parameters themselves).
         gate: whether a step commits (default: always).
         timing: when units apply (default: after backward, in `step()`).
+        outer: what follows each committed step, with state of its own (e.g.
+            `containers.DiLoCo`); None: nothing.
         max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
             None (default) does not clip.
         skip_nonfinite: skip a step whose loss (given to `backward`) or gradients hold inf
@@ -105,6 +109,7 @@ class OptimizersContainer(Optimizer, Stateful):
         precision: Precision | None = None,
         gate: Gate | None = None,
         timing: Timing | None = None,
+        outer: Outer | None = None,
         max_norm: float | None = None,
         skip_nonfinite: bool = True,
         mesh: DeviceMesh | None = None,
@@ -120,6 +125,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self.precision = precision if precision is not None else Precision()
         self.gate = gate if gate is not None else Gate()
         self.timing = timing if timing is not None else Timing()
+        self.outer = outer
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
@@ -180,18 +186,21 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self.timing.attach(self)
-        self.gate.attach(self)
+        if outer is not None:
+            outer.attach(self)
         self.ema = ema
         if ema is not None:
             ema.attach([p for g in self.param_groups for p in g["params"]])
         self._state = ContainerState(
-            self, self.optimizers, self._fqns, self.precision, self.gate, ema, self.flat_shards
+            self, self.optimizers, self._fqns, self.precision, outer, ema, self.flat_shards
         )
 
     def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
         """The features of `containers.rules` this composition brings, each named as its
         refusal names it: the parts' own, a clip, an EMA and FSDP1 model parts."""
         named = {**self.precision.features, **self.gate.features, **self.timing.features}
+        if self.outer is not None:
+            named.update(self.outer.features)
         if self.max_norm:
             named["clip"] = f"max_norm = {self.max_norm}"
         if ema is not None:
@@ -337,7 +346,8 @@ class OptimizersContainer(Optimizer, Stateful):
         if not finite:
             return self.decision.nonfinite(value)
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
-        self.gate.after_apply()
+        if self.outer is not None:
+            self.outer.after_apply()
         if self.ema is not None:
             self.ema.update()
             self.ema.count()
@@ -358,13 +368,12 @@ class OptimizersContainer(Optimizer, Stateful):
     ) -> bool:
         """Whether a step (or a unit's, `per_unit`) may leave its non-finite skip to the
         update kernels of `optimizers` (`Decision.kernels_may_skip`): nothing else follows
-        the decision (no step hooks around it, no EMA, a gate with nothing to do after the
-        update)."""
+        the decision (no step hooks around it, no EMA, no outer part after the update)."""
         hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
             not hooks
             and self.ema is None
-            and not self.gate.works_after_apply
+            and self.outer is None
             and self.decision.kernels_may_skip(optimizers)
         )
 
@@ -389,6 +398,8 @@ class OptimizersContainer(Optimizer, Stateful):
     def zero_grad(self, set_to_none: bool = True) -> None:
         with record_function(self._zero_grad_profile_name):
             self.gate.on_zero_grad()
+            if self.outer is not None:
+                self.outer.on_zero_grad()
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)

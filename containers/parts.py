@@ -1,6 +1,7 @@
 """The parts a container is composed of, with the behaviour of plain fp32 training.
 
-Every container runs the same step (`OptimizersContainer.step`); three parts plug into it:
+Every container runs the same step (`OptimizersContainer.step`); three parts plug into it,
+and a fourth may follow it:
 
 - **precision** (`Precision`): what the inner optimizers step (the model's parameters, or fp32
   masters of low-precision ones), how the loss is scaled, how the gradient norm is measured,
@@ -9,6 +10,8 @@ Every container runs the same step (`OptimizersContainer.step`); three parts plu
   across replica groups that comes first.
 - **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
   inside backward as each unit's gradients become final (`containers.timing.in_backward`).
+- **outer** (`Outer`, none by default): what follows a committed step, with state of its own
+  (DiLoCo's outer step, `containers.outer`).
 
 Each part declares the features it brings (`features`); the container refuses a composition
 that `containers.rules` lists as one that cannot work, when it is built.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -34,6 +37,7 @@ __all__ = [
     "Gate",
     "GateLost",
     "Named",
+    "Outer",
     "Precision",
     "StepReport",
     "Timing",
@@ -207,7 +211,7 @@ class Precision:
         """Apply what `take_state` took, once the optimizer state has loaded."""
 
     def written(self, params: Sequence[torch.Tensor]) -> None:
-        """The inner optimizers' `params` were written outside a step (a gate's outer
+        """The inner optimizers' `params` were written outside a step (an outer part's
         step): make the model's own parameters agree (fp32: they are the model's)."""
 
 
@@ -229,10 +233,6 @@ class Gate:
         names it (none: every step commits)."""
         return {}
 
-    works_after_apply = False
-    """Whether `after_apply` does anything (the container then leaves no skip to the kernels:
-    the decision must be known before it)."""
-
     def on_zero_grad(self) -> None:
         """A new step begins."""
 
@@ -242,29 +242,51 @@ class Gate:
     def commit(self) -> bool:
         return True
 
+
+class Outer(Protocol):
+    """A post-step part with state of its own: after each committed step it may write the
+    stepped weights (DiLoCo's outer step every `sync_steps`, `containers.outer`). A container
+    has none unless given one (`outer=`); with one, its non-finite skips are decided on the
+    host, since the outer step must know whether the step applied."""
+
+    @property
+    def features(self) -> Mapping[str, str]:
+        """The features of `containers.rules` this part brings, each with how a refusal
+        names it."""
+        ...
+
     def attach(self, container: OptimizersContainer) -> None:
         """Called once the container's inner optimizers exist."""
+        ...
+
+    def on_zero_grad(self) -> None:
+        """A new step begins."""
+        ...
 
     def after_apply(self) -> None:
-        """A committed step has applied (DiLoCo's outer step follows every `sync_steps`)."""
+        """A committed step has applied."""
+        ...
 
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        """This gate's own flat entries beside the optimizer state (e.g. `outer.*`)."""
-        return {}
+        """This part's flat entries beside the optimizer state (e.g. `outer.*`)."""
+        ...
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
         """Make `state_dict()` a template for a checkpoint with these flat keys, where this
-        gate's entries depend on when it was taken (DiLoCo's average waiting to land)."""
+        part's entries depend on when it was taken (DiLoCo's average waiting to land)."""
+        ...
 
     def forget_template(self) -> None:
         """Undo `fit_template` (the load it was fitted for failed)."""
+        ...
 
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
-        """Remove this gate's entries from `flat` and validate them; change nothing."""
-        return None
+        """Remove this part's entries from `flat` and validate them; change nothing."""
+        ...
 
     def load_state(self, taken: Any) -> None:
         """Apply what `take_state` took, once the optimizer state has loaded."""
+        ...
 
 
 class Timing:

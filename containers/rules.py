@@ -1,7 +1,7 @@
 """The one table of part compositions that cannot work, each with its reason in plain words.
 
 A part declares the features it brings (`Precision.features`, `Gate.features`,
-`Timing.features`, `DiLoCo.features`: feature -> how a refusal names it); the container adds
+`Timing.features`, `Outer.features`: feature -> how a refusal names it); the container adds
 its own (a clip, an EMA, FSDP1 model parts) and refuses a conflicting pair when it is built
 (`refuse`). The trainer's config check (`config.checks`) builds the same features from the job
 config and reports the same pair by its config keys, before any process group exists.

@@ -84,7 +84,7 @@ def test_containers_has_no_native_sources():
     assert not native and not ctypes_users, f"native sources {native}; ctypes users {ctypes_users}"
 
 
-PART_KINDS = ("precision", "gate", "timing")
+PART_KINDS = ("precision", "gate", "timing", "outer")
 
 
 def _containers_modules() -> dict[str, list[str]]:

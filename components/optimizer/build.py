@@ -33,7 +33,7 @@ from config import ConfigError, ParamGroup, steps_in_backward
 from config import MixedPrecision as MixedPrecisionConfig
 from config import Optimizer as OptimizerConfig
 from containers import (
-    DiLoCoGate,
+    DiLoCo,
     Gate,
     InBackward,
     LeanAdam,
@@ -42,6 +42,7 @@ from containers import (
     MixedPrecisionOptimizersContainer,
     MixedPrecisionSettings,
     OptimizersContainer,
+    Outer,
     ParamGroupRule,
     Precision,
     ShadowWeights,
@@ -70,6 +71,7 @@ class OptimizersBuilder(Protocol):
         *,
         precision: Precision | None = None,
         gate: Gate | None = None,
+        outer: Outer | None = None,
         max_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
         mesh: DeviceMesh | None = None,
@@ -183,6 +185,7 @@ def build_optimizers(
     *,
     precision: Precision | None = None,
     gate: Gate | None = None,
+    outer: Outer | None = None,
     max_norm: float | None = None,
     gradient_accumulation_steps: int = 1,
     mesh: DeviceMesh | None = None,
@@ -192,7 +195,8 @@ def build_optimizers(
     """Compose the container that `cfg` asks for over `model_parts`.
 
     The parts: `precision` (default: `build_precision(cfg)`), `gate` (a `TorchFTGate` when
-    the job runs under torchft), the timing (in backward when `cfg.early_step_in_backward` or
+    the job averages gradients under torchft), `outer` (a `DiLoCo` when it runs DiLoCo), the
+    timing (in backward when `cfg.early_step_in_backward` or
     `container = "in_backward"`), and `max_norm` (`[training] max_norm`; None: no norm).
 
     Args:
@@ -200,6 +204,7 @@ def build_optimizers(
         cfg: the `[optimizer]` section.
         precision: the precision part the model was cast with.
         gate: whether steps commit (None: always).
+        outer: what follows each committed step (None: nothing).
         max_norm: clip the global gradient norm in `step()`; 0 only measures it.
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
@@ -224,6 +229,7 @@ def build_optimizers(
             param_groups=_rules(cfg, cls, kwargs, device, dtensor, sharded),
             precision=precision if precision is not None else build_precision(cfg),
             gate=gate,
+            outer=outer,
             timing=InBackward(gradient_accumulation_steps) if steps_in_backward(cfg) else None,
             max_norm=max_norm,
             mesh=mesh,
@@ -247,6 +253,7 @@ def _build_default(
     precision: Precision,
     gate: Gate | None,
     timing: Timing | None,
+    outer: Outer | None,
     max_norm: float | None,
     mesh: DeviceMesh | None,
     ema: ShadowWeights | None,
@@ -265,6 +272,7 @@ def _build_default(
         precision=precision,
         gate=gate,
         timing=timing,
+        outer=outer,
         max_norm=max_norm,
         mesh=mesh,
         ema=ema,
@@ -277,18 +285,22 @@ def _build_fault_tolerant(
     optimizer_kwargs: dict[str, Any],
     *,
     gate: Gate | None,
+    outer: Outer | None,
     **parts: Any,
 ) -> OptimizersContainer:
-    if not isinstance(gate, TorchFTGate | DiLoCoGate):
+    if not isinstance(gate, TorchFTGate) and not isinstance(outer, DiLoCo):
         raise ConfigError(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (the job builder then makes one)"
         )
-    return _build_default(model_parts, optimizer_cls, optimizer_kwargs, gate=gate, **parts)
+    return _build_default(
+        model_parts, optimizer_cls, optimizer_kwargs, gate=gate, outer=outer, **parts
+    )
 
 
 # Every built-in name is one composition of parts: the name picks the precision
-# (`build_precision`) or the timing (`build_optimizers`); the gate comes from the job.
+# (`build_precision`) or the timing (`build_optimizers`); the gate and outer part come from
+# the job.
 register_container("default", _build_default)
 register_container("in_backward", _build_default)
 register_container("mixed_precision", _build_default)

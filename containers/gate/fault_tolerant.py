@@ -7,9 +7,6 @@ whether the step commits, and applies (hooks included, once) only if it does.
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,17 +17,15 @@ from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
 from containers.ema import ShadowWeights
-from containers.gate.agreement import SettingsAgreement
-from containers.parts import Gate, GateLost, Precision
+from containers.parts import Gate, Precision
+from containers.quorum import SettingsAgreement, wait_quorum
 from containers.state.param_groups import ParamGroupRule
 from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["FTOptimizersContainer", "TorchFTGate", "wait_quorum"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["FTOptimizersContainer", "TorchFTGate"]
 
 
 class TorchFTGate(Gate):
@@ -116,52 +111,6 @@ class TorchFTGate(Gate):
         # deadline, that same timeout, expired first on the rank that had failed fast, and it
         # crashed. A quorum's deadline covers the configure.
         return self.manager.should_commit(timeout=getattr(self.manager, "_quorum_timeout", None))
-
-
-def wait_quorum(manager: Manager, start: bool = False) -> None:
-    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync; `start`:
-    start it too, as a synchronous-quorum manager, DiLoCo's, waits inside `start_quorum`);
-    `GateLost` when torchft found none in time (the lighthouse gone past the quorum timeout):
-    nothing of the step has changed yet. A quorum still missing after the connect timeout is
-    said in one line then: a lighthouse gone mid-run is reported as soon as one that never
-    answered would be, and still waited for (a restarted one is carried on with)."""
-    connect = getattr(manager, "_connect_timeout", None)
-    quorum = getattr(manager, "_quorum_timeout", None)
-
-    def warn() -> None:
-        logger.warning(
-            "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, or "
-            "groups still joining); waiting up to the quorum timeout%s",
-            connect.total_seconds(),
-            f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
-        )
-
-    timer = None
-    try:
-        if start:  # (it waits inside start_quorum: the warning comes from a timer thread)
-            if connect is not None:
-                timer = threading.Timer(connect.total_seconds(), warn)
-                timer.daemon = True
-                timer.start()
-            manager.start_quorum()
-        # (every step's quorum, started already: waited on here, no thread per step)
-        elif (
-            connect is not None
-            and (future := getattr(manager, "_quorum_future", None)) is not None
-            and concurrent.futures.wait([future], timeout=connect.total_seconds()).not_done
-        ):
-            warn()
-        manager.wait_quorum()
-    except Exception as e:
-        within = f" within {quorum.total_seconds():g} s" if quorum is not None else ""
-        # torchft's own text is a gRPC status dump; its type says enough.
-        raise GateLost(
-            f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
-            "the lighthouse is gone or unreachable"
-        ) from None
-    finally:
-        if timer is not None:
-            timer.cancel()
 
 
 class FTOptimizersContainer(OptimizersContainer):

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
 from containers.ema import ShadowWeights
-from containers.parts import Gate, Timing
+from containers.parts import Gate, Outer, Timing
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
 from containers.precision.remainders import LoadPlanner
@@ -42,6 +42,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             unclipped (the norm is measured either way, for the overflow check).
         gate: whether a step commits (e.g. `containers.TorchFTGate`).
         timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
+        outer: what follows each committed step (e.g. `containers.DiLoCo`: its outer step
+            runs on the fp32 masters).
         mesh: the job's named DeviceMesh, over which the global norm counts each gradient
             element once (`OptimizersContainer`); None: one stage over the world.
     """
@@ -58,6 +60,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         max_norm: float | None = 0.0,
         gate: Gate | None = None,
         timing: Timing | None = None,
+        outer: Outer | None = None,
         mesh: DeviceMesh | None = None,
         ema: ShadowWeights | None = None,
     ) -> None:
@@ -70,6 +73,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             precision=self.precision,
             gate=gate,
             timing=timing,
+            outer=outer,
             max_norm=max_norm,
             mesh=mesh,
             ema=ema,

@@ -2,7 +2,7 @@
 
 An object of `OptimizersContainer`, built with what it reads, kept apart from the step
 pipeline: torch's flat optimizer state over every unit's inner optimizers, plus the entries of
-the container's parts (precision, gate, EMA), each of which takes and validates its own before
+the container's parts (precision, outer part, EMA), each of which takes and validates its own before
 anything changes.
 """
 
@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from containers.ema import EMA, ShadowWeights
 from containers.optim.coded_adam import decode_moment, in_form_of
-from containers.parts import Gate, Precision
+from containers.parts import Outer, Precision
 from containers.state.flat import (
     PG,
     STATE,
@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 class ContainerState:
     """`state_dict`, `load_state_dict` and `check_checkpoint_keys` of a container (`owner`,
     whose state hooks are called with it): the flat state of `optimizers` (their tensors
-    named by `fqns`), plus the entries of its `precision`, `gate` and `ema` (if kept), FSDP1
-    slices converted by `flat_shards`."""
+    named by `fqns`), plus the entries of its `precision`, `outer` and `ema` (each if kept),
+    FSDP1 slices converted by `flat_shards`."""
 
     def __init__(
         self,
@@ -46,7 +46,7 @@ class ContainerState:
         optimizers: list[Optimizer],
         fqns: dict[torch.Tensor, str],
         precision: Precision,
-        gate: Gate,
+        outer: Outer | None,
         ema: ShadowWeights | None,
         flat_shards: FlatShards,
     ) -> None:
@@ -54,7 +54,7 @@ class ContainerState:
         self.optimizers = optimizers
         self._fqns = fqns
         self.precision = precision
-        self.gate = gate
+        self.outer = outer
         self.ema = ema
         self.flat_shards = flat_shards
         # The flat keys (and dtypes) of the checkpoint a load is about to take
@@ -109,7 +109,8 @@ class ContainerState:
                         if key != "params" and key not in UNSAVED_KEYS:
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
         flat.update(self.precision.state_dict(self._fqns))
-        flat.update(self.gate.state_dict(self._fqns))
+        if self.outer is not None:
+            flat.update(self.outer.state_dict(self._fqns))
         if self.ema is not None:
             flat.update(self.ema.state_dict(self._fqns))
         if self.flat_shards:
@@ -140,7 +141,8 @@ class ContainerState:
         if self.flat_shards:
             state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
         taken = self.precision.take_state(state_dict, self._fqns)
-        gate_taken = self.gate.take_state(state_dict, self._fqns)
+        outer = self.outer
+        outer_taken = outer.take_state(state_dict, self._fqns) if outer is not None else None
         ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
         layout, created, changes = [], {}, []
         for opt in self.optimizers:
@@ -163,7 +165,8 @@ class ContainerState:
         if not prepared and changes:
             logger.info("optimizer state converted on load: %s", _describe(changes))
         self.precision.load_state(taken)
-        self.gate.load_state(gate_taken)
+        if self.outer is not None:
+            self.outer.load_state(outer_taken)
         if self.ema is not None:
             self.ema.load_state(ema_taken)
         for hook in self.owner._optimizer_load_state_dict_post_hooks.values():
@@ -184,7 +187,8 @@ class ContainerState:
         refuse_other_layout(self.optimizers, [f[0] for f in fitted], self._fqns, keys)
         dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
         self._checkpoint_keys = {k: v for k, v in dtypes.items() if k.startswith(f"{STATE}.")}
-        self.gate.fit_template(keys, self._fqns)
+        if self.outer is not None:
+            self.outer.fit_template(keys, self._fqns)
         if self.ema is not None:
             self.ema.fit_template(keys)
         elif any(k.startswith(f"{EMA}.") for k in keys):
@@ -198,7 +202,8 @@ class ContainerState:
         """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
         failed load leaves the container as it was (its EMA kept, no template waiting)."""
         self._checkpoint_keys = {}
-        self.gate.forget_template()
+        if self.outer is not None:
+            self.outer.forget_template()
         if self.ema is not None:
             self.ema.forget_template()
 

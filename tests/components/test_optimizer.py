@@ -144,7 +144,8 @@ def test_register_container_selects_by_name(restore_registries):
 
     def factory(parts, cls, kwargs, *, param_groups, marker, **composed):
         assert marker == 7
-        assert composed.keys() == {"precision", "gate", "timing", "max_norm", "mesh", "ema"}
+        parts_given = {"precision", "gate", "timing", "outer", "max_norm", "mesh", "ema"}
+        assert composed.keys() == parts_given
         return Counting(parts, cls, kwargs, param_groups=param_groups, **composed)
 
     register_container("counting", factory)

@@ -1,30 +1,85 @@
-"""Replica groups agree on the settings that shape their math, once per quorum.
+"""Replica groups meeting at a torchft quorum: waiting for it, and agreeing on the settings
+that shape their math once they are in it. Shared by every torchft part (`TorchFTGate`,
+`DiLoCo`).
 
-Groups average their gradients, so a group with another lr, clip or schedule would train
-the others' weights with its own math. Healing cannot catch it alone: two groups that start
-together never heal. So every group sends its settings to every other over the replica
-process group (two small all-gathers) whenever the quorum changes, before the gradient
-average: the reference is the first group of the quorum that trains in it (a group that
-heals, one that joins, does not), and a group whose settings differ from it leaves in one
+Wait (`wait_quorum`): a quorum not found within torchft's timeout is `GateLost`, raised before
+anything of the step changed.
+
+Agree (`SettingsAgreement`): groups average their gradients, so a group with another lr, clip
+or schedule would train the others' weights with its own math. Healing cannot catch it alone:
+two groups that start together never heal. So every group sends its settings to every other
+over the replica process group (two small all-gathers) whenever the quorum changes, before the
+gradient average: the reference is the first group of the quorum that trains in it (a group
+that heals, one that joins, does not), and a group whose settings differ from it leaves in one
 line, before it loads a peer's state or commits anything.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from containers.parts import GateLost
+
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["SettingsAgreement", "SettingsMismatch"]
+__all__ = ["SettingsAgreement", "SettingsMismatch", "wait_quorum"]
 
 logger = logging.getLogger(__name__)
+
+
+def wait_quorum(manager: Manager, start: bool = False) -> None:
+    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync; `start`:
+    start it too, as a synchronous-quorum manager, DiLoCo's, waits inside `start_quorum`);
+    `GateLost` when torchft found none in time (the lighthouse gone past the quorum timeout):
+    nothing of the step has changed yet. A quorum still missing after the connect timeout is
+    said in one line then: a lighthouse gone mid-run is reported as soon as one that never
+    answered would be, and still waited for (a restarted one is carried on with)."""
+    connect = getattr(manager, "_connect_timeout", None)
+    quorum = getattr(manager, "_quorum_timeout", None)
+
+    def warn() -> None:
+        logger.warning(
+            "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, or "
+            "groups still joining); waiting up to the quorum timeout%s",
+            connect.total_seconds(),
+            f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
+        )
+
+    timer = None
+    try:
+        if start:  # (it waits inside start_quorum: the warning comes from a timer thread)
+            if connect is not None:
+                timer = threading.Timer(connect.total_seconds(), warn)
+                timer.daemon = True
+                timer.start()
+            manager.start_quorum()
+        # (every step's quorum, started already: waited on here, no thread per step)
+        elif (
+            connect is not None
+            and (future := getattr(manager, "_quorum_future", None)) is not None
+            and concurrent.futures.wait([future], timeout=connect.total_seconds()).not_done
+        ):
+            warn()
+        manager.wait_quorum()
+    except Exception as e:
+        within = f" within {quorum.total_seconds():g} s" if quorum is not None else ""
+        # torchft's own text is a gRPC status dump; its type says enough.
+        raise GateLost(
+            f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
+            "the lighthouse is gone or unreachable"
+        ) from None
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 class SettingsMismatch(ValueError):

@@ -1,4 +1,4 @@
-"""DiLoCoGate: local inner steps, an outer step every `sync_steps`, outer state in the flat dict."""
+"""DiLoCo: local inner steps, an outer step every `sync_steps`, outer state in the flat dict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
-from containers import DiLoCoGate, OptimizersContainer, ShadowWeights
+from containers import DiLoCo, OptimizersContainer, ShadowWeights
 from containers.tensors import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
@@ -40,8 +40,8 @@ def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_land
     every step, and they move between syncs; an EMA of them folds in the weights after the
     outer step."""
     parts, ref_parts = three_parts(), three_parts()
-    gate, ema = DiLoCoGate(manager, sync_steps=3), ShadowWeights(0.5)
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate, ema=ema)
+    diloco, ema = DiLoCo(manager, sync_steps=3), ShadowWeights(0.5)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, outer=diloco, ema=ema)
     ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
     weights = [p for g in ref.param_groups for p in g["params"]]
     global_ = [p.detach().clone() for p in weights]
@@ -73,8 +73,8 @@ def test_inner_steps_are_local_and_every_sync_steps_the_outer_nesterov_step_land
 
 
 def _run(manager, parts, steps: range, path=None, load=None, delay=0):
-    gate = DiLoCoGate(manager, sync_steps=3, fragment_sync_delay=delay)
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
+    diloco = DiLoCo(manager, sync_steps=3, fragment_sync_delay=delay)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, outer=diloco)
     states = {"model": ModelWrapper(parts), "optim": opt}
     if load is not None:  # as the checkpoint manager loads: the template fitted to the keys
         keys = dcp.FileSystemReader(load).read_metadata().state_dict_metadata
@@ -222,41 +222,41 @@ def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sy
     assert max(theirs[s]["loss"] for s in range(8, 13)) < 0.8 * theirs[1]["loss"]
 
 
-def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCoGate]:
+def _sharded(seed: int) -> tuple[list, OptimizersContainer, DiLoCo]:
     parts = sharded_three_parts(seed)
-    gate = DiLoCoGate(None, sync_steps=10**9)  # state only: the outer step is called by hand
-    return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate), gate
+    diloco = DiLoCo(None, sync_steps=10**9)  # state only: the outer step is called by hand
+    return parts, OptimizersContainer(parts, torch.optim.AdamW, KW, outer=diloco), diloco
 
 
-def _average_alone(gate: DiLoCoGate) -> None:
+def _average_alone(diloco: DiLoCo) -> None:
     """One replica group's average of its one fragment (its own pseudo-gradients), as
-    `DiLoCoGate._average` keeps it when committed: waiting to land."""
-    (members,) = gate.fragments
-    gate.in_flight = 0
-    averages = zip(members, gate.pseudo_gradients(members))
-    gate.pending = {i: shaped_like(x, gate.global_[i]) for i, x in averages}
+    `DiLoCo._average` keeps it when committed: waiting to land."""
+    (members,) = diloco.fragments
+    diloco.in_flight = 0
+    averages = zip(members, diloco.pseudo_gradients(members))
+    diloco.pending = {i: shaped_like(x, diloco.global_[i]) for i, x in averages}
 
 
 def _save_outer(path: str) -> dict:
     import torch.distributed as dist
 
-    parts, opt, gate = _sharded(0)
+    parts, opt, diloco = _sharded(0)
     for step in range(3):
         train(parts, opt, 1, start=step, rank=dist.get_rank())
-        _average_alone(gate)
-        gate._land(0)
-    _average_alone(gate)  # the next average, saved while it waits to land
+        _average_alone(diloco)
+        diloco._land(0)
+    _average_alone(diloco)  # the next average, saved while it waits to land
     train(parts, opt, 1, start=3, rank=dist.get_rank())
     dcp.save({"optim": opt}, checkpoint_id=path)
     return full_state(opt, "outer.")
 
 
 def _load_outer(path: str) -> dict:
-    _, opt, gate = _sharded(1)
+    _, opt, diloco = _sharded(1)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     with pytest.raises(ValueError, match=r"fragment 0's average waits to land but .*pending"):
         dcp.load({"optim": opt}, checkpoint_id=path)  # a template without the average
-    assert gate.in_flight == -1 and gate.outer_steps == 0  # the failed load changed nothing
+    assert diloco.in_flight == -1 and diloco.outer_steps == 0  # the failed load changed nothing
     opt.check_checkpoint_keys([k.removeprefix("optim.") for k in keys])
     dcp.load({"optim": opt}, checkpoint_id=path)
     return full_state(opt, "outer.")
@@ -279,16 +279,16 @@ def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager, delay)
     the outer step on its own global weights only, the local ones mixed half and half; with
     fragment_sync_delay 1 its pseudo-gradients are those of the step before."""
     parts, ref_parts = three_parts(), three_parts()
-    gate = DiLoCoGate(
+    diloco = DiLoCo(
         manager, sync_steps=4, num_fragments=2, fragment_sync_delay=delay,
         fragment_update_alpha=0.5,
     )  # fmt: skip
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, outer=diloco)
     ref = OptimizersContainer(ref_parts, torch.optim.AdamW, KW)
     weights = [p for g in ref.param_groups for p in g["params"]]
     global_ = [p.detach().clone() for p in weights]
     outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
-    first, second = gate.fragments
+    first, second = diloco.fragments
     assert first and second and sorted(first + second) == list(range(len(weights)))
     lands = {2: first, 6: first, 4: second, 8: second}
     for step in range(1, 9):
@@ -304,7 +304,7 @@ def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager, delay)
                     weights[i].lerp_(global_[i], 0.5)
         assert all(torch.equal(a, b) for a, b in zip(_params(parts), _params(ref_parts))), step
         # With the delay, each average is on its way over the inner step that follows it.
-        assert (gate._flight is not None) == (step + delay in lands and step not in lands)
+        assert (diloco._flight is not None) == (step + delay in lands and step not in lands)
     assert opt.state_dict()["outer.outer_steps"] == 4
 
 
@@ -338,13 +338,13 @@ def test_two_groups_stream_two_fragments_each_agreeing_after_its_own_sync(tmp_pa
 def test_a_checkpoint_of_other_fragments_is_refused_by_name_and_changes_nothing(manager):
     parts = three_parts()
     two = OptimizersContainer(
-        parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=4, num_fragments=2)
+        parts, torch.optim.AdamW, KW, outer=DiLoCo(manager, sync_steps=4, num_fragments=2)
     )
     train(parts, two, 1)
     saved = two.state_dict()
     other_parts = three_parts(seed=1)
     one = OptimizersContainer(
-        other_parts, torch.optim.AdamW, KW, gate=DiLoCoGate(manager, sync_steps=4)
+        other_parts, torch.optim.AdamW, KW, outer=DiLoCo(manager, sync_steps=4)
     )
     before = {k: full(v) for k, v in one.state_dict().items()}
     with pytest.raises(ValueError, match=r"were in other fragments .* num_fragments differs"):
@@ -375,14 +375,14 @@ def test_the_outer_momentum_follows_the_lean_moment_dtype_and_the_global_weights
 ):
     """`[optimizer] moment_dtype = "bfloat16"`: the outer Nesterov momentum is kept in bf16
     too (torch's SGD on the widened buffer, rounded back), the global weights in fp32."""
-    from components.ft import build_gate
+    from components.ft import build_outer
     from config import load_job_config
 
     args = ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"]
     args += ["--fault_tolerance.sync_steps", "2", "--optimizer.moment_dtype", "bfloat16"]
-    gate = build_gate(load_job_config(args), manager)
+    diloco = build_outer(load_job_config(args), manager)
     parts = three_parts()
-    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, gate=gate)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, KW, outer=diloco)
     train(parts, opt, 2)
     state = opt.state_dict()
     assert state["outer.outer_steps"] == 1
@@ -397,8 +397,8 @@ def test_masters_kept_as_remainders_are_refused_when_built():
 
     precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=True))
     parts = [precision.cast_model(p) for p in three_parts()]
-    with pytest.raises(ValueError, match=r"remainders with DiLoCoGate: the fp32 masters"):
+    with pytest.raises(ValueError, match=r"remainders with DiLoCo: the fp32 masters"):
         MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {**KW, "fused": True}, precision=precision,
-            gate=DiLoCoGate(None, sync_steps=4),
+            outer=DiLoCo(None, sync_steps=4),
         )  # fmt: skip

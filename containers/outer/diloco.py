@@ -1,7 +1,9 @@
-"""`DiLoCoGate`: DiLoCo across torchft replica groups, its outer state container state.
+"""`DiLoCo`: DiLoCo across torchft replica groups, its outer state container state.
 
-Each replica group takes its inner steps alone (no gradient average, every step commits);
-every `sync_steps` applied steps the groups agree on a quorum, average their pseudo-gradients
+An outer part of the container (`containers.parts.Outer`), which follows each committed step,
+as torchft's own DiLoCo is a step hook. Each replica group takes its inner steps alone (no
+gradient average, no gate: every step commits); every `sync_steps` applied steps the groups
+agree on a quorum, average their pseudo-gradients
 (global weights - local weights, in one flat collective) and an outer optimizer (default
 torchtitan's: SGD, lr 0.7, momentum 0.9, Nesterov) steps the global weights on the average;
 the local weights start the next inner period from them. A sync that does not commit (a peer
@@ -28,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from containers.gate.agreement import SettingsAgreement
-from containers.gate.fault_tolerant import wait_quorum
-from containers.parts import Gate, GateLost
+from containers.parts import GateLost, Outer
+from containers.quorum import SettingsAgreement, wait_quorum
 from containers.state.flat import describe_keys, flatten_into
 from containers.state.initial import derive
 from containers.tensors import local, shaped_like
@@ -40,18 +41,18 @@ if TYPE_CHECKING:
 
     from containers.container import OptimizersContainer
 
-__all__ = ["OUTER", "DiLoCoGate", "fragments"]
+__all__ = ["OUTER", "DiLoCo", "fragments"]
 
 OUTER = "outer"
-"""Prefix of the gate's entries in the flat state dict."""
+"""Prefix of DiLoCo's entries in the flat state dict."""
 
 
-class DiLoCoGate(Gate):
+class DiLoCo(Outer):
     """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`.
 
     Args:
-        manager: the replica group's `torchft.Manager`; None: the gate only holds and loads
-            its state (an offline load, e.g. to inspect or convert a checkpoint).
+        manager: the replica group's `torchft.Manager`; None: it only holds and loads its
+            state (an offline load, e.g. to inspect or convert a checkpoint).
         sync_steps: applied inner steps between two outer steps of a fragment.
         outer_cls: the outer optimizer (any `torch.optim` one).
         outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
@@ -67,9 +68,6 @@ class DiLoCoGate(Gate):
             `SettingsMismatch` naming the keys); None: not compared.
         name: this group's name in those messages.
     """
-
-    refusal = "not committed by torchft"
-    works_after_apply = True  # the outer step
 
     def __init__(
         self,
@@ -135,7 +133,7 @@ class DiLoCoGate(Gate):
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
-        return {"torchft": "DiLoCoGate (torchft)", "diloco": "DiLoCoGate"}
+        return {"torchft": "DiLoCo (torchft)", "diloco": "DiLoCo"}
 
     def attach(self, container: OptimizersContainer) -> None:
         self.container = container
@@ -179,7 +177,7 @@ class DiLoCoGate(Gate):
         """Start averaging the pseudo-gradients of the fragment due `delay` steps from now;
         they land then if the average commits."""
         if self.manager is None:
-            raise GateLost("DiLoCo's outer step needs a torchft manager (this gate only loads)")
+            raise GateLost("DiLoCo's outer step needs a torchft manager (this one only loads)")
         self.manager.allow_state_dict_read()
         self._in_quorum, self._served = True, False
         try:
