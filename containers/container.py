@@ -127,7 +127,8 @@ class OptimizersContainer(Optimizer, Stateful):
         self.timing = timing if timing is not None else Timing()
         self.outer = outer
         self.max_norm = max_norm
-        self.skip_nonfinite = skip_nonfinite or self.precision.must_skip_nonfinite
+        # A scaled loss finds its overflows by skipping non-finite steps.
+        self.skip_nonfinite = skip_nonfinite or "loss_scaling" in self.precision.features
         # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
         # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)

@@ -20,6 +20,7 @@ group's size (HSDP replicas), told by `shards`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from containers.tensors import dense, local, scratch, scratch_numel
 __all__ = [
     "GlobalNorm",
     "all_finite",
+    "clip_grads",
     "exact_sum_of_squares",
     "nonfinite_flag",
     "sum_of_squares",
@@ -151,6 +153,23 @@ class GlobalNorm:
         if self.collective:
             dist.all_reduce(total)
         return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads(
+    params: Sequence[torch.Tensor], grad_norm: torch.Tensor, max_norm: float | None
+) -> None:
+    """Scale the gradients of `params` so their norm `grad_norm` is at most `max_norm` (0 or
+    None: leave them); torch's own clip, so results match `clip_grad_norm_`."""
+    if not max_norm:
+        return
+    # One call per mesh: a foreach multiply cannot mix DTensors of different meshes
+    # (TP x FSDP2 leaves FSDP-only parameters, e.g. norms, on the dp mesh alone).
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

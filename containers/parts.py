@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from containers.grouped_step import kernel_skips, step_together
-from containers.norm import GlobalNorm
+from containers.norm import GlobalNorm, clip_grads
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
@@ -94,7 +94,7 @@ class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
     A precision answers four kinds of question, in this order of a run's life:
-    composition (`features`, `must_skip_nonfinite`); build
+    composition (`features`: "loss_scaling" also makes every non-finite step skip); build
     (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`, `grad_norm`,
     `refusal`, `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers'
     (`state_dict`, `take_state`, `load_state`). This class is the plain answer to each;
@@ -104,10 +104,6 @@ class Precision:
     keeps_masters = False
     """Whether the inner optimizers step fp32 masters of the model's parameters (their
     update paths are the masters' ones: `containers.optim.paths`)."""
-
-    must_skip_nonfinite = False
-    """Whether steps with non-finite gradients must be skipped even where the container
-    would apply them (loss scaling finds its overflows this way)."""
 
     may_refuse = False
     """Whether `refusal` can ever answer (the container agrees on it across ranks then)."""
@@ -145,22 +141,6 @@ class Precision:
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact)
 
-    @torch.no_grad()
-    def clip_(
-        self, params: Sequence[torch.Tensor], grad_norm: torch.Tensor, max_norm: float | None
-    ) -> None:
-        """Scale the gradients of `params` so their norm `grad_norm` is at most `max_norm`
-        (0 or None: leave them); torch's own clip, so results match `clip_grad_norm_`."""
-        if not max_norm:
-            return
-        # One call per mesh: a foreach multiply cannot mix DTensors of different meshes
-        # (TP x FSDP2 leaves FSDP-only parameters, e.g. norms, on the dp mesh alone).
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for p in params:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
-
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
         """Why `optimizers`' coming update must not apply though its gradients are finite
         (e.g. it could overflow fp16 weights); None: it may."""
@@ -189,7 +169,7 @@ class Precision:
         like Adam/AdamW groups of all of them in one kernel call (`step_together`). Where
         `found_inf` (a device flag; only if `skips_in_kernel`) is set, nothing changes."""
         if grad_norm is not None:
-            self.clip_(params_with_grad(optimizers), grad_norm, max_norm)
+            clip_grads(params_with_grad(optimizers), grad_norm, max_norm)
         step_together(optimizers, found_inf)
 
     def zero_grad(self, set_to_none: bool) -> None:

@@ -85,10 +85,6 @@ class MasterWeights(MasterState, Precision):
         self._backing_off = False  # the last step overflowed with the scale above its floor
 
     @property
-    def must_skip_nonfinite(self) -> bool:  # type: ignore[override]
-        return self.scaler.mode != "none"
-
-    @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
         """Loss scaling (fp16), fp32 gradient sums and masters kept as remainders, where set."""
         named = {}

@@ -31,7 +31,7 @@ from containers import (
     Precision,
     norm,
 )
-from containers.norm import GlobalNorm, all_finite, nonfinite_flag
+from containers.norm import GlobalNorm, all_finite, clip_grads, nonfinite_flag
 from tests.harness.dist import run_ranks
 
 
@@ -39,7 +39,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """The norm and clip of a container step, on `parameters`."""
     params = [p for p in parameters if p.grad is not None]
     norm = Precision().grad_norm(params)
-    Precision().clip_(params, norm, max_norm)
+    clip_grads(params, norm, max_norm)
     return norm
 
 
