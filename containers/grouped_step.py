@@ -1,34 +1,22 @@
 """Step the Adam/AdamW groups of many inner optimizers in one fused (or foreach) call.
 
-The default container builds one inner optimizer per model part and optimizer class, so a
-step of K parts made K `opt.step()` calls: K times torch's per-step Python (the profiler
-range, hook chains, grad mode, `_init_group`, the functional dispatch) and K kernel calls
-where one optimizer over all parameters makes one. At 32 parts of 0.3M parameters that was
-1.10-1.30x one fused AdamW (issue 15).
+One inner optimizer per model part would make one `opt.step()` per part: per-step Python
+overhead and a kernel call each. `step_together` buckets groups with the same kernel and
+hyperparameters (`_KEY`), collects each through its optimizer's own `_init_group` (torch's
+lazy state init), and makes one functional `adam` call per bucket. Fused and foreach kernels
+compute each tensor from its own gradient, state and step alone, so the result is bitwise
+each optimizer stepping alone.
 
-`step_together` gathers the params, grads and state of every group that can step together
-(`_KEY`: the same torch class's kernel, the same hyperparameters) across all the optimizers
-it is given, each through the optimizer's own `_init_group` (torch's lazy state init, a
-parameter without a gradient left out), and makes one call of torch's functional `adam` per
-such bucket. Fused and foreach kernels compute every tensor from that tensor's own gradient,
-state and step count alone, so the result is bitwise each optimizer stepping alone.
+An optimizer takes its own `step()` when anything could tell the difference: its own or a
+global step hook, a `step` patched on the instance (except torch's LR scheduler wrapper,
+whose note is made here), a `GradScaler`'s `grad_scale`/`found_inf`, a subclass, a group
+without an explicit fused/foreach choice, a tensor lr, or `differentiable`. Buckets are
+rebuilt every step from the live group dicts, so schedulers, user writes and loads are seen.
 
-An optimizer takes its own `step()` instead when anything could tell the difference: a step
-hook of its own or a global one, a `step` patched on the instance (but torch's LR schedulers'
-patch, which only notes that the step ran: that note is made here), a `GradScaler`'s
-`grad_scale`/`found_inf`, a subclass, a group without an explicit fused or foreach choice
-(torch picks by the tensors' devices), a tensor lr, or `differentiable`. The grouping is
-rebuilt on every step from the live group dicts (a few microseconds), so LR schedulers, user
-writes and loads, which replace the dicts, are seen.
-
-Why torch's private `_init_group` rather than a public route: the public alternative, one
-inner optimizer per optimizer class with a param group per part and rule, does not make one
-kernel call either (torch's `Adam.step` calls its functional `adam` once per param group),
-and it would make every part's groups one optimizer's, which changes what `__iter__` and
-`__len__` give torchtitan-style code that walks one optimizer per model part. `_init_group` is
-the one place torch creates Adam's lazy state; calling it keeps that exactly torch's (a test
-holds this bitwise over every Adam/AdamW configuration of torch's `optim_db`), so the risk of
-the private name is a loud AttributeError on a torch that renames it, not a silent change.
+Why private `_init_group`: one optimizer with a group per part would not make one kernel call
+either (`Adam.step` calls `adam` per group) and would change what `__iter__`/`__len__` give
+code that walks one optimizer per part. `_init_group` is where torch creates Adam's lazy
+state (a test holds this bitwise over torch's `optim_db`); a rename fails loudly.
 """
 
 from __future__ import annotations
@@ -92,8 +80,8 @@ def _groupable(opt: Optimizer) -> bool:
 
 
 def _own_step(opt: Optimizer) -> bool:
-    """Whether `opt.step` is its class's, or that wrapped by torch's LR schedulers alone
-    (train.py builds one on every inner optimizer), which sets `_opt_called` and steps."""
+    """Whether `opt.step` is its class's, or only wrapped by torch's LR scheduler (which
+    sets `_opt_called` and steps)."""
     step = opt.__dict__.get("step")
     return step is None or (
         getattr(step, "_wrapped_by_lr_sched", False)
@@ -102,10 +90,11 @@ def _own_step(opt: Optimizer) -> bool:
 
 
 def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
-    """Whether `step_together(optimizers, found_inf)` leaves them exactly as they were where
-    `found_inf` is set: every group fused (torch's fused Adam/AdamW kernels, and the lean
-    ones, read the flag and take back the step count), no step hooks that would run all the
-    same, no `GradScaler` of the caller's own."""
+    """Whether `step_together(optimizers, found_inf)` changes nothing where `found_inf` is set.
+
+    Needs every group fused (those kernels read the flag and take back the step count), no
+    step hooks (they would run anyway) and no caller's `GradScaler`.
+    """
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         return False
     return all(
@@ -121,9 +110,12 @@ def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
 
 @torch.no_grad()
 def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | None = None) -> None:
-    """Step every optimizer of `optimizers` once: bitwise as `opt.step()` for each, with one
-    kernel call per bucket of like Adam/AdamW groups (see the module docstring). `found_inf`
-    (only where `kernel_skips`): a device flag that, set, makes every kernel change nothing."""
+    """Step each optimizer once, bitwise as `opt.step()`, one kernel call per bucket.
+
+    Args:
+        found_inf: device flag (only where `kernel_skips`); set, every kernel changes nothing.
+    """
+
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         for opt in optimizers:
             _step_alone(opt, found_inf)
