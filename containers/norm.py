@@ -1,20 +1,13 @@
 """The global L2 norm of the gradients over the job's mesh, each element counted once; and
 the non-finite checks a step without a clip takes instead (`all_finite`, `nonfinite_flag`).
 
-The job's named mesh has the dims ("pp", "dp_replicate", "dp_shard", "tp"). A pipeline rank
-holds its stages' parameters; within a stage every parameter lives on all the stage's
-`world / pp` ranks, either as a DTensor (FSDP2 over the dp dims, possibly with TP on "tp") or as
-a plain tensor. The local shard of a DTensor is held identically by `world / pp / S` ranks,
-where S is the product of the sizes of the mesh dims it is sharded on (the dims it is
-replicated on, and the stage's dims outside its mesh, copy it); a plain tensor by all
-`world / pp`. So each rank adds up its shards' sums of squares, each divided by its number of
-copies, and one all-reduce over the world sums shards, replicas (back to one) and stages.
-Dividing rather than electing one owner per copy keeps every rank's gradients in the sum, so
-a non-finite gradient anywhere makes the norm non-finite on every rank.
-
-FSDP1 parameters (`containers.state.fsdp1`) are plain tensors holding a 1-D slice each: every
-element lies on one rank of the shard group, so their copies are `world / pp` over the
-group's size (HSDP replicas), told by `shards`.
+Mesh dims are ("pp", "dp_replicate", "dp_shard", "tp"). Within a pipeline stage, a DTensor's
+local shard is held by `world / pp / S` ranks (S: product of the sizes of the dims it is
+sharded on); a plain tensor by all `world / pp`; an FSDP1 slice (`shards`) by `world / pp`
+over its shard group's size. Each rank sums its shards' squares divided by their copy count,
+and one all-reduce over the world sums shards, replicas and stages. Dividing rather than
+electing an owner keeps every rank's gradients in the sum, so a non-finite gradient anywhere
+makes the norm non-finite on every rank.
 """
 
 from __future__ import annotations
@@ -40,8 +33,7 @@ __all__ = [
 
 
 def _shards(t: DTensor) -> int:
-    """Into how many distinct pieces `t`'s mesh cuts it: the product of the sizes of the mesh
-    dims it is sharded on (Shard or _StridedShard)."""
+    """Product of the sizes of the mesh dims `t` is sharded on (Shard or _StridedShard)."""
     n = 1
     for dim, placement in enumerate(t.placements):
         if placement.is_partial():
@@ -56,11 +48,10 @@ def _shards(t: DTensor) -> int:
 
 
 class GlobalNorm:
-    """How one rank's gradients add up to the job's global L2 norm (built once per container).
+    """How one rank's gradients add up to the job's global L2 norm.
 
     Args:
-        params: every parameter whose gradient may be measured (decides, the same way on
-            every rank, whether a collective is needed when `mesh` is None).
+        params: every parameter whose gradient may be measured.
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); without a
             "pp" dim it is one stage. None: one stage over the world, with a collective only
             if some parameter is a DTensor or in `shards`.
@@ -108,8 +99,7 @@ class GlobalNorm:
                 )
 
     def copies(self, grad: torch.Tensor, param: torch.Tensor | None = None) -> int:
-        """How many ranks of the world hold an identical copy of this rank's piece of `grad`
-        (the gradient of `param`, if given)."""
+        """How many ranks hold an identical copy of this rank's piece of `grad`."""
         if not self.collective:
             return 1
         if param is not None and param in self.shards:
@@ -125,14 +115,14 @@ class GlobalNorm:
         params: Sequence[torch.Tensor] | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
-        """The global norm (fp32 scalar) of `grads`, this rank's gradients; inf or nan if any
-        gradient on any rank is, or if a sum of squares overflowed fp32 (elements beyond
-        ~1.8e19). Every rank must call it (one all-reduce when needed).
+        """The global norm (fp32 scalar) of this rank's `grads`; every rank must call it.
 
-        `params`: the parameters whose gradients `grads` are, in order (needed for `shards`).
-        `exact`: sum in fp64 (an fp64 scalar), where squares of finite fp32 values cannot
-        overflow: inf or nan only if a gradient is. A second read, for the rare step whose
-        fp32 norm was not finite.
+        Non-finite if any gradient on any rank is, or if fp32 squares overflowed (elements
+        beyond ~1.8e19).
+
+        Args:
+            params: the parameters of `grads`, in order (needed for `shards`).
+            exact: sum in fp64 (fp64 result): non-finite only if a gradient is.
         """
         by_copies: dict[int, list[torch.Tensor]] = {}
         if not self.collective:  # every piece counts once (the common one-process case: fast)
@@ -159,12 +149,11 @@ class GlobalNorm:
 def clip_grads(
     params: Sequence[torch.Tensor], grad_norm: torch.Tensor, max_norm: float | None
 ) -> None:
-    """Scale the gradients of `params` so their norm `grad_norm` is at most `max_norm` (0 or
-    None: leave them); torch's own clip, so results match `clip_grad_norm_`."""
+    """Clip `params`' gradients of norm `grad_norm` to `max_norm` (0/None: no-op), as torch."""
     if not max_norm:
         return
-    # One call per mesh: a foreach multiply cannot mix DTensors of different meshes
-    # (TP x FSDP2 leaves FSDP-only parameters, e.g. norms, on the dp mesh alone).
+    # A foreach multiply cannot mix DTensors of different meshes (TP x FSDP2 leaves e.g.
+    # norm weights on the dp mesh alone).
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
@@ -173,8 +162,7 @@ def clip_grads(
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of squares of `tensors`' elements as an fp32 scalar on `device`, accumulated in
-    fp32 without an fp32 copy of any tensor."""
+    """Sum of squares as an fp32 scalar on `device`, without an fp32 copy of any tensor."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
@@ -189,10 +177,7 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 
 
 def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of squares of `tensors`' elements in fp64 (on `device`): finite for any finite
-    fp32/bf16/fp16 values (their squares are below 1.2e77), so non-finite only if an element
-    is. One multi-tensor kernel per device and dtype on CUDA (each element widened to fp64
-    before it is squared: torch's `_foreach_norm` with `dtype`), a norm per tensor elsewhere."""
+    """Sum of squares in fp64 on `device`: non-finite only if an element is."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
@@ -206,18 +191,18 @@ def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) 
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 sums of squares of pieces of low-precision tensors (they add up to the tensors'):
-    each piece converted into the scratch buffer with one foreach copy and measured with one
-    `dot` of it with itself (BLAS: 2.4x faster than `vector_norm` on a CPU), rather than by
-    `vector_norm(dtype=)`, which allocates an fp32 copy of each tensor, or one norm per tensor,
-    which costs a kernel call per tensor."""
+    """fp32 sums of squares of pieces of low-precision tensors (summing to the tensors').
+
+    Each piece is copied into the fp32 scratch buffer and measured by `dot` with itself:
+    faster than `vector_norm`, without an fp32 copy of each tensor or a kernel per tensor.
+    """
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
     if not tensors:
         return norms
-    # A tensor larger than the kept buffer goes in pieces of it: a larger buffer is a new
-    # allocation, on a CPU page-faulted in at every step (4 x 16 MiB: 19 ms of a 37 ms step).
+    # Cut to the kept buffer's size: a larger buffer would be allocated (and page-faulted
+    # on CPU) every step.
     kept = scratch_numel(tensors[0].device)
     flat = (t.reshape(-1) for t in tensors)
     cuts = (f[lo : lo + kept] for f in flat for lo in range(0, f.numel(), kept))
@@ -238,15 +223,13 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
 def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
 ) -> bool:
-    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
-    dimension of the DTensors' mesh, so each rank holding a shard decides the same).
+    """Whether every element of `tensors` is finite, agreed across `groups`.
 
-    One read of each tensor and no write: the sum of a tensor's elements (accumulated in
-    fp32) is non-finite iff an element is, or a partial sum overflowed fp32 (elements near
-    its limit); only then a sum in fp64, where finite values cannot overflow, tells the two
-    apart. A sum, not a norm: it skips the multiply, and measured 0.7-0.8 of `_foreach_norm`'s
-    time on a CPU (benchmarks/README.md). One collective per group and one host sync, twice
-    in that rare case.
+    One read, no write: an fp32 sum is non-finite iff an element is or it overflowed; only
+    then an fp64 sum tells the two apart. A sum is cheaper than a norm (no multiply).
+
+    Args:
+        groups: process groups to agree over (default: every dim of the DTensors' mesh).
     """
     return _finite(*_local_pieces(tensors, groups))
 
@@ -284,18 +267,13 @@ def nonfinite_flag(
     groups: Sequence[dist.ProcessGroup | None] | None = None,
     on_host: bool | None = None,
 ) -> torch.Tensor:
-    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups` (as
-    `all_finite`): an fp32 scalar on their device, the `found_inf` that torch's fused Adam
-    kernels read to leave everything as it was.
+    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`.
 
-    On CUDA the host never waits for it: torch's AMP check (`GradScaler`'s, with a scale of
-    1, which leaves every value as it was) sets the flag from a multi-tensor kernel, exact
-    (no overflow to tell apart; bf16 gradients, which it refuses there, by their fp64 sum of
-    squares), and the agreement is a device collective. Measured on an
-    H200 (benchmarks/README.md) against the read-only `_foreach_norm` of order inf: as fast
-    at 8 parts, at 32 parts half its time (one output, not one tensor per gradient).
-    Elsewhere that check loops over the tensors and writes each back, and waiting costs
-    nothing: `all_finite` decides there (`on_host`; None: everywhere but on CUDA).
+    An fp32 scalar on their device: the `found_inf` torch's fused Adam kernels read. On CUDA
+    no host sync: torch's AMP check (scale 1, values unchanged) sets it from one multi-tensor
+    kernel (bf16, which it refuses, by an fp64 sum of squares), agreed by a device collective.
+    Elsewhere that check writes every tensor back and a sync is free, so `all_finite` decides
+    (`on_host`; None: everywhere but CUDA).
     """
     pieces, groups, device = _local_pieces(tensors, groups)
     if on_host is None:
@@ -307,8 +285,7 @@ def nonfinite_flag(
     if checked:
         torch._amp_foreach_non_finite_check_and_unscale_(checked, found, torch.ones_like(found))
     if len(checked) < len(pieces):
-        # CUDA's AMP check refuses bf16 ("not implemented for 'BFloat16'", seen on an H100):
-        # their squares summed in fp64, finite iff every element is.
+        # CUDA's AMP check refuses bf16: fp64 squares are finite iff every element is.
         rest = [t for t in pieces if t.dtype not in _AMP_CHECKED]
         found = found.maximum((~exact_sum_of_squares(rest, device).isfinite()).float())
     for group in groups:
@@ -319,8 +296,7 @@ def nonfinite_flag(
 def _local_pieces(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None
 ) -> tuple[list[torch.Tensor], Sequence[dist.ProcessGroup | None], torch.device]:
-    """The local tensors of `tensors` (DTensors' shards, sparse ones' values), the groups to
-    agree over (default: every dimension of the DTensors' mesh) and the device to agree on."""
+    """Local tensors (DTensor shards, sparse values), the groups and the device to agree on."""
     pieces, mesh = [], None
     for t in tensors:  # runs every step over every gradient: kept lean
         if isinstance(t, DTensor):
@@ -333,6 +309,6 @@ def _local_pieces(
 
 
 def _sum32(t: torch.Tensor) -> torch.Tensor:
-    """The sum of `t` accumulated in (at least) fp32; `dtype=` only where it changes the
-    result: on an fp32 tensor it costs 15% more on a CPU for the same sum."""
+    """Sum of `t` in at least fp32 (`dtype=` only where needed: it is slower on CPU)."""
+
     return t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
