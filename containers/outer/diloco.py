@@ -1,24 +1,18 @@
-"""`DiLoCo`: DiLoCo across torchft replica groups, its outer state container state.
+"""`DiLoCo`: DiLoCo across torchft replica groups, as an outer part of the container.
 
-An outer part of the container (`containers.parts.Outer`), which follows each committed step,
-as torchft's own DiLoCo is a step hook. Each replica group takes its inner steps alone (no
-gradient average, no gate: every step commits); every `sync_steps` applied steps the groups
-agree on a quorum, average their pseudo-gradients
-(global weights - local weights, in one flat collective) and an outer optimizer (default
-torchtitan's: SGD, lr 0.7, momentum 0.9, Nesterov) steps the global weights on the average;
-the local weights start the next inner period from them. A sync that does not commit (a peer
-failed mid-way) drops the inner period: the local weights go back to the global ones. With
-`fragment_sync_delay` d, a fragment's pseudo-gradients are taken and their all-reduce started d
-inner steps before its outer step lands (streaming DiLoCo's tau): the all-reduce overlaps those
-steps, which count towards the local weights that the new global ones are mixed with
-(`fragment_update_alpha`); it is waited for, and committed, when it lands.
+Each replica group takes its inner steps alone (no gradient average, no gate); every
+`sync_steps` applied steps the groups agree on a quorum, all-reduce their pseudo-gradients
+(global - local weights, one flat collective), and an outer optimizer steps the global
+weights on the average; the local weights restart from them. A sync that does not commit
+drops the inner period (local weights back to the global ones). With `fragment_sync_delay` d
+(streaming DiLoCo's tau) the all-reduce starts d inner steps before its outer step lands, so
+it overlaps them; it is waited for and committed when it lands.
 
-The global weights, the outer optimizer's state and the steps done are container state in the
-flat format (`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`,
-`.in_flight` and, while a delayed average waits to land, `outer.pending.<fqn>`), DTensors placed
-as their parameters, so they reshard within a replica group and load into a
-fresh container as a template, and a whole-job restart in the middle of an inner period goes
-on as if it never stopped. Under mixed precision the outer step runs on the fp32 masters.
+The global weights, outer optimizer state and step counts are flat container state
+(`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`,
+`.in_flight`, and `outer.pending.<fqn>` while a delayed average waits), DTensors placed as
+their parameters, so they reshard and a restart mid-period goes on as if it never stopped.
+Under mixed precision the outer step runs on the fp32 masters.
 """
 
 from __future__ import annotations
@@ -57,15 +51,12 @@ class DiLoCo(Outer):
         outer_cls: the outer optimizer (any `torch.optim` one).
         outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
         num_fragments: streaming DiLoCo: the parameters cut into this many fragments of about
-            equal size, synced in turn, `sync_steps / num_fragments` steps apart (fragment i
-            at steps t with t % sync_steps == (i + 1) * sync_steps // num_fragments %
-            sync_steps), so each sync moves 1/num_fragments of the bytes.
+            equal size, synced in turn `sync_steps / num_fragments` steps apart (`due`).
         fragment_sync_delay: inner steps between a fragment's average and its outer step
             (below sync_steps // num_fragments, so it lands before the next one is taken).
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
         agree_on: settings every replica group must share, compared at each new quorum
-            before the average (`SettingsAgreement`; a group that differs is refused with a
-            `SettingsMismatch` naming the keys); None: not compared.
+            (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.
     """
 
@@ -151,8 +142,7 @@ class DiLoCo(Outer):
         self.fragment_of = {i: f for f, members in enumerate(self.fragments) for i in members}
 
     def on_zero_grad(self) -> None:
-        # A peer may read this group's state while it heals: not during forward and backward,
-        # where FSDP2 swaps the sharded parameters for unsharded ones (see `TorchFTGate`).
+        # No state reads by healing peers during forward/backward (FSDP2 unshards there).
         if self.manager is not None:
             self.manager.disallow_state_dict_read()
 
@@ -217,15 +207,13 @@ class DiLoCo(Outer):
         }
 
     def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
-        """The pseudo-gradients (local pieces) of the parameters `members` (indices), which
-        the outer optimizer descends: global - local weights."""
+        """Global - local weights (local pieces) of the parameters at indices `members`."""
         return [local(self.global_[i]) - local(self.params[i]) for i in members]
 
     @torch.no_grad()
     def _land(self, fragment: int) -> None:
-        """Step the global weights of `fragment` on their average, if it committed, and
-        restart its local weights from them (mixed by `fragment_update_alpha`); else the
-        inner period is dropped: local weights back to the global ones."""
+        """Outer-step `fragment` if its average committed, then restart its local weights
+        from the global ones (mixed by `fragment_update_alpha` if it landed)."""
         if self._flight is not None:
             self._decide()
         members = self.fragments[fragment]
@@ -248,8 +236,7 @@ class DiLoCo(Outer):
     # -- state -----------------------------------------------------------------------------
 
     def _outer_states(self, materialize: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
-        """Each global weight's outer state, or the outer optimizer's start state (so the
-        dict is a template before the first outer step too)."""
+        """Each global weight's outer state, or its start state (a template before step 1)."""
         fresh = [g for g in self.global_ if not self.outer.state.get(g)]
         derived = derive(self.outer, fresh, materialize).states if fresh else {}
         return {g: self.outer.state.get(g) or derived.get(g, {}) for g in self.global_}
@@ -259,9 +246,8 @@ class DiLoCo(Outer):
             self._served = True  # (torchft's quorum thread, for a peer that heals from us)
         in_flight, pending = self.in_flight, self.pending
         if self._flight is not None:
-            # A checkpoint while the average is on its way: it completes on every group (all
-            # sent it), and it is saved as landing, unless this group saw it fail (then its
-            # commit would have dropped it).
+            # An average on its way completes on every group: save it as landing, unless
+            # this group saw it fail (its commit would drop it).
             fragment, averaged, work = self._flight
             if work is not None:
                 work.wait()
@@ -282,8 +268,7 @@ class DiLoCo(Outer):
         return flat
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Hold a template of each average that a checkpoint with `keys` has waiting to
-        land, so that `state_dict()` has its entries for DCP to load into."""
+        """Hold templates of the averages a checkpoint with `keys` has waiting to land."""
         if self.in_flight < 0:
             self.pending = {
                 i: torch.zeros_like(g)
@@ -371,9 +356,11 @@ class DiLoCo(Outer):
 
 
 def fragments(sizes: list[int], n: int) -> list[list[int]]:
-    """`n` runs of consecutive indices of `sizes` (parameter numels, in the container's order;
-    at least `n`) of about equal total size: the same cut on every rank and replica group
-    (global sizes)."""
+    """`n` runs of consecutive indices of `sizes` (global numels) of about equal total size.
+
+    The same cut on every rank and replica group.
+    """
+
     total, cuts, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes[:-1]):
         acc += size
