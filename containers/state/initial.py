@@ -1,19 +1,16 @@
 """The state an optimizer gives a parameter before its first step, derived without stepping it.
 
-A container's state dict covers parameters that have not stepped yet (it is the template DCP
-loads into), so it needs each optimizer's start state, exact, for any `torch.optim` optimizer:
+A container's state dict is DCP's load template, so it must hold every optimizer's exact
+start state for parameters that have not stepped yet:
 
-- Torch's optimizers create their state in `_init_group`, just before the first update. Running
-  it on a throwaway optimizer of the same class and group settings, over stand-ins that alias
-  the parameters, gives torch's own start values: zeros and step 0 for the Adam family, ASGD's
-  `eta` = lr and `mu` = 1, Adagrad's `sum` at `initial_accumulator_value`, NAdam's `mu_product`
-  1, Rprop's `step_size` at lr. Nothing is stepped, so nothing real changes.
-- A step of another throwaway on meta-device stand-ins (no memory) reveals the keys that the
-  first update creates rather than `_init_group` (SGD's `momentum_buffer`: the first gradient
-  itself). Zeros stand in for them; they are listed in `Derived.created`, and a load drops them
+- `_init_group` on a throwaway optimizer of the same class and settings, over aliases of the
+  parameters, gives torch's own start values (e.g. ASGD's `eta` = lr, Adagrad's
+  `initial_accumulator_value`) without stepping anything real.
+- A throwaway step on meta stand-ins reveals keys the first update creates instead (SGD's
+  `momentum_buffer`). Zeros stand in for them, listed in `Derived.created`; a load drops them
   while still zero, so the next step is torch's first (`plan_load`).
-- Optimizers without `_init_group` (third-party ones, SparseAdam) get the meta step's layout
-  with zeros and step 0, the start state of most optimizers.
+- Optimizers without `_init_group` (third-party, SparseAdam) get the meta step's layout with
+  zeros and step 0.
 """
 
 from __future__ import annotations
@@ -116,9 +113,11 @@ def _init_group_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch
 def _meta_init_group_states(
     opt: Optimizer, params: list[torch.Tensor]
 ) -> dict[torch.Tensor, State]:
-    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values. A sharded
-    parameter's stand-in is a DTensor placed as it is, so state not shaped like the
-    parameter (coded moments' block scales) takes the whole tensor's shape, as saved."""
+    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values.
+
+    Sharded stand-ins are DTensors placed as the parameter, so state not shaped like it
+    (block scales) takes the whole tensor's shape, as saved.
+    """
     stand_ins = {}
     for p in params:
         meta = _placed_as(p, torch.empty_like(local(p).detach(), device="meta"))
@@ -168,8 +167,7 @@ def _meta_grad(meta: torch.Tensor, sparse: bool) -> torch.Tensor:
 
 
 def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Derived:
-    """The start state `opt` would give `params`, and which of its names the first update
-    creates; `opt` and the parameters are left as they were.
+    """The start state `opt` would give `params` and the names its first update creates.
 
     Args:
         opt: the optimizer that owns `params`.
@@ -207,8 +205,7 @@ def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Der
 
 
 def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> Any:
-    """`value` as a state-dict entry of `p`: kept when `real` (exact values), else zeros (or,
-    unmaterialized, a tensor carrying only shape and dtype)."""
+    """`value` as a state entry of `p`: kept if `real`, else zeros (or shape/dtype only)."""
     if isinstance(value, Mapping):
         return {k: _as_template(p, v, materialize, real) for k, v in value.items()}
     if real:
@@ -235,15 +232,6 @@ def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> 
 def initial_states(
     opt: Optimizer, params: list[torch.Tensor], materialize: bool
 ) -> dict[torch.Tensor, State]:
-    """The state `opt` would give `params` before their first step, without stepping `opt`.
+    """The state `opt` would give `params` before their first step (`derive`'s `states`)."""
 
-    Every name one real step gives is present: torch's own start values where the optimizer
-    creates them before its update, zeros where only the update creates them (`derive`).
-
-    Args:
-        opt: the optimizer that owns `params`.
-        params: parameters of `opt`.
-        materialize: allocate the state (DTensors for sharded parameters) for a state dict;
-            otherwise return tensors that only carry shape and type, for validation.
-    """
     return derive(opt, params, materialize).states
