@@ -1,8 +1,7 @@
 """Torch's flat optimizer state-dict format, shared by every container.
 
-A load takes state from the dict (moments, step counts) and hyperparameters from the container
-(its groups were built from this run's config): `plan_load` validates and unflattens, and
-`setting_changes` says how groups' settings differ from a snapshot of them.
+`plan_load` validates a flat dict and unflattens it per optimizer; `setting_changes` says how
+groups' settings differ from a snapshot of them.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ PG = "param_groups"
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 UNSAVED_KEYS = frozenset({"moment_dtype", "compiled"})
-"""Group keys left out of the flat dict: how the optimizer stores its state (the tensors'
-dtypes say it) and whether it steps compiled, so runs of either choice write the same keys and
-load each other's."""
+"""Group keys left out of the flat dict (storage dtype, compiled step), so runs of either
+choice write the same keys and load each other's."""
 
 
 def describe_keys(keys: Iterable[str], limit: int = 8) -> str:
@@ -85,14 +83,10 @@ def refuse_other_layout(
 ) -> None:
     """Raise ValueError if flat `keys` hold another optimizer's state for these parameters.
 
-    Which optimizer wrote a checkpoint is known by its state names: Adam and AdamW share
-    theirs (`exp_avg`, `exp_avg_sq`, `step`), so either loads the other's; SGD keeps
-    `momentum_buffer` and cannot take them.
+    The writer is told by its state names (Adam and AdamW share theirs, SGD's differ).
 
     Args:
-        optimizers: the inner optimizers.
         layout: per optimizer, each parameter's state (live or initial).
-        fqns: each parameter's FQN.
         keys: the flat keys of the state dict or checkpoint.
     """
     fqns_saved = _group_fqns(keys)
@@ -105,8 +99,7 @@ def refuse_other_layout(
             fqn, ours = fqns[p], {k[1:] for k in flat}
             if fqn in fqns_saved:
                 differ.append((fqn, ours) if saved.get(fqn, set()) != ours else None)
-        # Every parameter of the optimizer differs: another optimizer wrote it (a damaged
-        # dict, missing a key here and there, gets the key listing instead).
+        # Only if every parameter differs (a damaged dict gets the key listing instead).
         if differ and all(differ):
             fqn, ours = differ[0]
             cls = type(opt).__name__
@@ -130,20 +123,14 @@ def plan_load(
 ) -> list[dict[str, Any]]:
     """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
 
-    State and every group's hyperparameters (lr, betas, weight decay, ...) come from `flat`,
-    as torch's `Optimizer.load_state_dict` takes them: by FQN, from the group's parameters,
-    which must agree. Kernel choices (`fused`, `foreach`, ...) stay the optimizer's own (a
-    CUDA run's `fused` is no CPU run's), and so does a key `flat` does not hold (an older
-    writer's). A state name the first update creates (`created`) that is still all
-    zeros is a never-stepped parameter's placeholder: it is left out, so the next step is the
-    optimizer's first, as in a fresh run.
+    State and hyperparameters come from `flat`, as in torch's `load_state_dict` (by FQN; a
+    group's parameters must agree). Kernel choices (`fused`, `foreach`, ...) and keys `flat`
+    lacks stay the optimizer's own. A `created` state still all zeros is a never-stepped
+    placeholder and is dropped, so the next step is the optimizer's first.
 
     Args:
-        optimizers: the inner optimizers.
         layout: per optimizer, each parameter's state (live or initial), for keys and shapes.
         created: each parameter's state names that its optimizer's first update creates.
-        fqns: each parameter's FQN.
-        flat: the flat state dict to load.
         sliced: keys of which `flat` holds only this rank's slice (FSDP1), whose slice
             alone cannot tell whether the whole tensor is a placeholder;
         zeros: those of them whose whole tensor is all zeros.
@@ -218,8 +205,7 @@ def plan_load(
 def _loaded_settings(
     group: dict[str, Any], fqns: Mapping[torch.Tensor, str], flat: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """`group`'s settings as `flat` holds them for its parameters (see `plan_load`); raise
-    ValueError if its parameters disagree there, as they cannot share one group then."""
+    """`group`'s settings as `flat` holds them; ValueError if its parameters disagree."""
     loaded = {k: v for k, v in group.items() if k != "params"}
     names = [fqns[p] for p in group["params"]]
     prefix = f"{PG}.{names[0]}." if names else None
@@ -246,10 +232,12 @@ def _loaded_settings(
 def setting_changes(
     optimizers: Sequence[Optimizer], before: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """What the optimizers' groups hold now against `before` (their settings at another time,
-    group by group), one entry per setting, e.g. ``weight_decay 0.01 -> 0.1 (3 params)`` or
-    ``optimizer Adam -> AdamW``. Under an LR scheduler ``lr`` compares the base lrs
-    (``initial_lr``): the scheduler sets the lr itself from its base and its position."""
+    """How the groups' settings differ from `before` (per group), one line per setting.
+
+    E.g. ``weight_decay 0.01 -> 0.1 (3 params)`` or ``optimizer Adam -> AdamW``. Under an LR
+    scheduler ``lr`` compares the base lrs (``initial_lr``), which the scheduler derives from.
+    """
+
     changes: dict[str, Counter[tuple[str, str]]] = {}
     groups = [(opt, g) for opt in optimizers for g in opt.param_groups]
     for (opt, group), then in zip(groups, before, strict=True):
