@@ -1,23 +1,16 @@
 """FSDP1 model parts: `FullyShardedDataParallel(use_orig_params=True)` in the flat DCP format.
 
-FSDP1 flattens each wrapped module's parameters into one flat parameter and gives every rank
-an equal, padded slice of it. With `use_orig_params=True` the optimizer sees each original
-parameter as a 1-D view of the part of it inside the rank's slice: a range of its flattened
-elements, which may be empty or cut anywhere, under `_fsdp_wrapped_module.` names. A state
-dict of those views is rank-local and no other layout can load it.
+With `use_orig_params=True` FSDP1 hands the optimizer each parameter as a 1-D view of the part
+inside this rank's padded slice of the flat parameter (possibly empty, cut anywhere): a
+rank-local layout no other run could load.
 
-`FlatShards` turns them into what FSDP2 writes, as torch's own FSDP1 optimizer state dict
-does (gather, then chunk): each per-element entry of a parameter (moments, masters) is
-all-gathered over the shard group, one collective per flat parameter and state name, and
-becomes a full-shape DTensor placed `Shard(0)` (HSDP: `(Replicate(), Shard(0))`); a scalar
-(Adam's `step`) is taken from a rank that holds elements of the parameter (a rank whose
-slice is empty never steps it). A load takes each rank's range back out of the full tensor.
-So checkpoints move between FSDP1 and FSDP2 at any world size, and keys are the original
-FQNs.
+`FlatShards` saves what FSDP2 writes, as torch's FSDP1 optimizer state dict does: per-element
+entries are all-gathered over the shard group (one collective per flat parameter and state
+name) into full-shape DTensors placed `Shard(0)` (HSDP: `(Replicate(), Shard(0))`); scalars
+come from a rank holding elements of the parameter (an empty slice never steps). A load cuts
+each rank's range back out. Checkpoints thus move between FSDP1 and FSDP2 at any world size.
 
-Only optimizers whose update is elementwise can step such slices: a matrix optimizer (Muon)
-or a factored one (Adafactor) would compute something else on a 1-D piece of a matrix, so
-they are refused (`refuse_optimizers`).
+Only elementwise optimizers can step such slices; others are refused (`refuse_optimizers`).
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.Rprop,
     torch.optim.ASGD,
 )
-"""torch optimizers whose update of an element depends on that element alone (and on
-per-parameter scalars): they step an FSDP1 slice exactly as they would the whole tensor."""
+"""Optimizers whose update of an element depends on it alone (and per-parameter scalars)."""
 
 _STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
@@ -127,12 +119,8 @@ def _unit(module: FullyShardedDataParallel) -> _Unit:
 
 
 class FlatShards:
-    """The FSDP1 parameters of some model parts, and the conversion of their flat state
-    entries to and from full-shape DTensors.
-
-    Args:
-        model_parts: modules that may hold `FullyShardedDataParallel` modules.
-    """
+    """FSDP1 parameters of `model_parts`; converts their flat state to and from full-shape
+    DTensors."""
 
     def __init__(self, model_parts: Sequence[nn.Module]) -> None:
         self.pieces: dict[torch.Tensor, _Piece] = {}
@@ -163,13 +151,11 @@ class FlatShards:
         self._by_fqn = {fqn_of[p]: piece for p, piece in self.pieces.items() if p in fqn_of}
 
     def shard_counts(self) -> dict[torch.Tensor, int]:
-        """Each FSDP1 parameter's number of distinct pieces (its shard group's size), for
-        the global norm: each element is held by one rank of the group."""
+        """Each FSDP1 parameter's shard group size (its distinct pieces, for the norm)."""
         return {p: piece.unit.group.size() for p, piece in self.pieces.items()}
 
     def _piece_of(self, key: str) -> tuple[_Piece, str] | None:
-        """The FSDP1 parameter that a flat `<kind>.<fqn>[.<name>]` key is about, and the key
-        with the FQN left out (what entries of the same kind share)."""
+        """The FSDP1 piece a flat `<kind>.<fqn>[.<name>]` key is about, and the key sans FQN."""
         kind, _, rest = key.partition(".")
         if kind == "param_groups" or not self._by_fqn:
             return None
@@ -184,9 +170,7 @@ class FlatShards:
 
     @torch.no_grad()
     def export(self, flat: dict[str, Any]) -> dict[str, Any]:
-        """`flat` with every FSDP1 entry as FSDP2 writes it: per-element tensors as full-shape
-        DTensors, scalars as the owner's. Every rank must call it (collectives in each shard
-        group, in the same order everywhere)."""
+        """`flat` with FSDP1 entries as FSDP2 writes them; every rank must call it."""
         elements: dict[tuple[int, str, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
         scalars: dict[tuple[int, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
         units: dict[int, _Unit] = {}
@@ -237,10 +221,12 @@ class FlatShards:
 
     @torch.no_grad()
     def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
-        """`flat` with every full-shape FSDP1 entry (a DTensor of any placement, or a plain
-        tensor) cut to this rank's slice, other entries as they are (shape checks follow);
-        the keys cut, and those of them whose whole tensor is all zeros (a placeholder, which
-        the slice alone cannot tell)."""
+        """`flat` with full-shape FSDP1 entries cut to this rank's slice.
+
+        Returns:
+            The new dict, the keys cut, and those whose whole tensor is all zeros (a
+            placeholder the slice alone cannot tell).
+        """
         out = dict(flat)
         sliced, zeros = set(), set()
         for key, value in flat.items():
@@ -272,8 +258,8 @@ def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
 
 
 def refuse_coded(settings: Iterable[Mapping[str, Any] | None]) -> None:
-    """Raise ValueError if any of `settings` (optimizer kwargs, group overrides) keeps
-    8-bit moments: their blocks are a parameter's rows, which FSDP1's slices do not have."""
+    """Raise ValueError if any `settings` keep 8-bit moments (blocks of rows FSDP1 lacks)."""
+
     for kwargs in settings:
         if kwargs and kwargs.get("moment_dtype") == "8bit":
             raise ValueError(
