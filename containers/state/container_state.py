@@ -1,9 +1,8 @@
 """`ContainerState`: the container's flat FQN-keyed state dict, its load and key check.
 
-An object of `OptimizersContainer`, built with what it reads, kept apart from the step
-pipeline: torch's flat optimizer state over every unit's inner optimizers, plus the entries of
-the container's parts (precision, outer part, EMA), each of which takes and validates its own before
-anything changes.
+Torch's flat optimizer state over every inner optimizer, plus the entries of the container's
+parts (precision, outer, EMA), each of which takes and validates its own before anything
+changes.
 """
 
 from __future__ import annotations
@@ -35,10 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class ContainerState:
-    """`state_dict`, `load_state_dict` and `check_checkpoint_keys` of a container (`owner`,
-    whose state hooks are called with it): the flat state of `optimizers` (their tensors
-    named by `fqns`), plus the entries of its `precision`, `outer` and `ema` (each if kept),
-    FSDP1 slices converted by `flat_shards`."""
+    """The state methods of a container (`owner`, whose state hooks are called with it)."""
 
     def __init__(
         self,
@@ -57,9 +53,8 @@ class ContainerState:
         self.outer = outer
         self.ema = ema
         self.flat_shards = flat_shards
-        # The flat keys (and dtypes) of the checkpoint a load is about to take
-        # (`check_checkpoint_keys`): the template's Adam moments take their form (8-bit
-        # codes or tensors of the checkpoint's dtype) until the load.
+        # Keys (and dtypes) of the checkpoint about to load: until then the template's Adam
+        # moments take its form (8-bit codes or tensors of its dtype).
         self._checkpoint_keys: Mapping[str, torch.dtype | None] = {}
 
     def _states(
@@ -72,10 +67,12 @@ class ContainerState:
         dict[torch.Tensor, frozenset[str]],
         list[tuple[str, str]],
     ]:
-        """Each parameter's live state, or its optimizer's initial state if it has none yet,
-        its moments in the form flat `keys` hold them (if given; `in_form_of`); the state
-        names that the optimizer's first update creates (see `derive`); and the moments whose
-        form `keys` change, as (name, how), which a load of them converts."""
+        """Each parameter's live or initial state, moments in the form `keys` hold them.
+
+        Returns:
+            The states, the names the first update creates (`derive`), and the moments whose
+            form `keys` change, as (name, how).
+        """
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
@@ -88,13 +85,10 @@ class ContainerState:
         return states, derived.created, changes
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's flat optimizer state dict: `state.<fqn>.<name>`, `param_groups.<fqn>.<key>`,
-        plus the precision's own entries (e.g. `master_weights.<fqn>`).
+        """Torch's flat optimizer state dict plus the parts' entries (e.g. `master_weights.<fqn>`).
 
-        Parameters that have not stepped yet appear with their optimizer's initial state
-        (torch's own start values, e.g. zeros and step 0 for Adam), built without running a
-        step, so the dict always covers every trainable parameter and serves as the template
-        that DCP loads into.
+        Parameters not stepped yet hold their optimizer's initial state, so the dict covers
+        every trainable parameter and serves as DCP's load template.
         """
         for hook in self.owner._optimizer_state_dict_pre_hooks.values():
             hook(self.owner)
@@ -124,12 +118,9 @@ class ContainerState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict; on any problem raise and leave the optimizer as it was.
 
-        As torch's `Optimizer.load_state_dict`: the dict gives the state (moments, step
-        counts, the precision's masters and scaler) and the groups' hyperparameters (lr,
-        betas, weight decay, ...), by FQN; kernel choices (`fused`, `foreach`) stay the
-        container's. A trainer that wants its config to win on resume sets it back after the
-        load (`components.checkpoint.resume.ConfigSettings`). A dict of another state layout
-        (AdamW's into SGD), or one whose values disagree inside one of our groups, is refused.
+        As torch's: state and hyperparameters come from the dict by FQN; kernel choices
+        (`fused`, `foreach`) stay the container's. Refuses another optimizer's layout, or
+        values that disagree within one of our groups.
         """
         state_dict = dict(state_dict)
         for hook in self.owner._optimizer_load_state_dict_pre_hooks.values():
@@ -175,14 +166,15 @@ class ContainerState:
     def check_checkpoint_keys(
         self, keys: Collection[str] | Mapping[str, torch.dtype | None]
     ) -> str:
-        """Raise ValueError if a checkpoint with these flat keys holds optimizer state of
-        another layout than this container's (e.g. AdamW's for SGD), before anything loads;
-        else fit `state_dict()` to them as DCP's template (entries a checkpoint holds only
-        when taken at some steps: DiLoCo's average waiting to land; the EMA, where the
-        checkpoint has none). Keys mapped to their saved dtypes give a moment that the load
-        converts into 8-bit codes a template of the checkpoint's dtype (bf16 read as bf16).
-        Returns which Adam moments the keys hold in another form than this container keeps
-        them (8-bit codes or tensors): what the load converts, for its log line ("" if none)."""
+        """Refuse a checkpoint of another layout, else fit `state_dict()` to its keys.
+
+        The template gains entries a checkpoint holds only sometimes (DiLoCo's pending
+        average, the EMA). Keys mapped to saved dtypes make moments the load converts to
+        8-bit codes templates of the checkpoint's dtype.
+
+        Returns:
+            The Adam moments the load converts, for its log line ("" if none).
+        """
         fitted = [self._states(opt, False, keys) for opt in self.optimizers]
         refuse_other_layout(self.optimizers, [f[0] for f in fitted], self._fqns, keys)
         dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
@@ -199,8 +191,7 @@ class ContainerState:
         return _describe([change for f in fitted for change in f[2]])
 
     def forget_checkpoint_keys(self) -> None:
-        """Undo what `check_checkpoint_keys` fitted, where the load it was for failed: a
-        failed load leaves the container as it was (its EMA kept, no template waiting)."""
+        """Undo `check_checkpoint_keys` after a failed load (the EMA kept)."""
         self._checkpoint_keys = {}
         if self.outer is not None:
             self.outer.forget_template()
@@ -209,8 +200,8 @@ class ContainerState:
 
 
 def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:
-    """Decode, in `plans`, the 8-bit codes of moments going to an optimizer that keeps
-    tensors and does not convert them itself (torch's Adam and AdamW)."""
+    """Decode 8-bit moments in `plans` for optimizers that do not convert them (torch's)."""
+
     for opt, plan in zip(optimizers, plans):
         if getattr(opt, "converts_codes", False):
             continue
