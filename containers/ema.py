@@ -1,12 +1,9 @@
 """`ShadowWeights`: an exponential moving average of the weights the container steps.
 
-The average is container state beside the optimizer's: `ema.<fqn>` for each parameter it
-steps (the fp32 masters under mixed precision), DTensors placed as their parameters, and
-`ema.steps`, the applied steps it has seen, in the flat format, so it reshards and loads into
-a fresh container as a template like every other state. It is updated as part of the step,
-after the update applied (and after a DiLoCo outer step), in one foreach pass; inside
-backward, unit by unit, for the in-backward timing. Steps that do not apply (skipped for
-non-finite numbers, not committed by torchft) do not count and do not update it.
+Flat container state: `ema.<fqn>` per stepped parameter (the fp32 masters under mixed
+precision), DTensors placed as their parameters, and `ema.steps`, the applied steps seen.
+It is updated in one foreach pass after each applied update (and after a DiLoCo outer step),
+or unit by unit inside backward; steps that do not apply neither count nor update it.
 
 At applied step n (from 1): n <= start_step: the average is the weights; then every
 `update_every_n_steps`-th step it moves towards them: ema = decay * ema + (1 - decay) * w
@@ -57,8 +54,7 @@ class ShadowWeights:
         self.params: list[torch.Tensor] = []
         self.shadow: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
-        # A checkpoint without the average: it starts from the loaded weights, read at its
-        # first use (the model's weights may load after the optimizer state).
+        # Restart from the loaded weights at first use (they may load after the optimizer).
         self._from_weights = False
         self._absent = False  # (fitted to a checkpoint without it: not in the template)
 
@@ -81,8 +77,7 @@ class ShadowWeights:
 
     @torch.no_grad()
     def update(self, params: Sequence[torch.Tensor] | None = None) -> None:
-        """Fold `params` (default: all) into the average for the step about to be counted
-        (`count()` counts it: once per applied step, after every unit's update)."""
+        """Fold `params` (default: all) into the average for the step `count()` will count."""
         self._settle()
         weight = self._weight(self.steps + 1)
         if weight is not None:
@@ -105,8 +100,7 @@ class ShadowWeights:
         return self.shadow
 
     def restart(self, why: str) -> None:
-        """Start over from the weights as they are at the next use (`why`: they were loaded
-        without an average of their own), at applied step 0."""
+        """Start over at step 0 from the weights as they are at the next use."""
         logger.info("%s: it starts from the loaded weights", why)
         self._from_weights, self.steps = True, 0
 
@@ -123,8 +117,8 @@ class ShadowWeights:
 
     @contextlib.contextmanager
     def swapped_into(self, targets: Sequence[torch.Tensor]) -> Iterator[None]:
-        """`targets` (the model's parameters of `params`, in order) hold the average (in
-        their dtype) inside the block, and their own values again, bitwise, after it."""
+        """`targets` (model parameters of `params`) hold the average inside the block, and
+        their own values again, bitwise, after it."""
         self._settle()
         pieces = [local(t) for t in targets]
         with torch.no_grad():

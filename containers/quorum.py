@@ -1,17 +1,11 @@
-"""Replica groups meeting at a torchft quorum: waiting for it, and agreeing on the settings
-that shape their math once they are in it. Shared by every torchft part (`TorchFTGate`,
-`DiLoCo`).
+"""Replica groups at a torchft quorum: waiting for it (`wait_quorum`) and agreeing on the
+settings that shape their math (`SettingsAgreement`); shared by `TorchFTGate` and `DiLoCo`.
 
-Wait (`wait_quorum`): a quorum not found within torchft's timeout is `GateLost`, raised before
-anything of the step changed.
-
-Agree (`SettingsAgreement`): groups average their gradients, so a group with another lr, clip
-or schedule would train the others' weights with its own math. Healing cannot catch it alone:
-two groups that start together never heal. So every group sends its settings to every other
-over the replica process group (two small all-gathers) whenever the quorum changes, before the
-gradient average: the reference is the first group of the quorum that trains in it (a group
-that heals, one that joins, does not), and a group whose settings differ from it leaves in one
-line, before it loads a peer's state or commits anything.
+Groups average their gradients, so one with another lr, clip or schedule would corrupt the
+others' training, and healing cannot catch groups that start together. So at each new quorum,
+before the average, every group all-gathers its settings; the reference is the first group
+that trains in the quorum (not a healing or joining one), and a group that differs leaves
+before it loads a peer's state or commits anything.
 """
 
 from __future__ import annotations
@@ -37,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 def wait_quorum(manager: Manager, start: bool = False) -> None:
-    """Wait for `manager`'s quorum (every-step averaging's, or DiLoCo's at a sync; `start`:
-    start it too, as a synchronous-quorum manager, DiLoCo's, waits inside `start_quorum`);
-    `GateLost` when torchft found none in time (the lighthouse gone past the quorum timeout):
-    nothing of the step has changed yet. A quorum still missing after the connect timeout is
-    said in one line then: a lighthouse gone mid-run is reported as soon as one that never
-    answered would be, and still waited for (a restarted one is carried on with)."""
+    """Wait for `manager`'s quorum (`start`: start it too, for a synchronous-quorum manager).
+
+    Warns once after the connect timeout and keeps waiting (a restarted lighthouse is carried
+    on with).
+
+    Raises:
+        GateLost: no quorum within torchft's timeout; nothing of the step changed yet.
+    """
     connect = getattr(manager, "_connect_timeout", None)
     quorum = getattr(manager, "_quorum_timeout", None)
 
@@ -105,8 +101,8 @@ class SettingsAgreement:
         """Compare with every group of `manager`'s current quorum (once per quorum).
 
         Returns None when all agree (or this quorum agreed already), else the number of
-        groups left once those that differ are refused: those leave this quorum's process
-        group, so the groups left run no collective on it this step.
+        groups left once those that differ are refused (no collective on this quorum's
+        process group runs this step then).
 
         Raises:
             SettingsMismatch: this group's settings differ from the reference group's.
@@ -166,8 +162,8 @@ def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any], our_name: s
 
 
 def _all_gather_json(pg: Any, obj: Any) -> list[Any]:
-    """`obj` of every rank of `pg` (JSON over uint8 tensors: torchft's process groups run
-    tensor collectives only), in rank order."""
+    """`obj` of every rank of `pg`, in rank order (JSON over uint8: tensor collectives only)."""
+
     data = json.dumps(obj).encode()
     n = pg.size()
     size = torch.tensor([len(data)], dtype=torch.int64)
