@@ -79,8 +79,8 @@ def wait_quorum(manager: Manager, start: bool = False) -> None:
 
 
 class SettingsMismatch(ValueError):
-    """This replica group's settings differ from the reference group's, so it may not train
-    with them; the message is one line naming each differing key with both values."""
+    """This replica group's settings differ from the reference group's (one-line message)."""
+
 
 
 class SettingsAgreement:

@@ -4,7 +4,6 @@
 that always commits is `containers.parts.Gate`; DiLoCo is an outer part (`containers.outer`).
 """
 
-
 from containers.gate.fault_tolerant import FTOptimizersContainer, TorchFTGate
 
 __all__ = ["FTOptimizersContainer", "TorchFTGate"]

@@ -3,7 +3,6 @@
 `DiLoCo`: local inner steps, an outer step on the averaged pseudo-gradient every `sync_steps`.
 """
 
-
 from containers.outer.diloco import DiLoCo
 
 __all__ = ["DiLoCo"]
