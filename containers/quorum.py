@@ -82,7 +82,6 @@ class SettingsMismatch(ValueError):
     """This replica group's settings differ from the reference group's (one-line message)."""
 
 
-
 class SettingsAgreement:
     """The settings of one replica group, compared with its peers' at each new quorum.
 
