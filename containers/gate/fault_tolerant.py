@@ -34,9 +34,7 @@ class TorchFTGate(Gate):
     Args:
         manager: the replica group's `torchft.Manager`.
         agree_on: settings (key -> JSON-serializable value) every replica group must share,
-            compared at each new quorum before the gradient average (`SettingsAgreement`):
-            a group that differs from the first live group is refused with a
-            `SettingsMismatch` naming the keys; None: not compared.
+            compared at each new quorum (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.
     """
 
@@ -53,9 +51,8 @@ class TorchFTGate(Gate):
         return {"torchft": "TorchFTGate (torchft)"}
 
     def on_zero_grad(self) -> None:
-        # The quorum may serve this group's state to a healing peer from its own thread: not
-        # while forward and backward run, where FSDP2 swaps the modules' sharded parameters
-        # for unsharded ones (a state dict read then breaks the forward). Read after backward.
+        # No state reads by healing peers (from torchft's thread) during forward/backward:
+        # FSDP2 unshards the parameters there.
         self.manager.disallow_state_dict_read()
         self.manager.start_quorum()
 
@@ -68,23 +65,19 @@ class TorchFTGate(Gate):
         if self.manager.errored() is not None:
             return  # the step commits nowhere (e.g. the quorum's process group did not start)
         if self.agreement is not None and (left := self.agreement.check(self.manager)):
-            # The refused groups leave this quorum's process group: no collective on it now.
-            # Alone, this group's gradients are the average; with others, retry the step in
-            # the next quorum, without the refused groups.
+            # No collective on this quorum's group now. Alone, our gradients are the average;
+            # with others, retry in the next quorum without the refused groups.
             if left > 1:
                 self.manager.report_error(RuntimeError("a replica group was refused"))
             return
         live = [p for p in params if p.grad is not None]
         if not live or self._alone():
             return
-        # In the gradients' own dtype: under fp16 loss scaling every group scaled its loss by
-        # the same scale (the scaler's state is the same everywhere), so the average is the
-        # scaled average; an overflow on any group (or of the sum) is inf or nan on all of
-        # them, and every group skips the step and backs its scale off alike.
+        # In the gradients' own dtype: every group shares one loss scale, so an overflow
+        # anywhere is inf/nan on all groups and all skip and back off alike.
         flat = torch.cat([local(p.grad).reshape(-1) for p in live])
         self.manager.allreduce(flat).wait()
-        # The averages become the gradients (views of the flat buffer): copied once, not
-        # copied back.
+        # The gradients become views of the flat buffer (no copy back).
         offset = 0
         for p in live:
             n = local(p.grad).numel()
@@ -92,10 +85,8 @@ class TorchFTGate(Gate):
             offset += n
 
     def _alone(self) -> bool:
-        """Whether this group is the quorum's only replica group, stepping: the average over
-        one group is its own gradients, bit for bit, so the collective (a flat copy, a gloo
-        call, a divide) is skipped. Not when a healing group is in the quorum: it takes part
-        in the collective, so every group must."""
+        """Whether this is the quorum's only replica group (no healing one), so the average
+        is its own gradients bitwise and the collective can be skipped."""
         pg = getattr(self.manager, "_pg", None)  # torchft's replica process group
         return (
             self.manager.num_participants() == 1  # waits for the quorum
@@ -105,11 +96,8 @@ class TorchFTGate(Gate):
         )
 
     def commit(self) -> bool:
-        # A collective inside the replica group: every rank gets the same answer. It waits
-        # for the group's slowest rank, which may still be configuring the quorum's process
-        # group (up to its own timeout, when a peer's address is stale): torchft's default
-        # deadline, that same timeout, expired first on the rank that had failed fast, and it
-        # crashed. A quorum's deadline covers the configure.
+        # Waits for the group's slowest rank, which may still be configuring the quorum's
+        # process group: the quorum timeout covers that, torchft's default deadline does not.
         return self.manager.should_commit(timeout=getattr(self.manager, "_quorum_timeout", None))
 
 
@@ -124,8 +112,8 @@ class FTOptimizersContainer(OptimizersContainer):
         param_groups: rules that form param groups by FQN.
         precision: what the inner optimizers step (default: the fp32 parameters).
         max_norm: clip the global gradient norm (after the average) to this; None: off.
-        mesh: the job's named DeviceMesh, over which the global norm counts each gradient
-            element once (`OptimizersContainer`); None: one stage over the world.
+        mesh: the job's named DeviceMesh for the global norm (`OptimizersContainer`).
+
     """
 
     def __init__(
