@@ -1,11 +1,9 @@
 """`InBackward` timing: units step during backward and free their gradients at once.
 
-Parameters are split into units (one per FSDP2 module, else one per module that owns them);
-each unit has inner optimizers of its own. A post-accumulate-grad hook on every parameter
-counts the unit's ready gradients; when the last one arrives on the last micro-batch of an
-optimizer step, the unit applies and its gradients are dropped, so the whole-model gradient
-buffer never exists. `step()` only applies what backward could not finish (parameters that got
-no gradient in the last micro-batch).
+Each unit (an FSDP2 module, else a module owning parameters) has its own inner optimizers. A
+post-accumulate-grad hook counts the unit's ready gradients; once the last arrives in the
+last micro-batch, the unit applies and drops its gradients, so the whole-model gradient
+buffer never exists. `step()` applies what backward could not finish.
 """
 
 from __future__ import annotations
@@ -34,12 +32,10 @@ __all__ = ["InBackward", "OptimizersInBackwardContainer"]
 
 
 class InBackward(Timing):
-    """Apply each unit inside backward as soon as its gradients are final: after the
-    `gradient_accumulation_steps`-th backward pass that reached it; `zero_grad()` starts
-    counting afresh.
+    """Apply each unit inside the `gradient_accumulation_steps`-th backward that reaches it.
 
-    Passes are counted per unit, so backward passes that reach only some units (pipeline
-    stages on one rank, each micro-batch a backward of its own, interleaved) count right.
+    Passes are counted per unit (reset by `zero_grad()`), so backward passes that reach only
+    some units (interleaved pipeline stages on one rank) count right.
     """
 
     in_backward = True
@@ -130,9 +126,8 @@ class InBackward(Timing):
 
     def _end_of_backward(self) -> None:
         if not self._deferred:
-            # FSDP2 roots of earlier model parts queue their final callbacks (which reduce the
-            # root's gradients and fire its hooks) after ours was queued: go to the back of
-            # the queue once, behind every callback that backward queued.
+            # Re-queue once, behind the final callbacks FSDP2 roots of earlier parts queue
+            # after ours (they reduce gradients and fire our hooks).
             self._deferred = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             return
@@ -143,8 +138,7 @@ class InBackward(Timing):
                 self._pass_done(unit)
 
     def _flush(self) -> None:
-        """Apply units that hold gradients but could not apply in backward; start a new step
-        (whose units `report` still counts)."""
+        """Apply units whose gradients backward left unapplied; start a new step."""
         for unit in self._ready:
             if unit not in self._stepped and any(p.grad is not None for p in unit.params):
                 self._apply(unit)
@@ -154,14 +148,13 @@ class InBackward(Timing):
         self._flush()
 
     def report(self, container: OptimizersContainer) -> StepReport:
-        """Skipped if any unit on any rank was, `partial` if any unit on any rank applied
-        all the same."""
+        """Skipped if any unit on any rank was; `partial` if any unit applied anyway."""
         skipped, flags, units = self._skipped, self._flags, len(container.units)
         self._skipped, self._flags = 0, []
         world = dist.is_initialized() and dist.get_world_size() > 1
         if flags or world:
-            # Ranks hold different shards: they must agree, or their trainers would part ways.
-            # (Flags a kernel read are counted here: the step's one host sync.)
+            # Ranks hold different shards and must agree; kernel flags are read here (the
+            # step's one host sync).
             device = container.units[0].params[0].device
             counts = torch.tensor([float(skipped), float(units - skipped)], device=device)
             if flags:
@@ -194,15 +187,11 @@ class InBackward(Timing):
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `InBackward` timing: each unit of parameters steps
-    inside backward as soon as its gradients are final, and frees them.
+    """An `OptimizersContainer` whose units step inside backward (`InBackward`).
 
     Args:
-        model_parts: modules whose trainable parameters are optimized.
-        optimizer_cls: optimizer for parameters no rule assigns to another class.
-        optimizer_kwargs: constructor kwargs of `optimizer_cls`.
-        param_groups: rules that form param groups by FQN (as for the default container).
         gradient_accumulation_steps: backward passes per optimizer step; units step in the
+
             last one.
         precision: e.g. `containers.MasterWeights` with loss scaling 'none'.
         gate: refused if it cannot decide per unit (torchft).
