@@ -38,9 +38,11 @@ def defaults_of(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> dict[str, An
 def with_step_hooks(
     optimizer: Optimizer, pre: Hooks, post: Hooks, apply: Callable[[], None]
 ) -> None:
-    """Run `apply` (the inner optimizers' steps) as `optimizer`'s step: torch's global pre
-    hooks, then `pre`; after it `post`, then the global post hooks. A pre hook may return new
-    `(args, kwargs)` for the hooks after it, as in torch."""
+    """Run `apply` as `optimizer`'s step between its step hooks, in torch's order.
+
+    Global pre hooks, `pre`, `apply`, `post`, global post hooks; a pre hook may return new
+    `(args, kwargs)` for the hooks after it.
+    """
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     for hook in [*torch_optimizer._global_optimizer_pre_hooks.values(), *pre.values()]:
@@ -59,9 +61,11 @@ def with_step_hooks(
 
 @contextmanager
 def inner_steps() -> Iterator[None]:
-    """Inner optimizers' steps without torch's global step hooks, which see the container
-    (`with_step_hooks`); an inner optimizer's own hooks still fire. Emptying torch's global
-    tables for the while is the one way: torch's step wrapper reads them directly."""
+    """Inner optimizers' steps without torch's global step hooks (they see the container).
+
+    Torch's step wrapper reads the global tables directly, so they are emptied meanwhile.
+    """
+
     tables = (
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,

@@ -1,10 +1,10 @@
 """The one table of part compositions that cannot work, each with its reason in plain words.
 
-A part declares the features it brings (`Precision.features`, `Gate.features`,
-`Timing.features`, `Outer.features`: feature -> how a refusal names it); the container adds
-its own (a clip, an EMA, FSDP1 model parts) and refuses a conflicting pair when it is built
-(`refuse`). The trainer's config check (`config.checks`) builds the same features from the job
-config and reports the same pair by its config keys, before any process group exists.
+Each part declares its features (feature -> how a refusal names it); the container adds its
+own (clip, EMA, FSDP1) and refuses a conflicting pair when built (`refuse`). The trainer's
+config check (`config.checks`) reports the same pairs from the job config, before any process
+group exists.
+
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ SCRATCH_NUMEL = 1 << 20
 converted into it a piece at a time, by the norm and by the mixed-precision step."""
 
 CUDA_SCRATCH_NUMEL = 1 << 24
-"""The same on a GPU (64 MiB): there a chunk costs kernel launches, not cache misses, and at
-4 MiB a chunk the launches of a 134M-parameter step cost 15x its bytes (benchmarks/README.md)."""
+"""The same on CUDA (64 MiB): larger, since there each chunk costs kernel launches rather
+than cache misses."""
 
 _scratch: dict[torch.device, torch.Tensor] = {}
 
@@ -33,10 +33,12 @@ def scratch_numel(device: torch.device) -> int:
 
 
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of `numel` elements on `device`. Up to `scratch_numel(device)` it is
-    one buffer kept between calls (a fresh one would be page-faulted in at every step, which
-    on a CPU costs more than the conversion it serves); larger ones are allocated each time.
-    Callers must be done with it before the next call."""
+    """An fp32 buffer of `numel` elements on `device`, valid until the next call.
+
+    Up to `scratch_numel(device)` it is one buffer kept between calls (a fresh one would be
+    page-faulted in every step); larger ones are allocated each time.
+    """
+
     kept = scratch_numel(device)
     if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)
