@@ -14,11 +14,9 @@ Every variant is this class with other parts plugged in (`containers.parts`): on
                                                outer step every sync_steps)
     report    last_report (StepReport)         committed, why skipped, norm, scale
 
-run in `step()` after backward, or unit by unit inside backward (`containers.timing.in_backward`),
-where each unit checks its own gradients and a non-finite unit is skipped.
-
-A non-finite loss passed to `backward()` turns every gradient it reaches into NaN (a
-multiply by a scalar factor, no host sync), so the one check catches it too.
+run in `step()` after backward, or unit by unit inside backward (`containers.timing.in_backward`).
+A non-finite loss given to `backward()` turns every gradient it reaches into NaN (no host
+sync), so the one check catches it too.
 """
 
 from __future__ import annotations
@@ -57,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters that apply together: the model's parameters, what the inner optimizers
-    step for each (itself, or its master) and those optimizers."""
+    """Parameters that apply together, the tensors stepped for them (themselves or masters),
+    and their inner optimizers."""
 
     params: list[torch.Tensor]
     stepped: list[torch.Tensor]
@@ -69,11 +67,9 @@ class OptimizersContainer(Optimizer, Stateful):
     """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts.
 
     Each unit (a model part, unless the timing splits finer) gets one inner optimizer per
-    optimizer class its parameters use. The container keeps the Optimizer contract:
-    `param_groups` are the inner optimizers' live groups (LR schedulers and manual lr changes
-    reach the real step), step hooks fire once per applied `step()`, and `state_dict()` is
-    torch's flat FQN-keyed format (`StateDictOptions(flatten_optimizer_state_dict=True)`),
-    DTensors kept, so DCP reshards it.
+    optimizer class. `param_groups` are the inner optimizers' live groups (schedulers reach
+    the real step), step hooks fire once per applied `step()`, and `state_dict()` is torch's
+    flat FQN-keyed format with DTensors kept, so DCP reshards it.
 
     Args:
         model_parts: modules whose trainable parameters are optimized; frozen ones are skipped.
@@ -88,15 +84,12 @@ class OptimizersContainer(Optimizer, Stateful):
             `containers.DiLoCo`); None: nothing.
         max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
             None (default) does not clip.
-        skip_nonfinite: skip a step whose loss (given to `backward`) or gradients hold inf
-            or NaN, so that none reaches the weights or the optimizer state; costs one host
-            sync per step (per unit inside backward), none on CUDA where torch's fused
-            kernels can skip on a device flag (`containers.decision`).
-        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
-            norm counts every gradient element once over it (`containers.norm`). None:
-            one stage over the world.
-        ema: an exponential moving average of the weights it steps, kept and updated as
-            part of the step (`containers.ema`; `ema_weights()` swaps it in).
+        skip_nonfinite: skip a step whose loss or gradients hold inf or NaN; one host sync
+            per step (per unit inside backward), none where fused kernels can skip on a
+            device flag (`containers.decision`).
+        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp) for the
+            global norm (`containers.norm`). None: one stage over the world.
+        ema: an EMA of the stepped weights, updated in the step (`ema_weights()` swaps it in).
     """
 
     def __init__(
@@ -197,8 +190,7 @@ class OptimizersContainer(Optimizer, Stateful):
         )
 
     def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
-        """The features of `containers.rules` this composition brings, each named as its
-        refusal names it: the parts' own, a clip, an EMA and FSDP1 model parts."""
+        """The `containers.rules` features of this composition, named as refusals name them."""
         named = {**self.precision.features, **self.gate.features, **self.timing.features}
         if self.outer is not None:
             named.update(self.outer.features)
@@ -215,8 +207,7 @@ class OptimizersContainer(Optimizer, Stateful):
     def _refused_alone(
         self, cls: type[Optimizer], constructor: dict[str, Any], specs: list[tuple[list, dict]]
     ) -> str:
-        """The FQN of the first parameter that `cls` refuses on its own (for the message of
-        a unit's optimizer that could not be built), or "" if none does alone."""
+        """The FQN of the first parameter `cls` refuses alone (for the error), or ""."""
         for params, kwargs in specs:
             for p in params:
                 try:
@@ -231,10 +222,8 @@ class OptimizersContainer(Optimizer, Stateful):
         return self.last_report.committed
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: scaled by precisions with loss scaling, and (where
-        `skip_nonfinite`) NaN if it is non-finite, so every gradient it reaches is NaN and the
-        step that follows is skipped. Pipeline schedules, which call backward themselves,
-        return this from their loss function."""
+        """The loss to call backward on: scaled by the precision, and NaN if non-finite
+        (where `skip_nonfinite`), so the step is skipped. Pipeline loss functions return it."""
         if self.skip_nonfinite:
             finite = loss.detach().isfinite()
             loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
@@ -252,8 +241,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     def fqn_of(self, tensor: torch.Tensor) -> str:
-        """The FQN of a tensor in `param_groups` (a model parameter, or its master weight):
-        the name its state and group settings are saved under."""
+        """The FQN a tensor of `param_groups` (parameter or master) is saved under."""
         return self._fqns[tensor]
 
     @property
@@ -314,24 +302,21 @@ class OptimizersContainer(Optimizer, Stateful):
     def _step_after_backward(self) -> StepReport:
         params = [p for p in self._params if p.grad is not None]
         self.gate.reduce_gradients(params)
-        # Commit before measuring: a healing replica group loads its peer's state (the loss
-        # scale among it) inside the commit, and the averaged gradients are scaled by the
-        # peers' scale, so the norm and the update must unscale by that one. Nothing of an
-        # uncommitted step reaches the precision (its loss scale evolves as its peers').
+        # Commit before measuring: a healing group loads its peer's loss scale inside the
+        # commit, and the averaged gradients carry that scale. An uncommitted step tells
+        # the precision nothing.
         if not self.gate.commit():
             return StepReport(committed=False, skipped=self.gate.refusal)
         norm, value, finite = None, None, True
         kernels = self.skip_nonfinite and self.leaves_skip_to_kernels(self.optimizers)
         if self.max_norm is not None and kernels:
-            # Squares summed in fp64 cannot overflow: the norm is finite iff every gradient
-            # is, so it is the exact flag itself (no second pass, no host decision).
+            # fp64 squares cannot overflow: the norm is finite iff every gradient is.
             norm, found = self.decision.norm_and_flag(params, self.skip_nonfinite, exact=True)
             return self._left_to_kernels(found.float(), norm.float())
         if self.max_norm is not None:
             norm, value, finite = self.decision.measure(params, self.skip_nonfinite)
         elif self.skip_nonfinite:
-            # Without a clip, the cheapest check: one read of the gradients, no write; the
-            # world agrees, as a norm would.
+            # No clip: the cheapest check, one read, agreed by the world.
             world = dist.is_initialized() and dist.get_world_size() > 1
             grads, groups = [p.grad for p in params], [None] if world else []
             if kernels:
@@ -355,9 +340,8 @@ class OptimizersContainer(Optimizer, Stateful):
         return StepReport(grad_norm=value, **self.precision.report())
 
     def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
-        """Apply with the non-finite skip left to the kernels (`found`, a device flag) and
-        the gradients clipped by `norm` (None: no clip); no host sync: the report reads the
-        flag and the norm when asked."""
+        """Apply with the skip left to the kernels (`found`) and clipped by `norm` (None: no
+        clip); no host sync, the report reads flag and norm when asked."""
         self._with_hooks(
             lambda: self.precision.apply(self.optimizers, norm, self.max_norm, found_inf=found)
         )
@@ -367,9 +351,8 @@ class OptimizersContainer(Optimizer, Stateful):
     def leaves_skip_to_kernels(
         self, optimizers: Sequence[Optimizer], per_unit: bool = False
     ) -> bool:
-        """Whether a step (or a unit's, `per_unit`) may leave its non-finite skip to the
-        update kernels of `optimizers` (`Decision.kernels_may_skip`): nothing else follows
-        the decision (no step hooks around it, no EMA, no outer part after the update)."""
+        """Whether a step (or a unit's) may leave its non-finite skip to the kernels: only
+        if nothing else follows the decision (no step hooks, EMA or outer part)."""
         hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
             not hooks
@@ -380,8 +363,7 @@ class OptimizersContainer(Optimizer, Stateful):
 
     @property
     def last_report(self) -> StepReport:
-        """What the last `step()` did. A step that left its non-finite skip to the kernels
-        is reported here, when asked: the one host sync it needs."""
+        """What the last `step()` did (a kernel-skipped step syncs here, when asked)."""
         found, self._found_inf = self._found_inf, None
         norm, self._norm = self._norm, None
         self._last_report = self.decision.read(self._last_report, found, norm)
@@ -429,9 +411,9 @@ class OptimizersContainer(Optimizer, Stateful):
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
-        """Inside the block the model parts hold the EMA of their weights (in their dtype:
-        the fp32 average rounded to bf16 parameters under mixed precision); after it, their
-        own weights again, bitwise. Evaluate, or export, with the averaged weights."""
+        """Inside the block the model parts hold the EMA of their weights (in their dtype);
+        after it, their own weights again, bitwise."""
+
         if self.ema is None:
             raise ValueError(
                 f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "
