@@ -1,20 +1,14 @@
 """The parts a container is composed of, with the behaviour of plain fp32 training.
 
-Every container runs the same step (`OptimizersContainer.step`); three parts plug into it,
-and a fourth may follow it:
+- **precision** (`Precision`): what the inner optimizers step (parameters or fp32 masters),
+  loss scaling, the gradient norm, and how a unit applies.
+- **gate** (`Gate`): whether a step commits (torchft), and the gradient average before it.
+- **timing** (`Timing`): when units apply: in `step()`, or inside backward
+  (`containers.timing.in_backward`).
+- **outer** (`Outer`, optional): what follows a committed step, with state of its own
+  (DiLoCo, `containers.outer`).
 
-- **precision** (`Precision`): what the inner optimizers step (the model's parameters, or fp32
-  masters of low-precision ones), how the loss is scaled, how the gradient norm is measured,
-  and how a unit of parameters is applied.
-- **gate** (`Gate`): whether a step commits (torchft's quorum), and the gradient average
-  across replica groups that comes first.
-- **timing** (`Timing`): when units apply: after backward, in `step()` (this module), or
-  inside backward as each unit's gradients become final (`containers.timing.in_backward`).
-- **outer** (`Outer`, none by default): what follows a committed step, with state of its own
-  (DiLoCo's outer step, `containers.outer`).
-
-Each part declares the features it brings (`features`); the container refuses a composition
-that `containers.rules` lists as one that cannot work, when it is built.
+Each part declares its `features`; the container refuses compositions `containers.rules` lists.
 """
 
 from __future__ import annotations
@@ -53,23 +47,21 @@ class StepReport:
     """What one `step()` did, for the trainer to log as it is."""
 
     committed: bool = True
-    """Whether the step was applied (False: nothing changed, except, inside backward, the
-    units whose gradients were finite)."""
+    """Whether the step was applied (inside backward, finite units may apply regardless)."""
 
     skipped: str | None = None
     """Why the step was not applied, if it was not."""
 
     nonfinite: bool = False
-    """Skipped for a non-finite loss or gradients: the batch is spent (running it again
-    would give the same), unlike a step the gate did not commit, which the trainer retries."""
+    """Skipped for a non-finite loss or gradients: the batch is spent (not retried, unlike
+    an uncommitted step)."""
 
     partial: bool = False
-    """Skipped in some units only (inside backward): the units whose gradients were finite
-    applied their update, so the weights did change."""
+    """Skipped in some units only (inside backward): the weights did change."""
 
     backing_off: bool = False
-    """Skipped for an overflow while a dynamic loss scale was still above `min_scale`: the
-    scale finding its level, not a failure (the trainer's skip cap counts only the others)."""
+    """Skipped for an overflow while the loss scale was above `min_scale`: the scale finding
+    its level, not a failure (the trainer's skip cap does not count it)."""
 
     grad_norm: float | None = None
     """Global gradient norm before clipping (unscaled); None where it was not measured."""
@@ -93,25 +85,21 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
-    A precision answers four kinds of question, in this order of a run's life:
-    composition (`features`: "loss_scaling" also makes every non-finite step skip); build
-    (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`, `grad_norm`,
-    `refusal`, `decided`, `apply`, `zero_grad`, `report`); state beside the optimizers'
-    (`state_dict`, `take_state`, `load_state`). This class is the plain answer to each;
-    `MasterWeights` (`containers.precision`) is the other.
+    Hooks by phase: composition (`features`; "loss_scaling" makes every non-finite step
+    skip); build (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`,
+    `grad_norm`, `refusal`, `decided`, `apply`, `zero_grad`, `report`); state (`state_dict`,
+    `take_state`, `load_state`). `MasterWeights` (`containers.precision`) is the other one.
     """
 
     keeps_masters = False
-    """Whether the inner optimizers step fp32 masters of the model's parameters (their
-    update paths are the masters' ones: `containers.optim.paths`)."""
+    """Whether the inner optimizers step fp32 masters of the model's parameters."""
 
     may_refuse = False
     """Whether `refusal` can ever answer (the container agrees on it across ranks then)."""
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The features of `containers.rules` this precision brings, each with how a refusal
-        names it (none: plain fp32)."""
+        """The `containers.rules` features this precision brings, named as refusals name them."""
         return {}
 
     def cast_model(self, model: nn.Module) -> nn.Module:
@@ -135,9 +123,10 @@ class Precision:
     def grad_norm(
         self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
-        """Global L2 norm of the gradients of `params` (model parameters), each element
-        counted once over the job's mesh as `over` says (None: `GlobalNorm(params)`); inf or
-        nan if a gradient is, or (unless `exact`: fp64) if a square overflowed fp32."""
+        """Global L2 norm of `params`' gradients over `over` (None: `GlobalNorm(params)`).
+
+        Non-finite if a gradient is, or (unless `exact`: fp64) if a square overflowed fp32.
+        """
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact)
 
@@ -147,14 +136,14 @@ class Precision:
         return None
 
     def decided(self, applied: bool, overflow: bool | None = None) -> None:
-        """Told whether the step's gradients were applied and whether they overflowed (by
-        default: the step was skipped for non-finite gradients exactly when not applied)."""
+        """Told whether the step applied and whether it overflowed (default: not applied)."""
 
     def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether `apply(optimizers, found_inf=flag)` leaves the skip to the update kernels
-        (torch's fused Adam family reads a device flag and changes nothing where it is set),
-        so no host sync has to decide it first. A precision with an `apply` or a `decided` of
-        its own (told of each decision as the step makes it) answers for itself."""
+        """Whether `apply(optimizers, found_inf=flag)` can leave the skip to the kernels.
+
+        Then no host sync decides it first. A precision overriding `apply` or `decided`
+        answers for itself.
+        """
         return kernel_skips(optimizers)
 
     @torch.no_grad()
@@ -165,9 +154,10 @@ class Precision:
         max_norm: float | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Step `optimizers`, their gradients clipped to `max_norm` by `grad_norm` first;
-        like Adam/AdamW groups of all of them in one kernel call (`step_together`). Where
-        `found_inf` (a device flag; only if `skips_in_kernel`) is set, nothing changes."""
+        """Clip to `max_norm` by `grad_norm`, then step `optimizers` (`step_together`).
+
+        Where `found_inf` (a device flag; only if `skips_in_kernel`) is set, nothing changes.
+        """
         if grad_norm is not None:
             clip_grads(params_with_grad(optimizers), grad_norm, max_norm)
         step_together(optimizers, found_inf)
@@ -191,14 +181,14 @@ class Precision:
         """Apply what `take_state` took, once the optimizer state has loaded."""
 
     def written(self, params: Sequence[torch.Tensor]) -> None:
-        """The inner optimizers' `params` were written outside a step (an outer part's
-        step): make the model's own parameters agree (fp32: they are the model's)."""
+        """`params` were written outside a step (an outer step): update the model's copies."""
 
 
 class GateLost(RuntimeError):
-    """The gate can no longer decide whether steps commit (torchft: no quorum within its
-    timeout). Raised by `step()` before anything changed: the state is that of the last
-    committed step, safe to save."""
+    """The gate can no longer decide commits (torchft: no quorum in time).
+
+    Raised by `step()` before anything changed, so the state is safe to save.
+    """
 
 
 class Gate:
@@ -209,8 +199,7 @@ class Gate:
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The features of `containers.rules` this gate brings, each with how a refusal
-        names it (none: every step commits)."""
+        """The `containers.rules` features this gate brings, named as refusals name them."""
         return {}
 
     def on_zero_grad(self) -> None:
@@ -224,15 +213,14 @@ class Gate:
 
 
 class Outer(Protocol):
-    """A post-step part with state of its own: after each committed step it may write the
-    stepped weights (DiLoCo's outer step every `sync_steps`, `containers.outer`). A container
-    has none unless given one (`outer=`); with one, its non-finite skips are decided on the
-    host, since the outer step must know whether the step applied."""
+    """A post-step part with state of its own that may write the stepped weights (DiLoCo).
+
+    With one, non-finite skips are decided on the host: it must know whether a step applied.
+    """
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The features of `containers.rules` this part brings, each with how a refusal
-        names it."""
+        """The `containers.rules` features this part brings, named as refusals name them."""
         ...
 
     def attach(self, container: OptimizersContainer) -> None:
@@ -252,8 +240,7 @@ class Outer(Protocol):
         ...
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Make `state_dict()` a template for a checkpoint with these flat keys, where this
-        part's entries depend on when it was taken (DiLoCo's average waiting to land)."""
+        """Make `state_dict()` a template for a checkpoint with these flat keys."""
         ...
 
     def forget_template(self) -> None:
@@ -276,8 +263,7 @@ class Timing:
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The features of `containers.rules` this timing brings, each with how a refusal
-        names it (none: units apply after backward)."""
+        """The `containers.rules` features this timing brings, named as refusals name them."""
         return {}
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
@@ -294,6 +280,6 @@ class Timing:
         """In `step()`, for timings that apply inside backward: apply what is left."""
 
     def report(self, container: OptimizersContainer) -> StepReport:
-        """In `step()`, after `finish`, for timings that apply inside backward: what the
-        step's units did."""
+        """In `step()`, after `finish`: what the step's units did."""
+
         return StepReport(**container.precision.report())
