@@ -1,8 +1,8 @@
 """The OptimizersContainer hierarchy: one optimizer object over many model parts.
 
-One class runs one step pipeline; precision, gate and timing are parts plugged into it, and
-an outer part may follow it (`containers.parts`). The variants are thin, documented
-compositions of those parts.
+One class runs one step pipeline; the variants are compositions of the parts plugged into it
+(`containers.parts`).
+
 
     container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
     contract.py      defaults, global step hooks and the state view kept by hand for torch

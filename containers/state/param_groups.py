@@ -19,9 +19,9 @@ __all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 GroupSpecs = dict[type[Optimizer], tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict]]]]
-"""One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]). The
-constructor's are the class's own kwargs without any group's overrides: a group that does not
-set a key gets it from there or from torch's defaults, never from another group."""
+"""One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]).
+
+Constructor kwargs hold no group's overrides, so a group never inherits another's."""
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,8 @@ def assign(
 ) -> list[GroupSpecs]:
     """Map each unit's parameters to its inner optimizers' groups by the rules.
 
-    Each parameter may match at most one rule, every rule must match some parameter, and a
-    matrix-only optimizer (Muon) gets only 2-D parameters; all checked before any optimizer
-    exists.
+    Checks, before any optimizer exists, that each parameter matches at most one rule, every
+    rule matches some parameter, and matrix-only optimizers (Muon) get only 2-D parameters.
     """
     compiled = _compile(rules)
     matrices_only = [matrix_only(default_cls)]
@@ -153,8 +152,8 @@ def _fqn(name: str) -> str:
 
 
 def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
-    """Each part's trainable (FQN, parameter) pairs, FQNs as DCP writes them; a parameter or
-    FQN in two parts is an error."""
+    """Each part's trainable (FQN as DCP writes it, parameter) pairs; unique across parts."""
+
     owner: dict[torch.Tensor, int] = {}
     fqn_owner: dict[str, int] = {}
     parts = []

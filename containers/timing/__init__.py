@@ -1,6 +1,5 @@
-"""Timings: when units apply. After backward, in `step()`, is `containers.parts.Timing`.
-Here: `InBackward` (`in_backward`), each unit inside backward as its gradients become final.
-"""
+"""Timings: `InBackward` applies each unit inside backward (default: `containers.parts.Timing`)."""
+
 
 from containers.timing.in_backward import InBackward, OptimizersInBackwardContainer
 
