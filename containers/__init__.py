@@ -3,7 +3,6 @@
 One class runs one step pipeline; the variants are compositions of the parts plugged into it
 (`containers.parts`).
 
-
     container.py     OptimizersContainer: the step pipeline, the Optimizer and Stateful contract
     contract.py      defaults, global step hooks and the state view kept by hand for torch
     parts.py         the part protocols (Precision, Gate, Timing) with their fp32 / always /

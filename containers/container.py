@@ -413,7 +413,6 @@ class OptimizersContainer(Optimizer, Stateful):
     def ema_weights(self) -> Iterator[None]:
         """Inside the block the model parts hold the EMA of their weights (in their dtype);
         after it, their own weights again, bitwise."""
-
         if self.ema is None:
             raise ValueError(
                 f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "

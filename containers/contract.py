@@ -65,7 +65,6 @@ def inner_steps() -> Iterator[None]:
 
     Torch's step wrapper reads the global tables directly, so they are emptied meanwhile.
     """
-
     tables = (
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,

@@ -109,6 +109,5 @@ class Decision:
         bad = (~norm.isfinite()).to(norm.dtype)
         if skip_nonfinite and self.local_norm:
             # A local norm (as torch's clip keeps); the skip must still be the world's.
-
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return norm, bad

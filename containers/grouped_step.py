@@ -115,7 +115,6 @@ def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | Non
     Args:
         found_inf: device flag (only where `kernel_skips`); set, every kernel changes nothing.
     """
-
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         for opt in optimizers:
             _step_alone(opt, found_inf)

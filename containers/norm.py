@@ -310,5 +310,4 @@ def _local_pieces(
 
 def _sum32(t: torch.Tensor) -> torch.Tensor:
     """Sum of `t` in at least fp32 (`dtype=` only where needed: it is slower on CPU)."""
-
     return t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)

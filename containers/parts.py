@@ -281,5 +281,4 @@ class Timing:
 
     def report(self, container: OptimizersContainer) -> StepReport:
         """In `step()`, after `finish`: what the step's units did."""
-
         return StepReport(**container.precision.report())

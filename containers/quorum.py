@@ -162,7 +162,6 @@ def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any], our_name: s
 
 def _all_gather_json(pg: Any, obj: Any) -> list[Any]:
     """`obj` of every rank of `pg`, in rank order (JSON over uint8: tensor collectives only)."""
-
     data = json.dumps(obj).encode()
     n = pg.size()
     size = torch.tensor([len(data)], dtype=torch.int64)

@@ -4,7 +4,6 @@ Each part declares its features (feature -> how a refusal names it); the contain
 own (clip, EMA, FSDP1) and refuses a conflicting pair when built (`refuse`). The trainer's
 config check (`config.checks`) reports the same pairs from the job config, before any process
 group exists.
-
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
     Up to `scratch_numel(device)` it is one buffer kept between calls (a fresh one would be
     page-faulted in every step); larger ones are allocated each time.
     """
-
     kept = scratch_numel(device)
     if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)

@@ -113,7 +113,6 @@ class FTOptimizersContainer(OptimizersContainer):
         precision: what the inner optimizers step (default: the fp32 parameters).
         max_norm: clip the global gradient norm (after the average) to this; None: off.
         mesh: the job's named DeviceMesh for the global norm (`OptimizersContainer`).
-
     """
 
     def __init__(

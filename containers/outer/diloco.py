@@ -360,7 +360,6 @@ def fragments(sizes: list[int], n: int) -> list[list[int]]:
 
     The same cut on every rank and replica group.
     """
-
     total, cuts, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes[:-1]):
         acc += size

@@ -5,7 +5,6 @@
 - `param_groups`: `ParamGroupRule`s and the assignment of parameters to inner optimizers.
 - `fsdp1`: FSDP1 slices saved and loaded as full-shape DTensors, as FSDP2 writes them.
 - `container_state`: the container's `state_dict`, `load_state_dict` and key check.
-
 """
 
 from containers.state.param_groups import ParamGroupRule

@@ -201,7 +201,6 @@ class ContainerState:
 
 def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:
     """Decode 8-bit moments in `plans` for optimizers that do not convert them (torch's)."""
-
     for opt, plan in zip(optimizers, plans):
         if getattr(opt, "converts_codes", False):
             continue

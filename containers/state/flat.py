@@ -237,7 +237,6 @@ def setting_changes(
     E.g. ``weight_decay 0.01 -> 0.1 (3 params)`` or ``optimizer Adam -> AdamW``. Under an LR
     scheduler ``lr`` compares the base lrs (``initial_lr``), which the scheduler derives from.
     """
-
     changes: dict[str, Counter[tuple[str, str]]] = {}
     groups = [(opt, g) for opt in optimizers for g in opt.param_groups]
     for (opt, group), then in zip(groups, before, strict=True):

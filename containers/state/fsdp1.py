@@ -259,7 +259,6 @@ def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
 
 def refuse_coded(settings: Iterable[Mapping[str, Any] | None]) -> None:
     """Raise ValueError if any `settings` keep 8-bit moments (blocks of rows FSDP1 lacks)."""
-
     for kwargs in settings:
         if kwargs and kwargs.get("moment_dtype") == "8bit":
             raise ValueError(

@@ -233,5 +233,4 @@ def initial_states(
     opt: Optimizer, params: list[torch.Tensor], materialize: bool
 ) -> dict[torch.Tensor, State]:
     """The state `opt` would give `params` before their first step (`derive`'s `states`)."""
-
     return derive(opt, params, materialize).states

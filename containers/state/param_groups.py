@@ -153,7 +153,6 @@ def _fqn(name: str) -> str:
 
 def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
     """Each part's trainable (FQN as DCP writes it, parameter) pairs; unique across parts."""
-
     owner: dict[torch.Tensor, int] = {}
     fqn_owner: dict[str, int] = {}
     parts = []

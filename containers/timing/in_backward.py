@@ -191,7 +191,6 @@ class OptimizersInBackwardContainer(OptimizersContainer):
 
     Args:
         gradient_accumulation_steps: backward passes per optimizer step; units step in the
-
             last one.
         precision: e.g. `containers.MasterWeights` with loss scaling 'none'.
         gate: refused if it cannot decide per unit (torchft).
