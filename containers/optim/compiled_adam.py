@@ -90,10 +90,9 @@ def compiled_coded_adam(
     steps: torch.Tensor,
     **settings: Any,
 ) -> None:
-    """`compiled_adam` over 8-bit moments, decoded, updated and encoded in one graph.
+    """`compiled_adam` over 8-bit `codes` (per parameter: m code, m scale, v code, v top).
 
-    `codes`: per parameter, exp_avg code and scale, exp_avg_sq code and block maximum. Codes
-    may differ from the eager path's where a value lies within a few ulp of a threshold."""
+    A code may differ from the eager path's where a value is within ulps of a threshold."""
     hyper, corrections = _on_device(steps, **settings)
     blocks = lambda ts, n=BLOCK: [_static_rows(t.view(-1, n)) for t in ts]  # noqa: E731
     values, thresholds = log_tables(steps.device)

@@ -50,14 +50,7 @@ PATHS = {
 
 
 def update_path(opt: Optimizer, group: dict[str, Any], *, masters: bool = False) -> str:
-    """The path (a key of `PATHS`) that `group` of `opt` steps through.
-
-    Args:
-        opt: the inner optimizer.
-        group: one of its param groups.
-        masters: the container keeps fp32 masters of low-precision parameters for it (mixed
-            precision).
-    """
+    """The path (a key of `PATHS`) of `group` of `opt`; `masters`: fp32 masters are kept."""
     from containers.optim.lean_adam import ADAMS  # (lean_adam steps through this module)
 
     adam = type(opt) in ADAMS
