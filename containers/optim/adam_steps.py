@@ -1,18 +1,12 @@
-"""The update paths of an Adam/AdamW param group (`step_group`, by the name
-`containers.optim.paths.adam_path` gives), which `LeanAdam(W)` and the grouped step take:
-torch's functional `adam` for float32 moments; for bf16 moments
-(`lean_adam`) torch's fused kernel on each chunk of moments (`scratch`-sized,
-cache-resident) widened into fp32 scratch and rounded back to nearest, so a lean step is, bit
-for bit, torch's fused step on the fp32 values of the bf16 moments followed by rounding them
-(tests hold this), the parameters themselves staying fp32; 8-bit codes (`step_coded`,
-`containers.optim.coded_adam`); and `compiled` groups as one inductor graph
-(`containers.optim.compiled_adam`).
+"""Update paths of an Adam/AdamW param group, picked by `containers.optim.paths.adam_path`.
 
-Where torch's own fused kernel takes bf16 moments beside fp32 parameters (its
-mixed-precision CUDA kernel: `paths.BF16_FUSED_DEVICES`), it steps them as they are, no
-scratch: bit for bit what torch's `AdamW(fused=True)` does with bf16 state (torchtitan's
-`fused_opt_states_bf16`), whose bias corrections are taken in fp64, so its bits may differ
-from the widened step's by an ulp.
+fp32 moments step through torch's functional `adam`. bf16 moments (`lean_adam`) are widened
+a cache-sized chunk at a time into fp32 scratch, stepped by torch's fused kernel and rounded
+back to nearest: bitwise torch's fused step on the widened moments, then rounding. Where the
+fused kernel takes bf16 moments itself (`paths.BF16_FUSED_DEVICES`) they step as they are,
+bitwise torch's `AdamW(fused=True)` with bf16 state (fp64 bias corrections: may differ from
+the widened step by an ulp). 8-bit codes go through `step_coded`, `compiled` groups through
+one inductor graph (`compiled_adam`).
 """
 
 from __future__ import annotations
@@ -42,9 +36,10 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update of a group's collected tensors, through the group's path
-    (`containers.optim.paths.adam_path`). `found_inf` (fused or compiled groups only, as
-    torch's): set, the kernels change nothing and the step counts go back."""
+    """One Adam/AdamW update of a group's tensors through its `adam_path`.
+
+    `found_inf` (fused or compiled paths only, as in torch): if set, nothing changes and the
+    step counts are restored."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -91,11 +86,11 @@ def lean_adam(
     found_inf: torch.Tensor | None = None,
     widen: bool = True,
 ) -> None:
-    """Adam/AdamW over moments of a lower dtype than the parameters: torch's fused kernel on
-    fp32 scratch copies of them, a chunk at a time, rounded back (`widen`), or on them as they
-    are (a device whose kernel takes them; parameters of the moments' own dtype always).
-    Where `found_inf` is set the kernel changes nothing (the moments round-trip exactly
-    through fp32) and the step counts go back, as torch's `_fused_adam` does."""
+    """Adam/AdamW over moments narrower than the parameters via torch's fused kernel.
+
+    `widen`: step fp32 scratch copies of the moments chunk by chunk and round back; else (or
+    for parameters of the moments' dtype) step the moments as they are. A set `found_inf`
+    changes nothing (moments round-trip exactly through fp32) and restores the step counts."""
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
@@ -164,9 +159,9 @@ def step_compiled(
     found_inf: torch.Tensor | None,
     settings: dict[str, Any],
 ) -> None:
-    """A `compiled` group's update: one inductor graph over its tensors, each moment read and
-    written in its own dtype (`containers.optim.compiled_adam`); a tensor the graph cannot
-    view flat (not contiguous) is refused when the group is built (`LeanAdam`)."""
+    """A `compiled` group's update as one inductor graph, each moment in its own dtype.
+
+    Tensors must be contiguous (`LeanAdam` refuses others when the group is built)."""
     torch._foreach_add_(steps, 1)
     pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
     flat = [i for i, p in enumerate(pieces[0]) if p.numel()]
@@ -192,9 +187,8 @@ def step_coded(
     settings: dict[str, Any],
     compiled: bool = False,
 ) -> None:
-    """An "8bit" group's update: its coded moments through `coded_adam` (`compiled`: one
-    inductor graph over those it takes, `compiled_coded_adam`), the bf16 moments of its small
-    parameters through `lean_adam` (`compiled`: `step_compiled`)."""
+    """An "8bit" group's update: coded moments via `coded_adam` (or `compiled_coded_adam`),
+    the bf16 moments of small parameters via `lean_adam` (or `step_compiled`)."""
     is_coded = [isinstance(m, dict) for m in exp_avgs]
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     plain, codes = ([[t for t, c in zip(ts, is_coded) if c is want] for ts in lists]

@@ -1,20 +1,14 @@
-"""Adam's moments in 8-bit codes: `moment_dtype = "8bit"`, 2.25 bytes a parameter.
+"""Adam's moments in 8-bit codes (`moment_dtype = "8bit"`): 2.25 bytes a parameter.
 
-A group of `LeanAdam(W)` with `moment_dtype = "8bit"` keeps, for each parameter of two or more
-dimensions, `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code": uint8,
-"scale": fp32}`: the codes of `containers.optim.moment_codes`, one scale a block of 32 within
-a row (`benchmarks/bench_moment_codes.py`, `bench_lean_state.py`). Parameters of fewer
-dimensions (biases, norm weights: few bytes, and a 1-D shard may cut any block), and matrices
-whose rows hold 4 elements or fewer (where a block's scales cost more than bf16 saves), keep
-bf16 moments. For a sharded parameter the scales are a DTensor placed as the parameter over
-the whole tensor's blocks, so DCP reshards codes and scales element for element wherever rows
-are cut; a parameter whose shards cut a row inside a block keeps bf16 moments (said once), and
-a checkpoint moving it to or from a layout that codes it converts on load.
+Each coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq =
+{"code": uint8, "scale": fp32}` (`moment_codes`, one scale per block of 32 in a row).
+Parameters under 2-D (a 1-D shard may cut any block), rows of 4 or fewer elements (scales
+cost more than bf16 saves) and shards that cut a row inside a block keep bf16 moments. Scales
+of a sharded parameter are a DTensor placed like it, so DCP reshards codes and scales exactly.
 
-A step decodes a run of a parameter's rows into fp32 scratch, runs torch's fused kernel there
-with the parameter and gradient, and encodes the rows back: so a coded step is, bit for bit,
-torch's fused step on the decoded moments followed by encoding them (tests hold it). Encoding
-what was decoded gives the same codes, so a step skipped by `found_inf` changes nothing.
+A step decodes a run of rows into fp32 scratch, runs torch's fused kernel and encodes back:
+bitwise torch's fused step on the decoded moments. Re-encoding decoded values gives the same
+codes, so a step skipped by `found_inf` changes nothing.
 """
 
 from __future__ import annotations
@@ -65,9 +59,8 @@ FALLBACK = torch.bfloat16
 
 
 def coded(p: torch.Tensor) -> bool:
-    """Whether a coded group keeps `p`'s moments in codes (else in `FALLBACK`): a matrix
-    whose rows are long enough for codes to take fewer bytes than bf16 (2 + 8 / 4 = 4 bytes
-    an element at 4 a row) and, sharded, cut only between blocks (`cut_inside`)."""
+    """Whether a coded group keeps `p`'s moments in codes (else `FALLBACK`): a matrix with
+    rows over 4 elements (where codes beat bf16) whose shards cut only between blocks."""
     return p.dim() >= 2 and p.shape[-1] > 4 and cut_inside(p) is None
 
 
@@ -76,8 +69,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def cut_inside(p: torch.Tensor) -> int | None:
-    """The first column at which a shard of `p` (on any rank) cuts a row inside a block, so
-    that its codes could not move whole between layouts; None where none does."""
+    """The first column where a shard of `p` (any rank) cuts a row inside a block, or None."""
     if not isinstance(p, DTensor) or p.dim() < 2:
         return None
     return _cut_inside(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements))
@@ -102,8 +94,7 @@ _said: set[str] = set()
 
 
 def say_cuts(p: torch.Tensor) -> None:
-    """Log, once for each shape and placement, that `p` keeps bf16 moments in a coded group
-    because its shards cut rows inside blocks (tensor parallelism's column cuts, e.g.)."""
+    """Log once per shape and placement that `p` keeps bf16 moments (shards cut blocks)."""
     column = cut_inside(p)
     if column is None or p.shape[-1] <= 4:
         return
@@ -157,9 +148,9 @@ def encode_moment(name: str, values: torch.Tensor, p: torch.Tensor) -> Any:
 
 
 def decode_moment(name: str, value: Any, dtype: torch.dtype, p: Any = None) -> Any:
-    """A coded moment (`{"code", "scale"}`) as a tensor of `dtype`; any other as it is. Codes
-    of the whole tensor (plain tensors) for a sharded parameter `p` (a layout whose shards
-    cut its blocks: `in_form_of` loads them whole) give `p`'s piece, placed as `p`."""
+    """A coded moment (`{"code", "scale"}`) as a tensor of `dtype`; any other as it is.
+
+    Whole-tensor codes for a sharded `p` (as `in_form_of` loads them) give `p`'s piece."""
     if not isinstance(value, dict):
         return value
     _, _, decode = _CODECS[name]
@@ -167,7 +158,7 @@ def decode_moment(name: str, value: Any, dtype: torch.dtype, p: Any = None) -> A
     out = torch.empty_like(code, dtype=torch.float32)
     decode(local(code), local(scale), local(out))
     if isinstance(p, DTensor) and not isinstance(out, DTensor):
-        # this rank's piece of the whole, cut here (every rank holds the whole: no collective)
+        # every rank holds the whole: slice locally, no collective
         out = distribute_tensor(
             out.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None
         )
@@ -181,17 +172,16 @@ def in_form_of(
     prefix: str,
     materialize: bool,
 ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """`p`'s `state` with each Adam moment in the form flat `keys` hold it under `prefix`
-    (`state.<fqn>`): a tensor where they hold `<prefix>.exp_avg`, codes where they hold
-    `<prefix>.exp_avg.code` (for a checkpoint of another `moment_dtype` to load into); and
-    which moments a load converts, as (name, "tensor -> codes" or "codes -> tensor").
+    """`p`'s `state` with each moment in the form the checkpoint `keys` hold it under `prefix`.
 
-    A refitted moment is a template (zeros, or with `materialize` False meta tensors of the
-    whole tensor's shape): the load converts what it receives into the optimizer's form. A
-    tensor template takes the dtype `keys` map its key to (the checkpoint's: a bf16 moment is
-    read as bf16), else fp32.
-    Codes for a parameter whose shards here cut its blocks are templates of the whole tensor
-    (every rank reads all of them, `decode_moment` takes its piece): a conversion's cost, once."""
+    A moment saved as a tensor (`<prefix>.exp_avg`) or as codes (`<prefix>.exp_avg.code`)
+    unlike ours gets a template (zeros, or meta if not `materialize`) that the load converts.
+    Tensor templates take the saved dtype from `keys` if given, else fp32. Codes for a
+    parameter whose shards cut its blocks are whole-tensor templates on every rank.
+
+    Returns:
+        The state, and the converted moments as (name, "tensor -> codes" | "codes -> tensor").
+    """
     out, changed = state, []
     for name, (dtype, _, _) in _CODECS.items():
         ours = state.get(name)
@@ -207,7 +197,7 @@ def in_form_of(
         elif isinstance(ours, torch.Tensor) and f"{prefix}.{name}.code" in keys:
             if materialize and coded(p):
                 template = _new_moment(name, p)
-            else:  # (a layout that cuts its blocks: the whole tensor's codes, on every rank)
+            else:  # shards cut its blocks: the whole tensor's codes, on every rank
                 device = local(p).device if materialize else "meta"
                 template = {
                     "code": torch.zeros(p.shape, dtype=dtype, device=device),
@@ -231,8 +221,9 @@ def coded_adam(
     kernel: Callable[..., None],
     settings: dict[str, Any],
 ) -> None:
-    """Torch's fused `kernel` over coded moments, a run of rows at a time (see the module
-    docstring). `steps` hold the count this update is (the caller adds and takes back)."""
+    """Torch's fused `kernel` over coded moments, a run of rows at a time.
+
+    `steps` already hold this update's count (the caller advances and restores them)."""
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         m, v = exp_avgs[i], exp_avg_sqs[i]
@@ -260,16 +251,15 @@ def _step_rows(
     codes: list[torch.Tensor],
     step: torch.Tensor,
 ) -> None:
-    """Decode, step and encode one run of rows (`codes`: exp_avg's code and scale, then
-    exp_avg_sq's)."""
+    """Decode, step and encode one run of rows (`codes`: m code, m scale, v code, v top)."""
     if p.is_contiguous():
         n = p.numel()
         buffer = scratch(p.device, 2 * n)
         m, v = buffer[:n].view(p.shape), buffer[n:].view(p.shape)
-    else:  # the fused kernel pairs elements in memory order: the moments laid out as `p`
+    else:  # the fused kernel pairs elements in memory order: lay moments out as `p`
         m, v = (torch.empty_like(p, dtype=torch.float32) for _ in range(2))
     decode_signed(codes[0], codes[1], m)
     decode_log(codes[2], codes[3], v)
     kernel([p], [g], [m], [v], [], [step], **settings)
     encode_signed(m, codes[0], codes[1])
-    encode_log(v, codes[2], codes[3], checked=False)  # (Adam's second moment: >= 0)
+    encode_log(v, codes[2], codes[3], checked=False)  # Adam's second moment is >= 0

@@ -1,24 +1,15 @@
-"""Adam/AdamW as one inductor graph over a group's tensors (`compiled_adam`).
+"""Adam/AdamW as one inductor graph over a group's tensors.
 
-Torch's fused kernels take the moments in the parameters' dtype only, so lean state (bf16
-moments, or masters kept as bf16 parameters plus remainders) steps there through fp32 copies:
-~52 bytes a parameter moved where the update needs 20. Here the update is one `torch.compile`d
-function (`_adam`) over the group's tensors where they lie: each gradient, parameter and
-moment read once and written once in its own dtype, the arithmetic in fp32. Nothing waits
-for the host: the hyperparameters reach the device in one non-blocking copy, the bias
-corrections come from the device's step counts (in fp64, as torch's kernels take them), and a
-skip is a device flag (torch's `found_inf`), where every tensor keeps its value. A few fp32 ulp
-from torch's fused kernel (another order of roundings), not bitwise. On an H200 the mixed-
-precision graph alone is 0.92x a fused fp32 AdamW step. On a CPU it is for tests: inductor
-tiles a loop that mixes fp32 and bf16 tensors at the fp32 vector width (an fp32 tensor updated
-in place always does), so on AVX-512 each bf16 load and store is a masked half vector (on an
-AMD Zen 4, 2.4x the time of the same graph over fp32 moments), and on AVX2 its bf16
-conversions are slow (benchmarks/README.md, `bench_lean_state.py --graphs`).
+Torch's fused kernels need moments in the parameters' dtype, so lean state (bf16 moments, or
+bf16 parameters plus remainders) would step through fp32 copies. Here each gradient,
+parameter and moment is read and written once in its own dtype, the arithmetic in fp32. No
+host sync: hyperparameters reach the device in one non-blocking copy, bias corrections come
+from the device step counts (in fp64, as torch's), and a skip is a device flag (`found_inf`).
+Results are a few fp32 ulp from torch's fused kernel (another rounding order), not bitwise.
+On CPU this path is for tests: inductor's mixed fp32/bf16 loops are slow there.
 
-The host's part runs every step: inductor's size and stride asserts are off (dynamo's guards
-have checked them). The tensors enter as flat views (~0.9 us each): passed as they are, the
-parameters among them make dynamo specialize on their shapes (measured: 29 graphs instead of
-20 for the suite's compiled tests, +12-23 s cold).
+Inductor's size/stride asserts are off (dynamo's guards check them). Tensors enter as flat
+views so that dynamo does not specialize on parameter shapes (fewer graphs).
 """
 
 from __future__ import annotations
@@ -42,8 +33,7 @@ from containers.optim.moment_codes import (
 __all__ = ["RECOMPILES", "compiled_adam", "compiled_coded_adam", "takes_codes"]
 
 RECOMPILES = 64
-"""Graphs `_adam` may have (torch's default limit per function is 8; a model's groups, or its
-in-backward units, can differ in more ways than that)."""
+"""Graphs `_adam` may have (torch's default of 8 is too few for a model's groups or units)."""
 
 
 @torch.no_grad()
@@ -58,16 +48,19 @@ def compiled_adam(
     remainders: bool = False,
     **settings: Any,
 ) -> None:
-    """One Adam/AdamW update of contiguous local tensors, their step counts `steps` (one per
-    tensor, already advanced), `settings` as `_on_device` takes them (the gradients are
-    multiplied by `factor`: unscale, clip; a set `found_inf` skips). `params`: low-precision
-    parameters written from the masters (None: `masters` are the parameters); with
-    `remainders`, `masters` are the int16 remainders that complete the bf16 `params`
-    (`containers.precision.remainders`)."""
+    """One Adam/AdamW update of contiguous local tensors.
+
+    Args:
+        steps: one step count per tensor, already advanced.
+        params: low-precision parameters written from the masters (None: `masters` are the
+            parameters).
+        remainders: `masters` are the int16 remainders completing bf16 `params`.
+        settings: as `_on_device` takes them (`factor` multiplies the gradients; a set
+            `found_inf` skips).
+    """
     hyper, corrections = _on_device(steps, **settings)
-    # Flat views: a graph per number of tensors and dtypes (and sizes that repeat), whatever
-    # their shapes, so that groups and models of other shapes share it; and never a Parameter
-    # (dynamo makes a parameter's shape static: a graph per model).
+    # Flat views, never Parameters (dynamo makes their shapes static): graphs are shared
+    # across shapes.
     flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
     with _recompiles():
         _compiled()(
@@ -83,8 +76,7 @@ def compiled_adam(
 
 
 def takes_codes(p: torch.Tensor, g: torch.Tensor, codes: Sequence[torch.Tensor]) -> bool:
-    """Whether `compiled_coded_adam` takes a parameter (local tensors): contiguous, with
-    rows of whole blocks, so its flat blocks are the codes' own."""
+    """Whether `compiled_coded_adam` takes a parameter: contiguous, rows of whole blocks."""
     return (
         p.dim() > 0 and p.shape[-1] % BLOCK == 0 and all(t.is_contiguous() for t in (p, g, *codes))
     )
@@ -98,11 +90,9 @@ def compiled_coded_adam(
     steps: torch.Tensor,
     **settings: Any,
 ) -> None:
-    """`compiled_adam` over 8-bit moments (`containers.optim.coded_adam`'s codes: each
-    parameter's exp_avg code and scale, exp_avg_sq code and block maximum) of parameters
-    that `takes_codes`: decoded, updated and encoded again in one graph, each code read and
-    written once. The codes are those of the moments the graph computes, a few fp32 ulp from
-    torch's kernel's (a code may differ where a value lies that close to a threshold)."""
+    """`compiled_adam` over 8-bit `codes` (per parameter: m code, m scale, v code, v top).
+
+    A code may differ from the eager path's where a value is within ulps of a threshold."""
     hyper, corrections = _on_device(steps, **settings)
     blocks = lambda ts, n=BLOCK: [_static_rows(t.view(-1, n)) for t in ts]  # noqa: E731
     values, thresholds = log_tables(steps.device)
@@ -119,9 +109,8 @@ def compiled_coded_adam(
 
 
 def _static_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` with its row length (BLOCK or 1) known to the graph: under `dynamic=True` it would
-    be symbolic, and inductor could not reduce a block of known size where it lies (on a GPU,
-    in registers; unmeasured there: the H100's 1.91x was with it symbolic)."""
+    """`t` with its row length (BLOCK or 1) static, so inductor can reduce a block in place
+    (it would be symbolic under `dynamic=True`)."""
     torch._dynamo.mark_static(t, 1)
     return t
 
@@ -138,8 +127,7 @@ def _coded_adam(
     values: torch.Tensor,
     thresholds: torch.Tensor,
 ) -> None:
-    """`_adam` over blocks of 8-bit moments (see `compiled_coded_adam`): (n, BLOCK) views,
-    the scales (n, 1)."""
+    """`_adam` over (n, BLOCK) views of 8-bit codes, their scales (n, 1)."""
     skip = h[7] > 0
     for i, (grad, master) in enumerate(zip(grads, masters)):
         value = master.float()
@@ -167,8 +155,8 @@ def _on_device(
     factor: float = 1.0,
     found_inf: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The graph's shared hyperparameters `h` (the skip flag last) and each tensor's bias
-    corrections `c` (`steps`: one count a tensor), on the device without a host sync."""
+    """Shared hyperparameters `h` (skip flag last) and per-tensor bias corrections `c`,
+    made on the device without a host sync."""
     values = torch.tensor(
         [
             factor * (-1.0 if maximize else 1.0),
@@ -206,9 +194,7 @@ def _adam(
     c: torch.Tensor,
     remainders: bool,
 ) -> None:
-    """Adam/AdamW, tensor by tensor, in one graph (see `compiled_adam`): `h` the shared
-    hyperparameters, `c` each tensor's bias corrections, tensors so that no value
-    recompiles. torch's fused kernel's operations in another order of roundings."""
+    """Adam/AdamW per tensor in one graph; `h` and `c` are tensors so no value recompiles."""
     skip = h[7] > 0  # a skipped step writes back what it read
     for i, (grad, master, exp_avg, exp_avg_sq) in enumerate(
         zip(grads, masters, exp_avgs, exp_avg_sqs)
@@ -242,8 +228,7 @@ def _update(
     h: torch.Tensor,
     c: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tensor's Adam/AdamW update in fp32 (`value` the master, the moments widened): the
-    new master and moments, before the skip."""
+    """One tensor's fp32 update: the new master and moments, before the skip."""
     g = grad.float() * h[0] + value * h[2]
     avg = exp_avg.lerp(g, h[3])
     avg_sq = exp_avg_sq * h[4] + g * g * h[5]
@@ -252,14 +237,14 @@ def _update(
 
 @functools.cache
 def _recompiles() -> contextlib.AbstractContextManager:
-    """`recompile_limit` raised to `RECOMPILES` while our graph runs (and compiles), not for the
-    user's own; made once (`patch` builds a class each call)."""
+    """`recompile_limit` raised to `RECOMPILES` for our graphs only; cached because `patch`
+    builds a class each call."""
     return torch._dynamo.config.patch(recompile_limit=RECOMPILES)
 
 
 @functools.cache
 def _compiled() -> Callable[..., None]:
-    """`_adam` compiled on first use (seconds to minutes once, then inductor's cache)."""
+    """`_adam`, compiled on first use."""
     return _compile(_adam)
 
 

@@ -1,11 +1,8 @@
-"""What the optimizers with lean state share: the `moment_dtype` a param group keeps its
-elementwise state in (Adam's moments, SGD's and Muon's momentum), and a load that keeps it.
+"""The per-group `moment_dtype` of optimizers with lean elementwise state, and a load that keeps it.
 
-`moment_dtype` is a group setting ("float32" or "bfloat16"; Adam's moments also "8bit",
-`containers.optim.coded_adam`), so param groups may differ; it is the optimizer's own storage
-choice, like its kernel: a load converts to it, never adopts the dict's. Torch's
-`Optimizer.load_state_dict` casts every state tensor to its parameter's dtype, so a resume
-would hold the whole state in fp32 again; `load_keeping_dtypes` does not.
+`moment_dtype` ("float32", "bfloat16"; Adam also "8bit") is the optimizer's storage choice: a
+load converts to it, never adopts the checkpoint's. Torch's `load_state_dict` would cast all
+state to the parameters' dtype (fp32 again); `load_keeping_dtypes` does not.
 """
 
 from __future__ import annotations
@@ -33,15 +30,13 @@ MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
-    """The dtype a group keeps its elementwise state in (torch's classes: float32; a coded
-    group's moments that are not coded: `coded_adam.FALLBACK`)."""
+    """The dtype of a group's elementwise state (for "8bit": that of its uncoded moments)."""
     name = group.get("moment_dtype", "float32")
     return torch.bfloat16 if name == CODED else MOMENT_DTYPES[name]
 
 
 def check_moment_dtype(group: dict[str, Any], owner: str = "", codes: bool = False) -> None:
-    """Raise ValueError unless the group's `moment_dtype` is one of `MOMENT_DTYPES` (or,
-    where `codes`, Adam's "8bit"); `owner` names the optimizer in the message."""
+    """Raise ValueError unless `moment_dtype` is in `MOMENT_DTYPES` (or "8bit" if `codes`)."""
     name = group.get("moment_dtype", "float32")
     if codes and name == CODED:
         return
@@ -64,15 +59,14 @@ def load_keeping_dtypes(
     names: Collection[str],
     load: Callable[[dict[str, Any]], None],
 ) -> None:
-    """Torch's load (`load`, the class's `load_state_dict`) with the state entries `names` held
-    out of it, then set in each group's own `moment_dtype`, one tensor at a time (coded
-    moments decoded, or encoded, where the dict's differ from the group's)."""
+    """Torch's `load` without the state entries `names`, which are then set one tensor at a
+    time in each group's own `moment_dtype` (encoding or decoding codes as needed)."""
     own = [g.get("moment_dtype", "float32") for g in opt.param_groups]
     kept = {k: {n: v for n, v in st.items() if n in names} for k, st in state_dict["state"].items()}
     rest = {
         k: {n: v for n, v in st.items() if n not in names} for k, st in state_dict["state"].items()
     }
-    # Converted before anything changes: a dict that does not convert leaves `opt` as it was.
+    # Convert before changing anything, so a failed conversion leaves `opt` as it was.
     moments = {}
     for group, name, then in zip(opt.param_groups, own, state_dict["param_groups"]):
         for p, k in zip(group["params"], then["params"]):

@@ -1,19 +1,12 @@
-"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with their moments kept in bfloat16 or
-in 8-bit codes.
+"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in bfloat16 or 8-bit codes.
 
-Adam keeps two moments per parameter, 8 bytes in fp32; in bf16 they take 4, in 8-bit codes
-2.25 (`containers.optim.coded_adam`). Neither torch's fused nor its foreach AdamW takes bf16
-moments beside fp32 parameters on a CPU ("expected scalar type Float but found BFloat16"), and
-`Optimizer.load_state_dict` casts every state tensor to its parameter's dtype: a resume would
-hold the whole state in fp32 again. Here a load keeps (or converts to) each group's
-`moment_dtype`, one tensor at a time, and each group's update takes the path its settings
-name (`containers.optim.adam_steps`).
+Moments take 8 bytes a parameter in fp32, 4 in bf16, 2.25 in codes (`coded_adam`). Torch's
+fused and foreach kernels reject bf16 moments beside fp32 parameters on CPU, and its load
+casts state to the parameters' dtype; here each group steps through its `adam_steps` path
+and a load keeps each group's `moment_dtype` (see `containers.optim.lean`).
 
-`moment_dtype` is a group setting ("float32", "bfloat16", or "8bit"), so param groups may
-differ; it is the optimizer's own storage choice, like its kernel: a load converts to it,
-never adopts the dict's. A "float32" group steps exactly as torch's class does; a lean one
-with the fused kernel, whatever its `foreach`/`fused` say (an unset `fused` becomes True, so
-`step` is kept where the fused kernel wants it); `compiled` groups as one inductor graph.
+A "float32" group steps exactly as torch's class. A lean group always uses the fused kernel
+(an unset `fused` becomes True, so `step` is hosted where that kernel wants it).
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ class _Lean:
         **kwargs: Any,
     ):
         check_moment_dtype({"moment_dtype": moment_dtype}, type(self).__name__, codes=True)
-        # Before torch's constructor adds the groups, so each takes the default.
+        # Set before torch's constructor adds the groups, so each takes the default.
         self._moment_dtype, self._compiled = moment_dtype, compiled
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
         self.defaults |= {"moment_dtype": moment_dtype, "compiled": compiled}
@@ -69,7 +62,7 @@ class _Lean:
             )
         if param_group["moment_dtype"] == CODED:
             params = param_group["params"]
-            if not isinstance(params, (torch.Tensor, set)):  # (a generator: read it once)
+            if not isinstance(params, (torch.Tensor, set)):  # a generator: read it once
                 param_group["params"] = params = list(params)
             for p in [params] if isinstance(params, torch.Tensor) else params:
                 say_cuts(p)
@@ -77,7 +70,7 @@ class _Lean:
         if lean:
             _refuse_strided(param_group, name)
         if lean and param_group.get("fused") is None:
-            # The kernel that steps it (whatever foreach/fused say), and where it keeps `step`.
+            # The kernel that steps it, and where `step` is hosted.
             param_group["fused"] = True
         super().add_param_group(param_group)  # type: ignore[misc]
 
@@ -91,9 +84,9 @@ class _Lean:
         max_exp_avg_sqs: list,
         steps: list,
     ) -> bool:
-        """Torch's `_init_group`, with a new parameter's moments created in the group's dtype
-        (one at a time: no fp32 copy of the group's state is ever made). Its arguments are
-        spelled out as torch's are: `containers.state.initial` counts them."""
+        """Torch's `_init_group`, creating new moments directly in the group's dtype.
+
+        The arguments are spelled out as torch's: `containers.state.initial` counts them."""
         dtype = moment_dtype_of(group)
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
@@ -126,15 +119,13 @@ class _Lean:
             lists: tuple[list, ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)
             if lists[0]:
-                # (a GradScaler's, or the container's flag: see `step_group`)
+                # a GradScaler's or the container's skip flag
                 found_inf = getattr(self, "found_inf", None)
                 step_group(group, *lists, has_complex=has_complex, found_inf=found_inf)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's load, but each group's moments keep (or are converted to) its own
-        `moment_dtype`, one tensor at a time; torch's would cast them to the parameters'.
-        Whether a group steps `compiled` stays the run's own choice, as its kernel does."""
+        """Torch's load, keeping each group's own `moment_dtype` and `compiled` setting."""
         compiled = [g["compiled"] for g in self.param_groups]  # type: ignore[attr-defined]
         load_keeping_dtypes(self, state_dict, MOMENTS, super().load_state_dict)  # type: ignore[arg-type, misc]
         for group, own in zip(self.param_groups, compiled):  # type: ignore[attr-defined]
@@ -142,10 +133,9 @@ class _Lean:
 
 
 def _refuse_strided(group: dict[str, Any], name: str) -> None:
-    """Lean and compiled groups step their tensors as flat views: refuse a parameter that is
-    not contiguous (a model's parameters and their FSDP2 shards are)."""
+    """Refuse non-contiguous parameters: lean and compiled groups step flat views."""
     params = group["params"]
-    if not isinstance(params, (torch.Tensor, list, tuple, set)):  # (a generator: read it once)
+    if not isinstance(params, (torch.Tensor, list, tuple, set)):  # a generator: read it once
         group["params"] = params = list(params)
     for p in [params] if isinstance(params, torch.Tensor) else params:
         if not p.is_contiguous():
@@ -166,4 +156,4 @@ class LeanAdamW(_Lean, torch.optim.AdamW):
 
 
 ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
-"""The classes whose groups a container may step itself: they share torch's `adam`."""
+"""Classes whose groups a container may step itself (they share torch's `adam`)."""

@@ -1,9 +1,8 @@
-"""`LeanSGD`: torch's SGD with its momentum buffers kept in bfloat16 (`moment_dtype`).
+"""`LeanSGD`: torch's SGD with momentum buffers in bfloat16 (`moment_dtype`).
 
-A lean group's step is torch's own single-tensor SGD on each buffer widened to the parameter's
-dtype, rounded back to nearest after it: one tensor at a time, so the step never holds the
-group's momentum in fp32 (the widened copy of one tensor at most). A "float32" group, or one
-without momentum, steps exactly as torch's class does.
+A lean group runs torch's single-tensor SGD on each buffer widened to the parameter's dtype,
+then rounds back to nearest: at most one tensor's momentum is ever fp32. A "float32" group,
+or one without momentum, steps exactly as torch's class.
 """
 
 from __future__ import annotations
@@ -73,6 +72,5 @@ class LeanSGD(torch.optim.SGD):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's load, but each group's momentum keeps (or is converted to) its own
-        `moment_dtype`; torch's would cast it to the parameters' dtype."""
+        """Torch's load, keeping each group's own `moment_dtype`."""
         load_keeping_dtypes(self, state_dict, ("momentum_buffer",), super().load_state_dict)

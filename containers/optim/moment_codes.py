@@ -1,19 +1,15 @@
 """8-bit codes for Adam's moments, in blocks that a checkpoint can reshard exactly.
 
-A block is 32 consecutive elements of a row (the tensor's last dimension; the last block of a
-row may be shorter), with a scale of its own: so no block crosses a cut between rows (FSDP2's,
-tensor parallelism's) or a column cut at a multiple of 32, and codes and scales saved as
-tensors of their own move whole between layouts. Measured in train.py's debug job
-(`benchmarks/bench_moment_codes.py`, where these functions are the `m8-v8log` code):
-- the first moment, signed: `int8` times a power of two a block, the smallest that holds the
-  block's largest magnitude (|code| <= 127; exact powers, so decoding is one multiply);
-- the second moment, >= 0: `uint8` logarithm below the block's maximum, which is kept exactly
-  in fp32: code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum (254 steps over 40
-  octaves); a smaller nonzero value takes code 255, an overestimate (a smaller update, never a
-  division by `eps` alone). Rounded in the log domain: every linearly rounded code of this
-  moment measured 3-5% worse.
-Encoding compares with fixed fp32 thresholds, so a value's code is the same on every device;
-a decoded tensor encodes to the same codes and scales again.
+A block is 32 consecutive elements of a row (the last one may be shorter) with its own scale,
+so no block crosses a row cut or a column cut at a multiple of 32:
+- first moment (signed): `int8` times a per-block power of two, the smallest holding the
+  block's largest magnitude (|code| <= 127; decoding is one exact multiply);
+- second moment (>= 0): `uint8` log code below the block maximum (kept exactly in fp32):
+  code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum; smaller nonzero values
+  take code 255, an overestimate (a smaller update, never a division by `eps` alone). Log
+  rounding beats linear rounding for this moment.
+Encoding compares with fixed fp32 thresholds, so codes are device-independent, and a decoded
+tensor encodes to the same codes and scales.
 """
 
 from __future__ import annotations
@@ -54,10 +50,10 @@ def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 @functools.cache
 def log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values of codes 0..255 as fractions of the maximum; and the thresholds, padded
-    to 256: +inf, the 254 between consecutive codes 1..255 (their geometric means,
-    descending), 0. A ratio r > 0 takes the code c in 1..255 with thresholds[c - 1] > r >=
-    thresholds[c]."""
+    """Values of codes 0..255 as fractions of the maximum, and 256 descending thresholds.
+
+    Thresholds: +inf, the geometric means between codes 1..255, then 0. A ratio r > 0 takes
+    the code c in 1..255 with thresholds[c - 1] > r >= thresholds[c]."""
     c = torch.arange(256, dtype=torch.float64)
     values = torch.exp2(-(c - 1) * (LOG_OCTAVES / _STEPS))
     values[0] = 0.0
@@ -115,12 +111,11 @@ def encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor)
 
 
 def signed_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes (as fp32 values) of fp32 `blocks` (..., BLOCK) and each block's power
-    of two (..., 1). Torch operations that inductor fuses too (`compiled_adam`)."""
+    """Int8 codes (as fp32) of fp32 `blocks` (..., BLOCK) and each block's power of two
+    (..., 1); plain torch ops so inductor fuses them too."""
     top = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0**-126)
-    # The smallest power of two >= top: top itself if its mantissa bits are 0, else the
-    # power above its exponent's (top is normal and finite, so that is at most 2^128's bits,
-    # inf, for a block that holds a non-finite value).
+    # Smallest power of two >= top: top if its mantissa is 0, else the next exponent
+    # (inf for a block holding a non-finite value).
     bits = top.view(torch.int32)
     above = (bits & 0x7F800000) + 0x00800000
     power = torch.where(bits & 0x007FFFFF == 0, bits, above).view(torch.float32)
@@ -141,9 +136,9 @@ def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) ->
 def encode_log(
     values: torch.Tensor, code: torch.Tensor, top: torch.Tensor, checked: bool = True
 ) -> None:
-    """Write the uint8 log codes of `values` (>= 0: `checked`, at the cost of a pass and a
-    host sync, where the caller cannot know) into `code` and each block's maximum into
-    `top` (see the module docstring)."""
+    """Write the uint8 log codes of `values` into `code` and block maxima into `top`.
+
+    `checked`: verify `values >= 0` (a pass and a host sync)."""
     _check(values, code, top, torch.uint8)
     if not values.numel():
         return
@@ -155,19 +150,17 @@ def encode_log(
 
 
 def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The uint8 log codes of fp32 `blocks` (..., BLOCK) of values >= 0 and each block's
-    maximum (..., 1); `thresholds` as `log_tables` gives them. Torch operations that inductor
-    fuses too (`compiled_adam`)."""
+    """Uint8 log codes of fp32 `blocks` (..., BLOCK) >= 0 and block maxima (..., 1); plain
+    torch ops so inductor fuses them too."""
     peak = blocks.amax(-1, keepdim=True)
     ratio = blocks / peak.clamp_min(torch.finfo(torch.float32).tiny)
-    # An estimate within 0.55 of the code (log2 from the exponent bits, a little under it),
-    # then the code the thresholds bracket: one step either way.
+    # Estimate within 0.55 of the code (log2 from the bits), then correct by one step.
     under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
     c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
     up = thresholds[c0] > ratio
     down = thresholds[c0 - 1] <= ratio
     c = c0 + up.int() - down.int()
-    c = torch.where(ratio < thresholds[254], 255, c)  # (below the window, or 0: below)
+    c = torch.where(ratio < thresholds[254], 255, c)  # below the window (zeros: next line)
     return torch.where(blocks > 0, c, 0).to(torch.uint8), peak
 
 

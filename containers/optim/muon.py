@@ -1,14 +1,10 @@
-"""`ShardedMuon`: torch's Muon with the orthogonalization on whole matrices of sharded parameters.
+"""`ShardedMuon`: torch's Muon with Newton-Schulz on whole matrices of sharded parameters.
 
-Muon orthogonalizes each 2-D update with Newton-Schulz iterations, which mix every element of
-the matrix: on a local shard it computes another, wrong update. `torch.optim.Muon` on DTensors
-leaves the matrix products to DTensor, so every rank gathers and orthogonalizes every matrix.
-Here the momentum stays elementwise on the shards (state sharded like the parameters, so the
-flat DCP format and resharding hold), and for each group of ranks that shards a set of
-matrices, one all-to-all sends every shard to the matrix's owner, each rank orthogonalizes the
-matrices it owns (~1/W of the work), and a second all-to-all returns the shards. Any Shard,
-`_StridedShard` (FSDP2 over TP) and Replicate placements work: the rows and columns each rank
-holds are computed from the placements, locally, and agreed once.
+Newton-Schulz mixes every element of a matrix, so it cannot run on a shard, and torch's Muon
+on DTensors makes every rank orthogonalize every matrix. Here momentum stays on the shards;
+one all-to-all sends shards to each matrix's owner, each rank orthogonalizes the ones it owns
+(~1/W of the work), and a second all-to-all returns them. Shard, `_StridedShard` and
+Replicate placements work; who holds which rows and columns is agreed once.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ def newton_schulz(
     eps: float,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The orthogonalized `update` as torch's Muon computes it (same operations, so bitwise
-    the same in bf16), in `dtype`."""
+    """The orthogonalized `update` in `dtype`, bitwise as torch's Muon in bf16."""
     a, b, c = coefficients
     x = update.to(dtype, copy=True)
     wide = update.size(0) > update.size(1)
@@ -66,8 +61,7 @@ def _sharded_dims(t: DTensor) -> tuple[int, ...]:
 
 
 def _held(t: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global rows and columns of `t` this rank holds (its shard is their cross product),
-    from the placements alone: no communication."""
+    """The global rows and columns whose cross product is this rank's shard (no communication)."""
     held = []
     for dim, size in enumerate(t.shape):
         placements = []
@@ -118,8 +112,7 @@ class _Exchange:
 
 
 def _owners(shapes: Sequence[torch.Size], world: int) -> list[int]:
-    """Each matrix's owner: the least loaded rank, largest matrices first (Newton-Schulz costs
-    ~ rows x cols x min(rows, cols))."""
+    """Each matrix's owner: the least loaded rank, largest first (cost ~ numel x min dim)."""
     load = [0] * world
     owner = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-shapes[i].numel(), i)):
@@ -146,8 +139,8 @@ def _group_of(t: DTensor) -> dist.ProcessGroup:
 def _all_to_all(
     chunks: list[torch.Tensor], group: dist.ProcessGroup, sizes: list[int], split: int
 ) -> list[torch.Tensor]:
-    """Send `chunks[r]` to rank r of `group`; receive rank r's chunk of `sizes[r]` elements.
-    Every split is padded to `split` elements (gloo takes only equal splits)."""
+    """Send `chunks[r]` to rank r; receive `sizes[r]` elements from each. Splits are padded
+    to `split` elements (gloo takes only equal splits)."""
     send = chunks[0].new_zeros(len(chunks) * split)
     for r, chunk in enumerate(chunks):
         send[r * split : r * split + chunk.numel()] = chunk
@@ -157,17 +150,12 @@ def _all_to_all(
 
 
 class ShardedMuon(torch.optim.Muon):
-    """`torch.optim.Muon` whose Newton-Schulz runs on the whole matrix of every parameter,
-    sharded (FSDP2, TP, HSDP DTensors) or not, the work spread over the ranks sharding it.
+    """`torch.optim.Muon` with Newton-Schulz on whole matrices, spread over sharding ranks.
 
-    Same hyperparameters and state (`momentum_buffer`) as torch's Muon, so checkpoints move
-    between the two, plus two, per param group:
-        ns_dtype: dtype of the Newton-Schulz iterations: "bfloat16" (torch's choice),
-            "float32" (exact to rounding), or "auto" (the default): bfloat16 on CUDA, float32
-            on CPU, where bf16 matrix products run ~65x slower than fp32 on CPUs without bf16
-            units (AVX2 here).
-        moment_dtype: dtype the momentum is kept in ("float32" or "bfloat16": 2 bytes/param
-            instead of 4, updated in fp32 and rounded to nearest, `containers.optim.lean`).
+    State matches torch's Muon (checkpoints move between them). Extra per-group settings:
+        ns_dtype: "bfloat16" (torch's), "float32", or "auto": bfloat16 on CUDA, float32 on
+            CPU (where bf16 matmuls are much slower without bf16 units).
+        moment_dtype: "float32" or "bfloat16" momentum (updated in fp32, rounded to nearest).
     """
 
     def __init__(
@@ -188,8 +176,7 @@ class ShardedMuon(torch.optim.Muon):
         self._exchanges: dict[tuple[int, ...], _Exchange] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's load, but each group's momentum keeps (or is converted to) its own
-        `moment_dtype`; torch's would cast it to the parameters' dtype."""
+        """Torch's load, keeping each group's own `moment_dtype`."""
         load_keeping_dtypes(self, state_dict, ("momentum_buffer",), super().load_state_dict)
 
     @torch.no_grad()
@@ -211,7 +198,7 @@ class ShardedMuon(torch.optim.Muon):
                     dtype = moment_dtype_of(group) if p.dtype == torch.float32 else p.dtype
                     state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=dtype)
                 grad, buf = local(p.grad), local(state["momentum_buffer"])
-                # A lean (bf16) momentum: updated in fp32 and rounded back, one tensor at a time.
+                # bf16 momentum: updated in fp32 and rounded back, one tensor at a time.
                 wide = buf if buf.dtype == grad.dtype else buf.to(grad.dtype)
                 wide.lerp_(grad, 1 - momentum)
                 if wide is not buf:
@@ -307,8 +294,7 @@ class ShardedMuon(torch.optim.Muon):
 
 
 def _cross(rows: torch.Tensor, cols: torch.Tensor) -> tuple[Any, Any]:
-    """Index of the block at `rows` x `cols`: slices where they are ranges (Shard placements,
-    the usual case: views, no gather), else index tensors (`_StridedShard`)."""
+    """Index of the block `rows` x `cols`: slices for ranges (views), else index tensors."""
     r, c = _as_slice(rows), _as_slice(cols)
     if r is None and c is None:
         return rows[:, None], cols[None, :]

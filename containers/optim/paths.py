@@ -1,9 +1,7 @@
-"""The update path of each param group: one table of paths, one function that picks.
+"""The update path of each param group: the table of paths and the function that picks one.
 
-A group's path follows from the optimizer's class and the group's settings (its kernel
-choice, `moment_dtype`, `compiled`), the device and whether the container keeps fp32 masters
-for it; never from thread counts, compilers, the environment or tensor sizes. Each inner
-optimizer's group logs its path once, at its first step:
+A path depends only on the optimizer class, the group's settings, the device and whether
+fp32 masters are kept; never on the environment or tensor sizes. Each group logs its path once:
 
     update path: AdamW[0]: torch
 """
@@ -26,9 +24,8 @@ __all__ = [
 ]
 
 BF16_FUSED_DEVICES = frozenset({"cuda"})
-"""Devices whose fused Adam/AdamW kernel takes bf16 moments beside fp32 parameters (torch's
-mixed-dtype CUDA kernel); elsewhere ("expected scalar type Float but found BFloat16" on a
-CPU) bf16 moments are widened into fp32 scratch a chunk at a time."""
+"""Devices whose fused Adam/AdamW takes bf16 moments beside fp32 parameters; elsewhere bf16
+moments are widened into fp32 scratch."""
 
 PATHS = {
     "torch": "torch.optim's own update: fused, foreach or for-loop as the group says (like "
@@ -53,14 +50,7 @@ PATHS = {
 
 
 def update_path(opt: Optimizer, group: dict[str, Any], *, masters: bool = False) -> str:
-    """The path (a key of `PATHS`) that `group` of `opt` steps through.
-
-    Args:
-        opt: the inner optimizer.
-        group: one of its param groups.
-        masters: the container keeps fp32 masters of low-precision parameters for it (mixed
-            precision).
-    """
+    """The path (a key of `PATHS`) of `group` of `opt`; `masters`: fp32 masters are kept."""
     from containers.optim.lean_adam import ADAMS  # (lean_adam steps through this module)
 
     adam = type(opt) in ADAMS
@@ -86,9 +76,8 @@ def adam_path(group: dict[str, Any]) -> str:
 
 
 def flat_group(group: dict[str, Any]) -> bool:
-    """Whether an Adam/AdamW `group` steps in flat buffers under mixed precision: the fused
-    kernel chosen (lean and compiled groups always are), no amsgrad, not differentiable, its
-    parameters contiguous and on one device."""
+    """Whether an Adam/AdamW `group` steps in flat buffers under mixed precision: fused, no
+    amsgrad, not differentiable, parameters contiguous and on one device."""
     params = group["params"]
     if not params or group.get("amsgrad") or group.get("differentiable") or not group["fused"]:
         return False
@@ -97,8 +86,7 @@ def flat_group(group: dict[str, Any]) -> bool:
 
 
 def path_lines(optimizers: Sequence[Optimizer], masters: bool = False) -> list[str]:
-    """The distinct `update path: <class>[<group index>]: <path>` lines of `optimizers`'
-    groups, in order (many model parts' optimizers share theirs)."""
+    """The distinct `update path: <class>[<group index>]: <path>` lines, in order."""
     lines = (
         f"update path: {type(opt).__name__}[{i}]: {update_path(opt, g, masters=masters)}"
         for opt in optimizers

@@ -1,13 +1,8 @@
-"""Precisions: what the inner optimizers step and how gradients reach them.
+"""Mixed precision: bf16/fp16 model parameters stepped through fp32 masters (`MasterWeights`).
 
-The fp32 precision (the model's own parameters) is `containers.parts.Precision`. Here:
-`MasterWeights` (`master_weights`, its checkpoint state in `master_state`; its container
-variant in `mixed_precision`): bf16/fp16 model parameters, fp32 masters, loss scaling
-(`loss_scaler`), global clipping, overflow skip, offload. Its update paths: fused Adam/AdamW
-groups over flat buffers (`flat_adam`: fused kernel per chunk, or one compiled graph), every
-other optimizer per tensor (`eager`); its masters start from the
-full-precision init and may step on fp32 gradient sums (`sums`). Their settings, with
-their defaults: `MixedPrecisionSettings` (`settings`).
+Also: loss scaling (`loss_scaler`), flat Adam/AdamW groups (`flat_adam`), the per-tensor path
+of other optimizers (`eager`), fp32 gradient sums (`sums`) and `MixedPrecisionSettings`. The
+fp32 precision is `containers.parts.Precision`.
 """
 
 from containers.precision.loss_scaler import LossScaler

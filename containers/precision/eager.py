@@ -1,25 +1,13 @@
-"""The eager mixed-precision step of optimizers without flat buffers
-(`containers.precision.flat_adam` takes fused Adam/AdamW groups): low-precision gradients to
-fp32, chunk by chunk.
+"""The mixed-precision step of optimizers without flat buffers (see `flat_adam`).
 
-`MasterWeights.apply` steps fp32 masters with the inner optimizers, which need fp32 gradients.
-Casting every gradient at once
-would add 4 bytes/param at the step's peak; casting per tensor allocates (and page-faults) a
-fresh fp32 tensor each time, which on a CPU costs more than the cast. So the gradients are cast
-in chunks of about `CHUNK_NUMEL` elements into the fp32 scratch buffer that
-`containers.tensors.scratch` keeps between steps (the norm pass uses it too), with one
-`torch._foreach_copy_` per chunk, unscaled and clipped there with one `torch._foreach_mul_`
-while the chunk is in cache, stepped, and written back to the model parameters; each
-low-precision gradient is dropped as soon as it is cast. A tensor larger than a chunk gets a
-buffer of its own; chunks go from the smallest tensors to the largest, so by then the dropped
-gradients have paid for it. The step's peak is the steady parameters + gradients + masters +
-state plus the 4 MiB buffer.
+Gradients are cast to fp32 in chunks of about `CHUNK_NUMEL` elements into the reused scratch
+buffer (casting all at once would add 4 bytes/param to the peak; a fresh tensor per gradient
+costs more than the cast on CPU), multiplied (unscale x clip) while in cache, stepped, and
+written back; each low-precision gradient is dropped once cast. Chunks go from smallest to
+largest tensor, so a tensor larger than a chunk (own buffer) is paid for by dropped gradients.
 
-An inner optimizer then steps once per chunk it has parameters in, with only that chunk's
-masters holding gradients (torch optimizers skip parameters without one). That is the same
-update only for optimizers whose update of a parameter reads nothing but that parameter's own
-gradient and state: `PER_PARAMETER` lists torch's. Any other optimizer (a subclass, LBFGS,
-SparseAdam, one of the user's) steps once, over fp32 copies of all its gradients, as before.
+An optimizer steps once per chunk, with only that chunk's masters holding gradients: the same
+update only for `PER_PARAMETER` optimizers. Any other steps once over all its gradients.
 """
 
 from __future__ import annotations
@@ -35,20 +23,17 @@ from containers.tensors import SCRATCH_NUMEL, local, scratch, shaped_like
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters", "step_whole"]
 
 CHUNK_NUMEL = SCRATCH_NUMEL
-"""Elements cast per chunk, into the fp32 scratch buffer kept between steps (4 MiB). An inner
-optimizer's step costs ~0.2 ms of Python per call, so chunks must not be many (2^18 was slower
-on the benchmark's 8.5M parameters: 40 chunks); larger chunks raise the peak."""
+"""Elements cast per chunk (the 4 MiB scratch buffer): each chunk costs an optimizer call's
+Python overhead, and larger chunks raise the peak."""
 
 PER_PARAMETER = ELEMENTWISE
-"""Optimizers (the exact classes) whose update of a parameter reads only that parameter's
-gradient and state, so stepping their parameters chunk by chunk is one step."""
+"""Exact optimizer classes whose update of a parameter reads only its own gradient and state."""
 
 Triple = tuple[Optimizer, torch.Tensor, torch.Tensor]  # (optimizer, model parameter, master)
 
 
 def _chunks(triples: list[Triple], limit: int) -> list[list[Triple]]:
-    """`triples` from the smallest gradient to the largest, cut into runs of at most `limit`
-    elements (a larger tensor is a run of its own)."""
+    """`triples` smallest first, cut into runs of at most `limit` elements (or one tensor)."""
     runs: list[list[Triple]] = []
     size = 0
     for t in sorted(triples, key=lambda t: local(t[1]).numel()):
@@ -70,10 +55,12 @@ def step_masters(
     sums: dict[torch.Tensor, torch.Tensor] | None = None,
     chunk_numel: int = CHUNK_NUMEL,
 ) -> None:
-    """Step `optimizers` (each with its (model parameter, master) `pairs` that have a
-    gradient): cast, multiply by `factor` (unscale x clip), step, write back, drop gradients.
-    `sums`: parameter -> its fp32 gradient sum (`containers.precision.sums`), which its master
-    steps on instead of the rounded gradient (taken out as it is used)."""
+    """Cast, multiply by `factor` (unscale x clip), step, write back and drop the gradients.
+
+    Args:
+        pairs: per optimizer, (model parameter, master) pairs that have a gradient.
+        sums: parameter -> fp32 gradient sum to step on instead (popped as used).
+    """
     if sums is not None:
         for opt, live in zip(optimizers, pairs):
             if live:
@@ -96,7 +83,7 @@ def step_masters(
         torch._foreach_copy_(views, grads)
         del grads
         for _, p, _ in run:
-            p.grad = None  # cast: the low-precision gradient can go now
+            p.grad = None  # cast: drop the low-precision gradient
         if factor != 1.0:
             torch._foreach_mul_(views, factor)
         for (_, _, m), view in zip(run, views):
@@ -114,9 +101,8 @@ def step_whole(
     factor: float,
     grad_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """One step of `opt` over full-precision gradients of all its (model parameter, master)
-    pairs `live` (any optimizer): `grad_of(p, m)` gives the master's gradient (default: the
-    parameter's, cast to the master's dtype); the low-precision gradients are dropped."""
+    """One step of any `opt` over master gradients `grad_of(p, m)` (default: `p.grad` cast)
+    for all its `live` (model parameter, master) pairs; drops the low-precision gradients."""
     for p, m in live:
         m.grad = grad_of(p, m) if grad_of is not None else p.grad.to(m.dtype)
         p.grad = None
@@ -132,8 +118,7 @@ def step_whole(
 def _from(
     sums: dict[torch.Tensor, torch.Tensor],
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`step_whole`'s `grad_of` for fp32 sums: a parameter's sum, or, for a gradient set by
-    hand (not summed), its cast."""
+    """`grad_of` from fp32 sums; a gradient set by hand (not summed) is cast."""
 
     def grad_of(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         total = sums.pop(p, None)

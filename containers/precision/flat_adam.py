@@ -1,34 +1,23 @@
-"""Masters and Adam state of a param group in flat buffers: one fused kernel call per chunk,
-or one compiled pass over the group.
+"""Masters and Adam state of a param group in flat buffers, stepped a chunk at a time.
 
-Torch's fused Adam/AdamW makes one kernel call per tensor. On a CPU each call costs ~10 us
-of dispatch and thread-pool hand-off, so on a transformer's hundreds of tensors that overhead
-is a third of the fp32 step, and the mixed-precision step adds two per-tensor passes (the
-cast in, the copy back) of its own. Here each eligible param group (`eligible`) keeps its fp32
-masters, `exp_avg`, `exp_avg_sq` and step counts in flat buffers. The masters are rebound onto
-them (`Tensor.set_`, so every holder of a master still holds it) and the optimizer state
-entries are views, so `state_dict`, DCP templates, loads and torch's own `step` see torch's
-layout. A step casts the low-precision gradients into the fp32 scratch buffer a chunk at a
-time, multiplies the chunk (unscale x clip), and runs one `torch._fused_adam(w)_` call on the
-chunk's flat slices. With `implementation = "compiled"` the group steps instead as one
-inductor graph over its tensors where they lie (`containers.optim.compiled_adam`): each
-gradient read once, masters, moments and parameters written in the same pass, no scratch; a
-few fp32 ulp from the eager kernel (another order of roundings).
+Torch's fused Adam makes one kernel call per tensor, a large overhead on CPU for hundreds of
+tensors. Here an `eligible` group keeps fp32 masters, moments and step counts in flat
+buffers; masters are rebound onto them (`Tensor.set_`, so every holder still holds them) and
+state entries are views, so `state_dict`, DCP, loads and torch's own `step` see torch's
+layout. A step casts gradients into fp32 scratch a chunk at a time, multiplies (unscale x
+clip) and calls `torch._fused_adam(w)_` once per chunk. A `compiled` group is one inductor
+graph instead (`compiled_adam`), a few fp32 ulp from the eager kernel.
 
-Every tensor starts on a `PAD`-element boundary and chunks cut at such boundaries, so the
-kernel runs every element on its vector path whatever the chunking (a tensor's last few
-elements otherwise take a scalar tail, which can round differently in the last place): the
-result does not depend on how params are grouped into units, chunks or optimizers, and equals
-torch's per-tensor fused step bitwise for tensors whose size is a multiple of `PAD`.
+Tensors start on `PAD`-element boundaries and chunks cut there, so every element takes the
+kernel's vector path (a scalar tail can round differently): results do not depend on grouping
+or chunking, and equal torch's per-tensor fused step bitwise for sizes that are multiples of
+`PAD`.
 
-Lean state: a group of `LeanAdam(W)` with `moment_dtype = "bfloat16"` keeps its moment buffers
-in bf16, widened into fp32 scratch beside the chunk's gradients and rounded back after the
-kernel, or, where torch's kernel takes bf16 moments itself, stepped as they are (as
-`containers.optim.adam_steps` does). With `remainders` the group keeps no fp32
-master buffer: each master is its bf16 model parameter and a 16-bit remainder
-(`containers.precision.remainders`), joined into fp32 scratch for the kernel and split after;
-at rest a master is a stride-0 view of one NaN (so a read of it is loud, not stale), and
-`master_value` / `load_master` give and take its exact fp32 value.
+bf16 moments (`LeanAdam(W)`) are widened into scratch and rounded back, or stepped as they
+are where the kernel takes them. With `remainders` there is no fp32 master buffer: a master is
+its bf16 parameter plus an int16 remainder (`remainders`), joined in scratch for the kernel;
+at rest it is a stride-0 view of one NaN (so a stray read is loud), and `master_value` /
+`load_master` give and take its exact fp32 value.
 """
 
 from __future__ import annotations
@@ -48,16 +37,14 @@ from containers.tensors import local, scratch, scratch_numel, shaped_like
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
 PAD = 64
-"""Elements each tensor's slice is rounded up to: a multiple of every CPU vector width and of
-the fused kernel's per-thread split (one 64-byte cache line)."""
+"""Slice alignment in elements: a multiple of every CPU vector width and of the fused kernel's
+per-thread split."""
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def eligible(opt: Optimizer, group: dict) -> bool:
-    """Whether `group` of `opt` steps flat (`containers.optim.paths.update_path`): torch's
-    Adam or AdamW (or their lean forms) with the fused kernel chosen, whose update of an
-    element reads only that element's gradient and state."""
+    """Whether `group` of `opt` steps flat: a fused Adam/AdamW group (`paths.update_path`)."""
     return update_path(opt, group, masters=True) != "masters per tensor"
 
 
@@ -76,9 +63,8 @@ class FlatGroup:
         opt: the inner optimizer (`eligible` for `group`).
         group: one of its param groups; its params are the masters.
         model: the model parameter of each master, in the group's order.
-        chunk_numel: fp32 scratch elements a chunk may use (its gradients, and its masters
-            and moments where they are kept narrower), rounded down to `PAD`; None: the
-            device's `scratch_numel`.
+        chunk_numel: fp32 scratch elements a chunk may use (gradients, plus narrower
+            masters and moments), rounded down to `PAD`; None: `scratch_numel`.
         remainders: keep the masters as remainders of the bf16 model parameters.
     """
 
@@ -108,8 +94,7 @@ class FlatGroup:
                 "buffers that a chunk cuts anywhere, not in rows of blocks; use moment_dtype "
                 "= 'bfloat16' (with store_param_remainders: 8 bytes a parameter)"
             )
-        # By position: torch's load_state_dict replaces the group dicts (an LR scheduler
-        # then sets lr in the new ones).
+        # By position: torch's load_state_dict replaces the group dicts.
         self.opt, self.index, self.model = opt, _position(opt, group), list(model)
         self.masters: list[torch.Tensor] = list(group["params"])
         pieces = [local(m) for m in self.masters]
@@ -143,8 +128,7 @@ class FlatGroup:
         self._low_dtype = local(self.model[0]).dtype
         self._empty = [p for p, n in self.live if not n]
         self.chunk((chunk_numel or scratch_numel(where)) // self.regions)
-        # Stale: the optimizer state holds values that are not in the buffers (torch's start,
-        # a load, torch's own step having made new tensors), to take at the next use.
+        # Stale: the optimizer state holds values not yet in the buffers; adopted at next use.
         self.stale = True
         self.uniform: bool | None = None  # all step counts equal; None: not known
         self._rebind()
@@ -153,14 +137,13 @@ class FlatGroup:
     def chunk(self, numel: int) -> None:
         """Step in chunks of at most `numel` elements (rounded down to `PAD`)."""
         self.chunks = self._plan(max(PAD, numel // PAD * PAD))
-        # per chunk: the tensors whose last piece it holds; its views (see `chunk_views`)
+        # per chunk: the tensors whose last piece it holds
         self.done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
         self._views_of: dict[tuple, tuple] = {}
 
     def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-        """Chunks (start, stop, pieces) of at most `limit` elements of the flat buffers, cut
-        between tensors where they fit; a piece (i, lo, hi) is elements lo:hi of tensor i (a
-        tensor larger than a chunk spans several)."""
+        """Chunks (start, stop, pieces) of at most `limit` elements, cut between tensors where
+        possible; a piece (i, lo, hi) is elements lo:hi of tensor i."""
         chunks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         start, pieces = 0, []
         for i, (begin, n) in enumerate(zip(self.starts, self.sizes)):
@@ -180,9 +163,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def _rebind(self) -> None:
-        """Point every master at its slice of the master buffer (with remainders: at one
-        NaN) and every state entry at its slices (after the buffers were made or moved);
-        values are not touched."""
+        """Point masters (with remainders: one NaN) and state entries at the buffers."""
         if self.remainders:
             device = self.buffers["remainder"].device
             nan = torch.full((1,), float("nan"), device=device).untyped_storage()
@@ -213,9 +194,8 @@ class FlatGroup:
             self._install()
 
     def chunk_views(self, c: int, region: torch.Tensor) -> list[torch.Tensor]:
-        """Chunk `c`'s pieces of the scratch region `region` (a whole tensor's piece shaped
-        as its master), kept while `region` stays where it is (the step's Python is most of
-        its cost)."""
+        """Chunk `c`'s pieces of scratch `region`, cached while `region` does not move (Python
+        overhead dominates the step)."""
         key = (c, region.dtype, region.storage_offset())
         if self._views_of.get(key, (None,))[0] != region.data_ptr():
             start, _, pieces = self.chunks[c]
@@ -229,8 +209,7 @@ class FlatGroup:
         return self._views_of[key][1]
 
     def pieces(self, c: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Chunk `c`'s pieces of `tensors` (one per tensor of the group): whole, or a flat
-        slice of a tensor that spans chunks."""
+        """Chunk `c`'s pieces of `tensors` (one per group tensor): whole, or a flat slice."""
         out = []
         for i, lo, hi in self.chunks[c][2]:
             whole = lo == 0 and hi == self.sizes[i]
@@ -249,8 +228,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def adopt(self) -> None:
-        """Take the values the optimizer state holds now (torch's start, a load, torch's own
-        step) into the buffers and make the state views of them again."""
+        """Copy the optimizer state's current values into the buffers and reinstall the views."""
         for i, m in enumerate(self.masters):
             state = self.opt.state.get(m, {})
             for name, views in self._views.items():
@@ -275,8 +253,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def load_master(self, i: int, value: torch.Tensor) -> None:
-        """Set master `i` to `value` (its local piece) and its model parameter to the
-        value rounded."""
+        """Set master `i` to `value` (local piece) and its model parameter to its rounding."""
         if self.remainders:
             self.load_piece(i, (0,) * value.dim(), value)
             return
@@ -285,8 +262,8 @@ class FlatGroup:
 
     @torch.no_grad()
     def load_piece(self, i: int, offsets: Sequence[int], value: torch.Tensor) -> None:
-        """With remainders: write the fp32 `value` of master `i`'s elements at `offsets`
-        (within its local piece) into its model parameter and remainder."""
+        """With remainders: write fp32 `value` at `offsets` of master `i` into its parameter
+        and remainder."""
         shape = local(self.masters[i]).shape
         start, n = self.starts[i], self.sizes[i]
         param = local(self.model[i])
@@ -297,9 +274,8 @@ class FlatGroup:
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
-        """With remainders: the masters as fp32 tensors for the duration (for torch's own
-        step, when the flat one cannot run), split back into parameters and remainders
-        after."""
+        """With remainders: fp32 masters for the duration (for torch's own step), split back
+        into parameters and remainders after."""
         if not self.remainders:
             yield
             return
@@ -323,15 +299,14 @@ class FlatGroup:
         self._rebind()
 
     def ready(self) -> bool:
-        """Whether this step can be flat: every tensor has a gradient and all step counts
-        agree. If not (a parameter without a gradient, a load of uneven counts), torch's own
-        step runs on the same views, and the counts are checked again next time."""
+        """Whether this step can be flat: every tensor has a gradient and the step counts
+        agree. If not, torch's own step runs on the same views."""
         if self.stale:
             self.adopt()
         if self.uniform is None:
             steps = self.buffers["step"]
-            self.uniform = bool(steps.eq(steps[0]).all())  # (a host sync, after a change)
-        # (An empty shard, e.g. an FSDP1 slice elsewhere, may get no gradient: nothing to do.)
+            self.uniform = bool(steps.eq(steps[0]).all())  # a host sync, only after a change
+        # an empty shard may get no gradient
         if self.uniform and all(p.grad is not None for p, n in self.live if n):
             return True
         self.uniform = None
@@ -344,19 +319,20 @@ class FlatGroup:
         sums: dict[torch.Tensor, torch.Tensor] | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Cast, multiply by `factor`, step and write back the masters, chunk by chunk, or
-        all in one inductor pass if the group is `compiled` (and the gradients are low
-        precision); drop each low-precision gradient once it is cast. `sums`: parameter -> its
-        fp32 gradient sum (`containers.precision.sums`), stepped on instead of its gradient
-        (and taken out).
-        Where `found_inf` (a device flag) is set, the kernels change nothing (masters and
-        moments round-trip exactly through the scratch) and the step counts go back."""
+        """Cast, multiply by `factor`, step and write back, chunk by chunk or (`compiled`)
+        in one inductor pass; drop each low-precision gradient once cast.
+
+        Args:
+            sums: parameter -> fp32 gradient sum to step on instead (popped).
+            found_inf: device flag; if set, nothing changes (values round-trip exactly
+                through scratch) and the step counts are restored.
+        """
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         buf["step"].add_(1)
         grads = [_gradient(p, sums) if n else None for p, n in self.live]
         for p in self._empty:
-            p.grad = None  # empty: stepped with the rest (its count stays even)
+            p.grad = None  # empty: stepped with the rest so its count stays even
         if group.get("compiled") and all(g is None or g.dtype == self._low_dtype for g in grads):
             self._step_compiled(group, decoupled, factor, grads, found_inf)
         else:
@@ -372,8 +348,7 @@ class FlatGroup:
         grads: list[torch.Tensor | None],
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """This group's step (its counts already advanced) as one inductor graph over its tensors;
-        drops the gradients. Where `found_inf` (a device flag) is set, nothing changes."""
+        """The step (counts already advanced) as one inductor graph; drops the gradients."""
         live = [i for i, g in enumerate(grads) if g is not None]
         taken = [grads[i] for i in live]
         for p in self.model:
@@ -386,7 +361,7 @@ class FlatGroup:
             taken, [local(self.model[i]) for i in live],
             pick("remainder" if self.remainders else "master"), pick("exp_avg"),
             pick("exp_avg_sq"),
-            # (`ready`: the counts agree; a view, where an index would copy and sync)
+            # counts agree (`ready`): a view, where an index would copy and sync
             self.buffers["step"][:1].expand(len(live)), lr=float(group["lr"]), beta1=beta1,
             beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group.get("maximize", False), decoupled_weight_decay=decoupled, factor=factor,
@@ -401,9 +376,8 @@ class FlatGroup:
         grads: list[torch.Tensor | None],
         found_inf: torch.Tensor | None,
     ) -> None:
-        """`FlatGroup.step`'s eager path (its counts already advanced): torch's fused kernel
-        over fp32 scratch, chunk by chunk; drops each gradient once it is cast. Where `found_inf`
-        is set the kernel changes nothing (masters and moments round-trip exactly)."""
+        """The eager step (counts already advanced): torch's fused kernel over fp32 scratch,
+        chunk by chunk; drops each gradient once cast."""
         buf = self.buffers
         beta1, beta2 = group["betas"]
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -417,7 +391,7 @@ class FlatGroup:
             torch._foreach_copy_(into, self.pieces(c, grads))
             for i in self.done[c]:
                 grads[i] = None
-                self.model[i].grad = None  # cast: the low-precision gradient can go now
+                self.model[i].grad = None  # cast: drop the low-precision gradient
             if factor != 1.0:
                 work[:n].mul_(factor)
             cast_to = self.pieces(c, low)
@@ -459,8 +433,7 @@ def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) ->
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t`, itself, made a tensor of `device` (offload and reload move the buffers across
-    devices, and `set_` refuses a storage of another device than the tensor's)."""
+    """`t` itself, moved to `device` (`set_` refuses a storage on another device)."""
     if t.device != device:
         t.data = torch.empty(0, dtype=t.dtype, device=device)
     return t

@@ -1,9 +1,7 @@
-"""`MasterState`: the masters and the loss scaler beside the optimizer state, as
-`MasterWeights` saves and loads them (a mixin: the state half of that precision).
+"""`MasterState`: the checkpoint state of `MasterWeights` (a mixin).
 
-A checkpoint holds each master as `master_weights.<fqn>`, its exact fp32 value, whether the run
-keeps it in fp32 or as a bf16 parameter plus a remainder, and the scaler as
-`loss_scaler.<key>`: runs of either policy load each other's.
+Each master is saved as `master_weights.<fqn>` (its exact fp32 value, with or without
+remainders, so either policy loads the other's) and the scaler as `loss_scaler.<key>`.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ SCALER = "loss_scaler"
 
 
 class MasterState:
-    """The `Precision` state hooks of `MasterWeights`, over what it keeps: `_model_param`
-    (id(master) -> its model parameter), `_flat_of` (id(master) -> its flat group and
-    index), `scaler`, `_unscale` and `_lazy`."""
+    """The `Precision` state hooks of `MasterWeights`: `_model_param` maps id(master) to its
+    model parameter, `_flat_of` to its (flat group, index)."""
 
     _model_param: dict[int, torch.Tensor]
     _flat_of: dict[int, tuple[FlatGroup, int]]
@@ -55,9 +52,8 @@ class MasterState:
 
     @contextlib.contextmanager
     def lazy_masters(self) -> Iterator[dict[int, Sink]]:
-        """For a DCP load with `remainders.LoadPlanner`: while open, `state_dict` gives each
-        master kept as a remainder as itself (no fp32 value is made), and the sinks given
-        write what is read of it straight into its parameter and remainder."""
+        """For a DCP load with `remainders.LoadPlanner`: `state_dict` gives masters kept as
+        remainders as themselves, and the yielded sinks write into parameter and remainder."""
         sinks = {
             mid: (functools.partial(flat.load_piece, i), local(flat.model[i]).data_ptr())
             for mid, (flat, i) in self._flat_of.items()
@@ -108,8 +104,7 @@ class MasterState:
                 local(m).copy_(local(value))
                 local(self._model_param[id(m)]).copy_(local(m))
         self.scaler.load_state_dict(scaler)
-        # A replica group healing mid-step (inside torchft's commit) steps gradients averaged
-        # from its peers' losses, which were scaled by the scale it has just received.
+        # A replica healing mid-step steps gradients scaled by the scale just received.
         self._unscale = 1.0 / self.scaler.scale
 
     @torch.no_grad()

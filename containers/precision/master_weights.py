@@ -1,19 +1,12 @@
-"""Low-precision model parameters with fp32 master weights: the `MasterWeights` precision.
+"""`MasterWeights`: low-precision model parameters, fp32 master weights.
 
-The model keeps bf16/fp16 parameters (FSDP2 shards, so all-gathers move half the bytes); the
-inner optimizers step fp32 masters sharded the same way. A step: one pass over the gradients
-for the global norm (non-finite gradients make it non-finite, so overflow detection cannot be
-defeated by 0 * inf); one collective, one host sync for the skip decision; then one of two
-update paths, each unscaling and clipping in the same multiply and writing the masters back:
-- fused Adam/AdamW groups keep masters and state in flat buffers (`flat_adam`): torch's fused
-  kernel chunk by chunk, or one inductor graph over a `compiled` group; with
-  `store_param_remainders` a master is its bf16 parameter and an int16 remainder
-  (`remainders`), and the moments may be bf16 (`LeanAdam(W)` groups);
-- every other optimizer steps per tensor on fp32 copies of its gradients (`eager`).
-With no dynamic loss scale, no fp32 sums and every group flat, the skip is left to the
-kernels and the graph instead (`skips_in_kernel`; on CUDA, `containers.decision`): no host
-sync, the norm (if measured) a device flag; a clip above 0 reads it once for its factor. The
-state hooks (masters and scaler in the checkpoint) are `master_state`'s.
+The model keeps bf16/fp16 parameters (half the all-gather bytes); the inner optimizers step
+fp32 masters sharded the same way. A step computes the global norm (non-finite if any
+gradient is, so 0 * inf cannot hide an overflow), decides the skip, then unscales and clips
+in one multiply on one of two paths: fused Adam/AdamW groups in flat buffers (`flat_adam`,
+optionally with remainders and bf16 moments), or any other optimizer per tensor (`eager`).
+With no dynamic loss scale, no fp32 sums and every group flat, the kernels read the skip flag
+on the device instead (`skips_in_kernel`): no host sync. Checkpoint state: `master_state`.
 """
 
 from __future__ import annotations
@@ -70,7 +63,7 @@ class MasterWeights(MasterState, Precision):
                 "param_dtype 'bfloat16', or store_param_remainders = false"
             )
         self.offloaded = False
-        # Gradients summed in fp32 over micro-batches (`containers.precision.sums`).
+        # gradients summed in fp32 over micro-batches
         self.sums = (
             FullPrecisionSums(self.master_dtype)
             if self.settings.grad_accumulation_dtype == "float32"
@@ -97,16 +90,11 @@ class MasterWeights(MasterState, Precision):
         return named
 
     def cast_model(self, model: nn.Module) -> nn.Module:
-        """Cast the floating-point parameters only: buffers that carry numerics (a rotary
-        table, running statistics) keep their dtype, and the model casts them where used.
+        """Cast the floating-point parameters only (buffers such as rotary tables keep their dtype).
 
-        The full-precision values are kept (by FQN, until the masters are made from them in
-        `stepped`): a master made from the rounded parameter loses the rounding residue, which
-        is what makes round(master) move by the update on average while updates are a few
-        ulps (warmup). Without it all elements of a tensor round their equal-sized early Adam
-        updates alike, a bias of up to half an ulp per tensor (measured on the debug job: 26%
-        of the bf16 weights one ulp off FSDP2's bf16 policy after the first step, the next
-        loss 0.01 higher; benchmarks/README.md).
+        The full-precision values are kept by FQN until `stepped` makes the masters from them:
+        a master made from the rounded parameter loses the rounding residue, and equal-sized
+        early Adam updates would then round alike, biasing a tensor by up to half an ulp.
         """
         with torch.no_grad():
             for fqn, p in model.named_parameters():
@@ -149,9 +137,8 @@ class MasterWeights(MasterState, Precision):
                     self._flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
 
     def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
-        """Remainders complete the masters of fused Adam/AdamW groups (the flat step); other
-        optimizers' groups (Muon beside AdamW) keep fp32 masters, said once. Refused: an
-        Adam/AdamW group that cannot step flat, or no group that can."""
+        """Refuse remainders for an Adam/AdamW group that cannot step flat, or if no group
+        can; other optimizers' groups keep fp32 masters (logged once)."""
         others, flat = set(), False
         for opt in optimizers:
             for group in opt.param_groups:
@@ -214,8 +201,7 @@ class MasterWeights(MasterState, Precision):
     def grad_norm(
         self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
-        """The unscaled global norm in fp32 (`Precision.grad_norm`; fp64 if `exact`); inf or
-        nan if any gradient is non-finite."""
+        """The unscaled global norm in fp32 (fp64 if `exact`); non-finite if any gradient is."""
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact) * self._unscale
 
@@ -246,9 +232,8 @@ class MasterWeights(MasterState, Precision):
                 self.sums.clear()
 
     def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Every group of `optimizers` steps flat (torch's fused kernels, or the compiled
-        graph, read the flag), and the decision has nothing to tell the loss scale (no
-        dynamic scaling) and no fp32 gradient sums to clear."""
+        """Whether the kernels can take the skip flag: every group flat, no dynamic loss
+        scale to update and no fp32 sums to clear."""
         return (
             self.scaler.mode != "dynamic"
             and self.sums is None
@@ -271,7 +256,7 @@ class MasterWeights(MasterState, Precision):
         if found_inf is not None and not all(
             f.ready() for opt in optimizers for f in self._flat.get(id(opt), ())
         ):
-            # torch's own step (uneven counts, a missing gradient) takes no flag: decide here.
+            # torch's own step takes no flag: decide here
             if found_inf.item():
                 self.decided(applied=False)
                 return
@@ -287,7 +272,7 @@ class MasterWeights(MasterState, Precision):
                         stepped += 1
                     else:
                         unready.enter_context(flat.materialized())
-                # What did not step flat steps eagerly (`_pairs` skips what did).
+                # the rest steps eagerly (`_pairs` skips what stepped flat)
                 eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
             step_masters(optimizers, eager, factor, self.master_dtype, sums)
 
@@ -324,8 +309,7 @@ class MasterWeights(MasterState, Precision):
                         if moves and id(m) not in done:
                             st[key] = _moved(value, device, pin)
         if device.type == "cuda" or pin:
-            # Copies to pinned memory are asynchronous too: the host must not read (save,
-            # step) what has not landed yet.
+            # copies to pinned memory are asynchronous too: wait before the host reads them
             torch.cuda.current_stream().synchronize()
 
     def offload(self, optimizers: Sequence[Optimizer]) -> None:
@@ -341,8 +325,8 @@ class MasterWeights(MasterState, Precision):
 
 
 def _mark_stale(flats: list[FlatGroup]):
-    """A load-state-dict post hook: the loaded state is taken into the buffers at the next
-    use, not now, so a load that fails in a later optimizer can still be rolled back."""
+    """Post-load hook marking flat groups stale: adopting at next use, not now, lets a load
+    that fails in a later optimizer be rolled back."""
 
     def hook(opt: Optimizer) -> None:
         for flat in flats:
@@ -352,9 +336,8 @@ def _mark_stale(flats: list[FlatGroup]):
 
 
 def _stepped(opt: Optimizer) -> None:
-    """Tell torch's LR schedulers that `opt` steps now. A scheduler wraps `opt.step` to note
-    that it ran and warns at its own first step when it did not; the flat and per-tensor
-    paths step the masters without calling `opt.step`, so say what it would have."""
+    """Mark `opt` as stepped for LR schedulers (the flat paths bypass `opt.step`, and a
+    scheduler warns when it was not called)."""
     if hasattr(opt.step, "_wrapped_by_lr_sched"):
         opt._opt_called = True  # type: ignore[attr-defined]
 

@@ -23,12 +23,10 @@ __all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
 
 
 class MixedPrecisionOptimizersContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `MasterWeights` precision: fp32 masters of bf16/fp16
-    parameters, loss scaling, global clipping and overflow skip, offload.
+    """An `OptimizersContainer` with the `MasterWeights` precision.
 
-    Call `scale_loss(loss).backward()` (or `backward(loss)`), then `step()`; `last_report`
-    holds the unscaled norm, the loss scale and the skip count. `offload()` moves masters and
-    optimizer state to CPU; a `step()` while offloaded reloads first.
+    Call `scale_loss(loss).backward()` (or `backward(loss)`), then `step()`. `offload()` moves
+    masters and optimizer state to CPU; a `step()` while offloaded reloads first.
 
     Args:
         model_parts: modules whose trainable parameters are all of `settings.param_dtype`.
@@ -38,14 +36,13 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         settings: dtypes, loss scaling, update path; default `MixedPrecisionSettings()`.
         precision: a `MasterWeights` built already (e.g. the one the model was cast with);
             replaces `settings`.
-        max_norm: clip the global gradient norm to this; 0 or None leaves gradients
-            unclipped (the norm is measured either way, for the overflow check).
+        max_norm: clip the global gradient norm to this; 0 or None: no clip (the norm is
+            still measured for the overflow check).
         gate: whether a step commits (e.g. `containers.TorchFTGate`).
         timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
         outer: what follows each committed step (e.g. `containers.DiLoCo`: its outer step
             runs on the fp32 masters).
-        mesh: the job's named DeviceMesh, over which the global norm counts each gradient
-            element once (`OptimizersContainer`); None: one stage over the world.
+        mesh: the job's named DeviceMesh for the global norm; None: one stage over the world.
     """
 
     def __init__(
@@ -78,7 +75,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             mesh=mesh,
             ema=ema,
         )
-        # The masters exist: what none took (other pipeline stages' parameters) can go.
+        # drop initial values no master took (other pipeline stages' parameters)
         self.precision._initial.clear()
 
     @property
@@ -112,10 +109,8 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
 
 @contextlib.contextmanager
 def load_planner(states: Mapping[str, Any]) -> Iterator[LoadPlanner | None]:
-    """The DCP load planner for `states` (a checkpoint's Statefuls), open for one
-    `dcp.load(states, planner=...)`: one that reads masters kept as remainders straight into
-    their parameters and remainders (`remainders.LoadPlanner`), or None (DCP's default) where
-    no state keeps any."""
+    """The DCP load planner for one `dcp.load(states, planner=...)`: a
+    `remainders.LoadPlanner` if any state keeps remainders, else None (DCP's default)."""
     precisions = [
         s.precision
         for s in states.values()

@@ -1,15 +1,11 @@
-"""Whether an update could overflow float16 weights, known before it applies.
+"""Whether an Adam/AdamW update could overflow float16 weights, known before it applies.
 
-fp16 weights end at 65504: an update that takes a master beyond it writes inf into the model
-(its fp32 master and state stay finite), and every later step is non-finite. Such a step must
-be skipped like a non-finite gradient, so it must be known before anything changes. Adam's
-update is bounded whatever the gradients: by Cauchy-Schwarz over the moving averages,
-|m_t| <= (1 - b1) sqrt(sum_k r^k) sqrt(v_t / (1 - b2)) with r = b1^2 / b2 (k < t terms), so
-with bias correction |m_hat / sqrt(v_hat)| <= `adam_ratio_bound(b1, b2, t)` (1 at t = 1; eps
-only lowers it). A weight after the step is then at most |w| |1 - lr wd| + lr K (decoupled
-decay; coupled decay goes through the moments, inside the bound). That bound against the
-largest |w| of each group (one read of the fp16 weights, fp16 runs only) is the check.
-Optimizers without such a bound (SGD, Muon, ...) are not checked here.
+A master beyond 65504 writes inf into the fp16 model and every later step is non-finite, so
+such a step must be skipped before anything changes. By Cauchy-Schwarz, |m_t| <= (1 - b1)
+sqrt(sum_k r^k) sqrt(v_t / (1 - b2)) with r = b1^2 / b2 (k < t), so |m_hat / sqrt(v_hat)| <=
+`adam_ratio_bound(b1, b2, t)` whatever the gradients (eps only lowers it). A weight after
+the step is at most |w| |1 - lr wd| + lr K (decoupled decay; coupled decay is inside the
+bound), checked against each group's largest |w|. Other optimizers are not checked.
 """
 
 from __future__ import annotations
@@ -34,9 +30,12 @@ def adam_ratio_bound(beta1: float, beta2: float, t: int) -> float:
 def overflow_refusal(
     groups: Sequence[tuple[Optimizer, dict, list[torch.Tensor]]], limit: float
 ) -> str | None:
-    """Why the coming step must not apply: a group whose weights (its optimizer, its group
-    dict, the local pieces of its low-precision weights that step now) could pass `limit`;
-    None if none can. One host sync."""
+    """Why the coming step must not apply, or None; one host sync.
+
+    Args:
+        groups: (optimizer, group, local pieces of its stepping low-precision weights).
+        limit: the largest finite weight.
+    """
     checked = []
     for opt, group, weights in groups:
         pieces = [w for w in weights if w.numel()]

@@ -1,16 +1,12 @@
-"""fp32 masters kept as bf16 parameters plus 16-bit remainders (`store_param_remainders`).
+"""fp32 masters kept as bf16 parameters plus int16 remainders (`store_param_remainders`).
 
-bf16 is the upper half of fp32 (same sign and exponent bits), so an fp32 master is its bf16
-parameter's 16 bits and 16 more. Rounding the master to the parameter by adding half a bf16
-ulp to its bits and keeping the upper half (round half away from zero; torch's `.to` rounds
-ties to even, which differs only where the lower half is exactly 0x8000) leaves a lower half
-that, read as a signed int16, makes the master again exactly:
+bf16 is the upper half of fp32. Rounding a master by adding half a bf16 ulp to its bits and
+keeping the upper half (round half away from zero; torch's `.to` rounds ties to even) leaves
+a lower half that, as a signed int16, restores the master exactly:
 
     master_bits = (param_bits << 16) + remainder      (int32, two's complement)
 
-So 2 bytes a parameter hold what the 4-byte master held, bit for bit. The arithmetic is in
-int32 on views of fp32 scratch (products and sums stay inside int32 for every finite master:
-`param_bits` is in [-32768, 32767] and `remainder` in [-32768, 32767]).
+The arithmetic is int32 on views of fp32 scratch; both halves lie in [-32768, 32767].
 """
 
 from __future__ import annotations
@@ -30,14 +26,12 @@ HALF_ULP = 0x8000
 
 
 def join(bits: torch.Tensor, remainder: torch.Tensor) -> None:
-    """`bits` (int32) holds the parameters' bf16 bits, sign-extended: make it the masters'
-    fp32 bits by adding their `remainder` (int16)."""
-    torch.add(remainder, bits, alpha=1 << 16, out=bits)  # one pass (a shift, then an add: two)
+    """Turn `bits` (int32: sign-extended bf16 bits) into fp32 master bits with `remainder`."""
+    torch.add(remainder, bits, alpha=1 << 16, out=bits)  # one pass
 
 
 def split(bits: torch.Tensor, high: torch.Tensor) -> None:
-    """`bits` (int32) holds the masters' fp32 bits: `high` (int32) becomes the rounded
-    parameters' bf16 bits and `bits` the remainders (both within int16's range)."""
+    """Split fp32 master `bits` (int32) into rounded bf16 bits `high` and remainders `bits`."""
     torch.add(bits, HALF_ULP, out=high).bitwise_right_shift_(16)
     bits.sub_(high, alpha=1 << 16)
 
@@ -54,8 +48,7 @@ STORE_NUMEL = 1 << 18
 
 
 def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-    """Write an fp32 `master` into a bf16 `param` and its int16 `remainder` (same numel;
-    the targets may be views, e.g. a piece of a larger tensor)."""
+    """Write fp32 `master` into bf16 `param` and int16 `remainder` (same numel; may be views)."""
     master = master.reshape(param.shape)
     if param.dim() and param.numel() > STORE_NUMEL:
         rows = max(1, STORE_NUMEL * param.shape[0] // param.numel())
@@ -70,18 +63,15 @@ def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) ->
 
 
 Sink = tuple[Callable[[Sequence[int], torch.Tensor], None], int]
-"""How a master kept as a remainder takes a piece read from a checkpoint: `write(offsets,
-fp32 piece)` (offsets within the master's local piece), and the `data_ptr` of the parameter
-that writes (which the checkpoint's model entry must then not overwrite)."""
+"""`(write(offsets, fp32 piece), data_ptr of the parameter written)` for a master kept as a
+remainder; that parameter's model entry is then not read from the checkpoint."""
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but masters kept as remainders are read piece by piece
-    into an fp32 buffer of that piece and written straight into their parameters and
-    remainders: a resume never holds the masters in fp32 (the state dict's template for such
-    a master is the master itself, `MasterWeights.lazy_masters`). A parameter that a
-    master writes is not read again from the model's entry: the master's rounding is the
-    one its remainder completes (a saved parameter may have rounded a tie to even).
+    """DCP's load planner, writing masters kept as remainders piece by piece into their
+    parameters and remainders, so a resume never holds fp32 masters (`lazy_masters`). Their
+    parameters are not read from the model's entry: a saved parameter may have rounded a tie
+    to even, and the remainder completes the master's own rounding.
 
     Args:
         sinks: id(master) -> its `Sink`.

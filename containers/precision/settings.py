@@ -1,8 +1,7 @@
 """`MixedPrecisionSettings`: what `MasterWeights` and `LossScaler` are built from.
 
-The library owns these settings and their defaults, so that it runs without the trainer's
-config; the trainer's `[mixed_precision]` section converts into them
-(`components.optimizer.mixed_precision_settings`).
+Owned by the library so it runs without the trainer's config (whose `[mixed_precision]`
+section converts into them).
 """
 
 from __future__ import annotations

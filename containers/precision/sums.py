@@ -1,25 +1,12 @@
-"""What `MasterWeights`' fp32 masters start from and step on, beside the low-precision model.
+"""What the fp32 masters start from (`from_initial`) and step on (`FullPrecisionSums`).
 
-`from_initial`: the masters start from the full-precision values the model was built with
-(`MasterWeights.cast_model` keeps them), not from their rounding.
-
-`FullPrecisionSums` (`[mixed_precision] grad_accumulation_dtype = "float32"`): gradients
-summed over micro-batches in fp32. A bf16 parameter can only hold a bf16 gradient, so autograd
-and FSDP2 add each micro-batch's gradient into the one before in bf16: every addition rounds
-the running sum to 8 significant bits. On the debug job with 4 micro-batches that cost the
-container 3% of loss against FSDP2's bf16 policy, which sums fp32 gradients
-(benchmarks/README.md). Here a hook on each parameter takes the gradient as soon as it lands
-(after FSDP2's reduce-scatter, once per micro-batch), adds it into an fp32 sum and drops it,
-so the next micro-batch lands on no gradient and is not rounded into one. Before the step the
-parameters get the bf16 rounding of their sums back as `.grad` (what the finite check, the
-norm and the clip read, as before); the masters step on the fp32 sums themselves: flat groups
-(`containers.precision.flat_adam`, with torch's fused kernel) read them in place of the gradients,
-other optimizers through `containers.precision.eager.step_masters`.
-
-Costs: the fp32 sums (4 bytes/param instead of the 2 of a bf16 gradient, from the first
-micro-batch to the step, plus the bf16 copy the step makes) and one add per micro-batch. With
-one micro-batch per step the result is the same, bitwise. The reduce itself still rounds once
-per micro-batch (FSDP2 casts its reduce-scatter output to the parameter's dtype).
+`FullPrecisionSums` (`grad_accumulation_dtype = "float32"`): a bf16 parameter holds only a
+bf16 gradient, so accumulating micro-batches rounds the running sum each time. A hook takes
+each gradient as it lands (after FSDP2's reduce-scatter), adds it into an fp32 sum and drops
+it. Before the step the parameters get the rounded sums back as `.grad` (for the finite
+check, norm and clip) while the masters step on the fp32 sums. Costs 4 bytes/param instead of
+2 until the step; bitwise the same with one micro-batch. The reduce-scatter itself still
+rounds once per micro-batch.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ __all__ = ["FullPrecisionSums", "from_initial"]
 
 
 class FullPrecisionSums:
-    """The fp32 sums of the gradients of the parameters it watches, over the micro-batches of
-    one step."""
+    """fp32 sums of the watched parameters' gradients over one step's micro-batches."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
@@ -52,7 +38,7 @@ class FullPrecisionSums:
             self.sums[param] = grad.to(self.dtype)
         else:
             total.add_(grad)
-        param.grad = None  # the next micro-batch lands on nothing: no low-precision sum
+        param.grad = None  # so the next micro-batch is not summed in low precision
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -66,10 +52,8 @@ class FullPrecisionSums:
 
 @torch.no_grad()
 def from_initial(master: torch.Tensor, param: torch.Tensor, initial: torch.Tensor) -> None:
-    """Overwrite `master` (a fresh fp32 copy of the model parameter `param`) with `initial`,
-    the whole tensor's full-precision value before the cast, sliced as `param` is sharded,
-    wherever it rounds to the parameter's value (elsewhere the parameter changed since the
-    cast, e.g. a load: its own value stays)."""
+    """Set `master` (a fresh fp32 copy of `param`) to `initial` (the whole tensor's
+    pre-cast value, sliced as `param`) wherever it still rounds to the parameter's value."""
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank slices its own copy, no communication.
         initial = distribute_tensor(
