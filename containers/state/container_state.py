@@ -120,7 +120,8 @@ class ContainerState:
 
         As torch's: state and hyperparameters come from the dict by FQN; kernel choices
         (`fused`, `foreach`) stay the container's. Refuses another optimizer's layout, or
-        values that disagree within one of our groups.
+        values that disagree within one of our groups. A trainer whose config should win on
+        resume sets it after the load (`components.checkpoint.resume.ConfigSettings`).
         """
         state_dict = dict(state_dict)
         for hook in self.owner._optimizer_load_state_dict_pre_hooks.values():
