@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from containers.tensors import local
 
 __all__ = [
     "BF16_FUSED_DEVICES",
@@ -81,7 +82,7 @@ def flat_group(group: dict[str, Any]) -> bool:
     params = group["params"]
     if not params or group.get("amsgrad") or group.get("differentiable") or not group["fused"]:
         return False
-    pieces = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    pieces = [local(p) for p in params]
     return all(t.is_contiguous() for t in pieces) and len({t.device for t in pieces}) == 1
 
 
