@@ -31,7 +31,7 @@ from components.ft import (
     serve_state,
 )
 from components.lr_scheduler import LRSchedulersContainer
-from components.optimizer import build_precision, check_names
+from components.optimizer import build_precision, cast_model, check_names
 from components.parallel_dims import ParallelDims
 from components.parallelize import mixed_precision_policy
 from components.pipeline import Evaluate, ForwardBackward, backward_passes, build_passes
@@ -237,7 +237,7 @@ def _build_locked(
     spec = get_train_spec(cfg.model.name)
     torch.manual_seed(cfg.training.seed)
     precision = build_precision(cfg.optimizer, cfg.mixed_precision)
-    model = precision.cast_model(spec.build_model_fn(cfg.model).to(device))
+    model = cast_model(precision, spec.build_model_fn(cfg.model).to(device))
     n_params = sum(p.numel() for p in model.parameters())
     stages = dims.stages(rank, cfg.model.num_parts)
     policy = mixed_precision_policy(cfg.training)

@@ -185,8 +185,9 @@ class OptimizersContainer(Optimizer, Stateful):
         self.ema = ema
         if ema is not None:
             ema.attach([p for g in self.param_groups for p in g["params"]])
+        parts = [part for part in (self.precision.state, outer, ema) if part is not None]
         self._state = ContainerState(
-            self, self.optimizers, self._fqns, self.precision, outer, ema, self.flat_shards
+            self, self.optimizers, self._fqns, parts, ema is not None, self.flat_shards
         )
 
     def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
@@ -286,7 +287,8 @@ class OptimizersContainer(Optimizer, Stateful):
         self._found_inf = self._norm = None
         if not self._paths_said:
             self._paths_said = True
-            for line in path_lines(self.optimizers, masters=self.precision.keeps_masters):
+            masters = "masters" in self.precision.features
+            for line in path_lines(self.optimizers, masters=masters):
                 logger.info("%s", line)
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)

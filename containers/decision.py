@@ -42,6 +42,7 @@ class Decision:
         self, precision: Precision, global_norm: GlobalNorm, device: torch.device, local_norm: bool
     ) -> None:
         self.precision = precision
+        self.may_refuse = "overflow_refusal" in precision.features
         self.global_norm = global_norm
         self.device = device
         self.local_norm = local_norm
@@ -50,7 +51,7 @@ class Decision:
         """Whether the precision and device let `optimizers`' kernels take the non-finite skip."""
         return (
             self.device.type in KERNEL_SKIP_DEVICES
-            and not self.precision.may_refuse
+            and not self.may_refuse
             and self.precision.skips_in_kernel(optimizers)
         )
 
@@ -77,7 +78,7 @@ class Decision:
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
         """`Precision.refusal`, agreed by the world: ranks hold different shards and must
         skip alike."""
-        if not self.precision.may_refuse:
+        if not self.may_refuse:
             return None
         why = self.precision.refusal(optimizers)
         if dist.is_initialized() and dist.get_world_size() > 1:

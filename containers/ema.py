@@ -142,7 +142,7 @@ class ShadowWeights:
             flat[f"{EMA}.{fqn_of[p]}"] = s
         return flat
 
-    def fit_template(self, keys: Collection[str]) -> None:
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
         """A checkpoint with these keys and no average: leave it out of the load template."""
         self._absent = not any(k.startswith(f"{EMA}.") for k in keys)
 

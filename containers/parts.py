@@ -32,6 +32,7 @@ __all__ = [
     "GateLost",
     "Named",
     "Outer",
+    "PartState",
     "Precision",
     "StepReport",
     "Timing",
@@ -85,26 +86,21 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
-    Hooks by phase: composition (`features`; "loss_scaling" makes every non-finite step
-    skip); build (`cast_model`, `stepped`, `built`); step (`scale_loss`, `before_step`,
-    `grad_norm`, `refusal`, `decided`, `apply`, `zero_grad`, `report`); state (`state_dict`,
-    `take_state`, `load_state`). `MasterWeights` (`containers.precision`) is the other one.
+    Hooks by phase: build (`stepped`, `built`); step (`scale_loss`, `before_step`,
+    `grad_norm`, `refusal`, `decided`, `skips_in_kernel`, `apply`, `zero_grad`, `report`);
+    checkpoint (`state`). Declared in `features`: "masters" (the inner optimizers step fp32
+    masters), "overflow_refusal" (`refusal` may answer: the container agrees on it across
+    ranks) and the `containers.rules` features. `MasterWeights` (`containers.precision`) is
+    the other implementation.
     """
 
-    keeps_masters = False
-    """Whether the inner optimizers step fp32 masters of the model's parameters."""
-
-    may_refuse = False
-    """Whether `refusal` can ever answer (the container agrees on it across ranks then)."""
+    state: PartState | None = None
+    """This precision's checkpoint entries beside the optimizer state, if it has any."""
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The `containers.rules` features this precision brings, named as refusals name them."""
+        """What this precision declares, named as refusals name it."""
         return {}
-
-    def cast_model(self, model: nn.Module) -> nn.Module:
-        """Give `model` the parameter dtype this precision expects (before it is sharded)."""
-        return model
 
     def stepped(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer steps for the model parameter `param`."""
@@ -132,18 +128,16 @@ class Precision:
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
         """Why `optimizers`' coming update must not apply though its gradients are finite
-        (e.g. it could overflow fp16 weights); None: it may."""
+        (e.g. it could overflow fp16 weights); None: it may. Asked only where "overflow_refusal"
+        is declared."""
         return None
 
     def decided(self, applied: bool, overflow: bool | None = None) -> None:
         """Told whether the step applied and whether it overflowed (default: not applied)."""
 
     def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether `apply(optimizers, found_inf=flag)` can leave the skip to the kernels.
-
-        Then no host sync decides it first. A precision overriding `apply` or `decided`
-        answers for itself.
-        """
+        """Whether `apply(optimizers, found_inf=flag)` can leave the skip to the kernels
+        (then no host sync decides it first)."""
         return kernel_skips(optimizers)
 
     @torch.no_grad()
@@ -169,19 +163,30 @@ class Precision:
         """StepReport fields this precision measures."""
         return {}
 
+
+class PartState(Protocol):
+    """Checkpoint entries of a part (precision, outer part, EMA) beside the optimizer state,
+    flat and keyed `<kind>.<fqn>` like it; `fqn_of` maps each stepped tensor to its FQN."""
+
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        """Flat entries beside the optimizer state (keys of the same `<kind>.<fqn>` shape)."""
-        return {}
+        """This part's flat entries (tensors as held, so DCP loads into them in place)."""
+        ...
+
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
+        """Make `state_dict()` a template for a checkpoint with these flat keys."""
+        ...
+
+    def forget_template(self) -> None:
+        """Undo `fit_template` (the load it was fitted for failed)."""
+        ...
 
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
-        """Remove this precision's entries from `flat` and validate them; change nothing."""
-        return None
+        """Remove this part's entries from `flat` and validate them; change nothing."""
+        ...
 
     def load_state(self, taken: Any) -> None:
         """Apply what `take_state` took, once the optimizer state has loaded."""
-
-    def written(self, params: Sequence[torch.Tensor]) -> None:
-        """`params` were written outside a step (an outer step): update the model's copies."""
+        ...
 
 
 class GateLost(RuntimeError):
@@ -212,7 +217,7 @@ class Gate:
         return True
 
 
-class Outer(Protocol):
+class Outer(PartState, Protocol):
     """A post-step part with state of its own that may write the stepped weights (DiLoCo).
 
     With one, non-finite skips are decided on the host: it must know whether a step applied.
@@ -233,26 +238,6 @@ class Outer(Protocol):
 
     def after_apply(self) -> None:
         """A committed step has applied."""
-        ...
-
-    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        """This part's flat entries beside the optimizer state (e.g. `outer.*`)."""
-        ...
-
-    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Make `state_dict()` a template for a checkpoint with these flat keys."""
-        ...
-
-    def forget_template(self) -> None:
-        """Undo `fit_template` (the load it was fitted for failed)."""
-        ...
-
-    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
-        """Remove this part's entries from `flat` and validate them; change nothing."""
-        ...
-
-    def load_state(self, taken: Any) -> None:
-        """Apply what `take_state` took, once the optimizer state has loaded."""
         ...
 
 

@@ -24,6 +24,8 @@ FEATURES = frozenset(
         "fp32_sums",  # the masters step on fp32 sums of the gradients, kept after backward
         "remainders",  # fp32 masters kept as bf16 parameters and int16 remainders
         "ema",  # an exponential moving average of the stepped weights
+        "masters",  # the inner optimizers step fp32 masters of the model's parameters
+        "overflow_refusal",  # the precision may refuse a finite update (fp16 weights)
     }
 )
 """The names a part may declare."""

@@ -7,6 +7,7 @@ from components.optimizer.build import (
     OptimizersBuilder,
     build_optimizers,
     build_precision,
+    cast_model,
     check_names,
     mixed_precision_settings,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "OptimizersBuilder",
     "build_optimizers",
     "build_precision",
+    "cast_model",
     "check_names",
     "implementation_kwargs",
     "is_sharded",

@@ -104,8 +104,8 @@ def _device(model_parts: Sequence[nn.Module]) -> torch.device:
 def build_precision(
     cfg: OptimizerConfig, mixed_precision: MixedPrecisionConfig | None = None
 ) -> Precision:
-    """The precision of the container `cfg.container` names: the job casts the model with it
-    (`cast_model`) before sharding, then hands it to `build_optimizers`."""
+    """The precision of the container `cfg.container` names: the job casts the model with a
+    `MasterWeights` (`cast_model`) before sharding, then hands it to `build_optimizers`."""
     if cfg.container == "mixed_precision":
         try:
             return MasterWeights(
@@ -114,6 +114,12 @@ def build_precision(
         except ValueError as e:
             raise ConfigError(str(e)) from e
     return Precision()
+
+
+def cast_model(precision: Precision, model: nn.Module) -> nn.Module:
+    """`model` with the parameter dtype `precision` steps: a `MasterWeights` casts it (before
+    sharding, so FSDP2 shards the cast parameters); fp32 leaves it as it is."""
+    return precision.cast_model(model) if isinstance(precision, MasterWeights) else model
 
 
 def mixed_precision_settings(section: MixedPrecisionConfig) -> MixedPrecisionSettings:

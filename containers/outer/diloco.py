@@ -128,8 +128,11 @@ class DiLoCo(Outer):
 
     def attach(self, container: OptimizersContainer) -> None:
         self.container = container
-        # What the inner optimizers step: the parameters, or their fp32 masters.
+        # What the inner optimizers step: the parameters, or their fp32 masters (whose
+        # model parameters take each outer step's result too).
         self.params = [p for group in container.param_groups for p in group["params"]]
+        model = {id(s): p for u in container.units for p, s in zip(u.params, u.stepped)}
+        self.model = [model[id(s)] for s in self.params]
         if len(self.params) < self.num_fragments:
             raise ValueError(
                 f"num_fragments = {self.num_fragments}: more fragments than the "
@@ -231,7 +234,8 @@ class DiLoCo(Outer):
                 piece.lerp_(target, 1.0 - self.alpha)
             else:
                 piece.copy_(target)
-        self.container.precision.written([self.params[i] for i in members])
+            if self.model[i] is not self.params[i]:
+                local(self.model[i]).copy_(piece)
 
     # -- state -----------------------------------------------------------------------------
 

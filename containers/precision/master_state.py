@@ -1,4 +1,4 @@
-"""`MasterState`: the checkpoint state of `MasterWeights` (a mixin).
+"""`MasterState`: the checkpoint state of `MasterWeights` (its `PartState`).
 
 Each master is saved as `master_weights.<fqn>` (its exact fp32 value, with or without
 remainders, so either policy loads the other's) and the scaler as `loss_scaler.<key>`.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,8 +18,7 @@ from containers.state.flat import describe_keys
 from containers.tensors import local
 
 if TYPE_CHECKING:
-    from containers.precision.flat_adam import FlatGroup
-    from containers.precision.loss_scaler import LossScaler
+    from containers.precision.master_weights import MasterWeights
 
 __all__ = ["MasterState"]
 
@@ -28,26 +27,29 @@ SCALER = "loss_scaler"
 
 
 class MasterState:
-    """The `Precision` state hooks of `MasterWeights`: `_model_param` maps id(master) to its
-    model parameter, `_flat_of` to its (flat group, index)."""
+    """The masters and loss scale of `precision` as flat checkpoint entries."""
 
-    _model_param: dict[int, torch.Tensor]
-    _flat_of: dict[int, tuple[FlatGroup, int]]
-    scaler: LossScaler
-    _unscale: float
-    _lazy: bool
+    def __init__(self, precision: MasterWeights) -> None:
+        self.precision = precision
+        self._lazy = False  # `state_dict` gives masters kept as remainders as themselves
 
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
         flat: dict[str, Any] = {
             f"{MASTER}.{fqn_of[m]}": self._master_value(m) for m in self._masters(fqn_of)
         }
-        for key, value in self.scaler.state_dict().items():
+        for key, value in self.precision.scaler.state_dict().items():
             flat[f"{SCALER}.{key}"] = value
         return flat
 
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
+        """Nothing to fit: every checkpoint of this precision holds every master."""
+
+    def forget_template(self) -> None:
+        """Nothing was fitted."""
+
     def _master_value(self, m: torch.Tensor) -> torch.Tensor:
         """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""
-        found = self._flat_of.get(id(m))
+        found = self.precision.flat_of.get(id(m))
         return found[0].master_value(found[1]) if found is not None and not self._lazy else m
 
     @contextlib.contextmanager
@@ -56,7 +58,7 @@ class MasterState:
         remainders as themselves, and the yielded sinks write into parameter and remainder."""
         sinks = {
             mid: (functools.partial(flat.load_piece, i), local(flat.model[i]).data_ptr())
-            for mid, (flat, i) in self._flat_of.items()
+            for mid, (flat, i) in self.precision.flat_of.items()
             if flat.remainders
         }
         self._lazy = True
@@ -66,7 +68,7 @@ class MasterState:
             self._lazy = False
 
     def _masters(self, fqn_of: Mapping[torch.Tensor, str]) -> list[torch.Tensor]:
-        return [m for m in fqn_of if id(m) in self._model_param]
+        return [m for m in fqn_of if id(m) in self.precision.model_param]
 
     def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
         masters, scaler, missing, bad = [], {}, [], []
@@ -79,7 +81,7 @@ class MasterState:
             if not isinstance(value, torch.Tensor) or value.shape != m.shape:
                 bad.append(key)
             masters.append((m, value))
-        for key in self.scaler.state_dict():
+        for key in self.precision.scaler.state_dict():
             if f"{SCALER}.{key}" not in flat:
                 missing.append(f"{SCALER}.{key}")
             else:
@@ -95,23 +97,14 @@ class MasterState:
     def load_state(self, taken: Any) -> None:
         masters, scaler = taken
         for m, value in masters:
-            found = self._flat_of.get(id(m))
+            found = self.precision.flat_of.get(id(m))
             if found is not None and found[0].remainders and value is m:
                 continue  # read straight into its parameter and remainder (`lazy_masters`)
             if found is not None:
                 found[0].load_master(found[1], local(value))
             else:
                 local(m).copy_(local(value))
-                local(self._model_param[id(m)]).copy_(local(m))
-        self.scaler.load_state_dict(scaler)
+                local(self.precision.model_param[id(m)]).copy_(local(m))
+        self.precision.scaler.load_state_dict(scaler)
         # A replica healing mid-step steps gradients scaled by the scale just received.
-        self._unscale = 1.0 / self.scaler.scale
-
-    @torch.no_grad()
-    def written(self, params: Sequence[torch.Tensor]) -> None:
-        for m in params:
-            found = self._flat_of.get(id(m))
-            if found is not None and found[0].remainders:
-                continue  # its parameter and remainder were written, not the master
-            if id(m) in self._model_param:
-                local(self._model_param[id(m)]).copy_(local(m))
+        self.precision.unscale = 1.0 / self.precision.scaler.scale

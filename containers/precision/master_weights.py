@@ -37,14 +37,12 @@ __all__ = ["MasterWeights"]
 logger = logging.getLogger(__name__)
 
 
-class MasterWeights(MasterState, Precision):
+class MasterWeights(Precision):
     """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them.
 
     Args:
         settings: dtypes and loss scaling (default `MixedPrecisionSettings()`).
     """
-
-    keeps_masters = True
 
     def __init__(self, settings: MixedPrecisionSettings | None = None) -> None:
         self.settings = settings if settings is not None else MixedPrecisionSettings()
@@ -69,18 +67,21 @@ class MasterWeights(MasterState, Precision):
             if self.settings.grad_accumulation_dtype == "float32"
             else None
         )
-        self._model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
+        self.model_param: dict[int, torch.Tensor] = {}  # id(master) -> model parameter
         self._flat: dict[int, list[FlatGroup]] = {}  # id(inner optimizer) -> its flat groups
-        self._flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
+        self.flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
-        self._unscale = 1.0
-        self._lazy = False  # state_dict gives masters kept as remainders as themselves
+        self.unscale = 1.0  # 1 / the loss scale this step's gradients carry
         self._backing_off = False  # the last step overflowed with the scale above its floor
+        self.state = MasterState(self)
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
-        """Loss scaling (fp16), fp32 gradient sums and masters kept as remainders, where set."""
-        named = {}
+        """fp32 masters; fp16's overflow refusal and loss scaling, fp32 gradient sums and
+        masters kept as remainders, where set."""
+        named = {"masters": "MasterWeights"}
+        if self.param_dtype == torch.float16:
+            named["overflow_refusal"] = "MasterWeights' float16 weights"
         if self.scaler.mode != "none":
             named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaler.mode!r}"
         if self.sums is not None:
@@ -115,7 +116,7 @@ class MasterWeights(MasterState, Precision):
         initial = self._initial.pop(fqn, None)
         if initial is not None and initial.shape == param.shape:
             from_initial(master, param, initial)
-        self._model_param[id(master)] = param
+        self.model_param[id(master)] = param
         if self.sums is not None:
             self.sums.watch(param)
         return master
@@ -134,7 +135,7 @@ class MasterWeights(MasterState, Precision):
                 self._flat[id(opt)] = flats
                 opt.register_load_state_dict_post_hook(_mark_stale(flats))
                 for flat in flats:
-                    self._flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
+                    self.flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
 
     def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
         """Refuse remainders for an Adam/AdamW group that cannot step flat, or if no group
@@ -169,7 +170,7 @@ class MasterWeights(MasterState, Precision):
             )
 
     def _model_of(self, group: dict) -> list[torch.Tensor]:
-        return [self._model_param[id(m)] for m in group["params"]]
+        return [self.model_param[id(m)] for m in group["params"]]
 
     def steps_flat(self, opt: Optimizer) -> bool:
         """Whether every param group of `opt` keeps its state in flat buffers (`flat_adam`)."""
@@ -181,7 +182,7 @@ class MasterWeights(MasterState, Precision):
         for opt in optimizers:
             for group in opt.param_groups:
                 for m in group["params"]:
-                    p = self._model_param[id(m)]
+                    p = self.model_param[id(m)]
                     if p.grad is not None:
                         pairs.append((p, m))
         return pairs
@@ -195,7 +196,7 @@ class MasterWeights(MasterState, Precision):
             self.reload(optimizers)
         if self.sums is not None:
             self.sums.restore()  # the finite check, norm and clip read the rounded sums
-        self._unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
+        self.unscale = 1.0 / self.scaler.scale  # the scale this step's loss was scaled by
 
     @torch.no_grad()
     def grad_norm(
@@ -203,15 +204,11 @@ class MasterWeights(MasterState, Precision):
     ) -> torch.Tensor:
         """The unscaled global norm in fp32 (fp64 if `exact`); non-finite if any gradient is."""
         over = over if over is not None else GlobalNorm(params)
-        return over([p.grad for p in params], params=params, exact=exact) * self._unscale
-
-    @property
-    def may_refuse(self) -> bool:  # type: ignore[override]
-        return self.param_dtype == torch.float16
+        return over([p.grad for p in params], params=params, exact=exact) * self.unscale
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
         """fp16 weights: a step of Adam/AdamW that could overflow them (`overflow`)."""
-        if not self.may_refuse:
+        if self.param_dtype != torch.float16:
             return None
         groups = []
         for opt in optimizers:
@@ -226,7 +223,7 @@ class MasterWeights(MasterState, Precision):
         if applied or overflow:  # a refused step tells the scale nothing
             self.scaler.update(overflow=overflow)
         if not applied:
-            for p in self._model_param.values():
+            for p in self.model_param.values():
                 p.grad = None
             if self.sums is not None:
                 self.sums.clear()
@@ -251,7 +248,7 @@ class MasterWeights(MasterState, Precision):
         clip = 1.0
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
-        factor = clip * self._unscale  # unscale and clip in the same multiply
+        factor = clip * self.unscale  # unscale and clip in the same multiply
         sums = self.sums.sums if self.sums is not None else None
         if found_inf is not None and not all(
             f.ready() for opt in optimizers for f in self._flat.get(id(opt), ())
@@ -279,7 +276,7 @@ class MasterWeights(MasterState, Precision):
     def zero_grad(self, set_to_none: bool) -> None:
         if self.sums is not None:
             self.sums.clear()
-        for p in self._model_param.values():
+        for p in self.model_param.values():
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -319,7 +316,7 @@ class MasterWeights(MasterState, Precision):
 
     def reload(self, optimizers: Sequence[Optimizer]) -> None:
         """Move master weights and optimizer state back to the parameters' device."""
-        device = local(next(iter(self._model_param.values()))).device
+        device = local(next(iter(self.model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
 

@@ -122,5 +122,5 @@ def load_planner(states: Mapping[str, Any]) -> Iterator[LoadPlanner | None]:
     with contextlib.ExitStack() as stack:
         sinks = {}
         for precision in precisions:
-            sinks.update(stack.enter_context(precision.lazy_masters()))
+            sinks.update(stack.enter_context(precision.state.lazy_masters()))
         yield LoadPlanner(sinks)

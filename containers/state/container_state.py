@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from containers.ema import EMA, ShadowWeights
+from containers.ema import EMA
 from containers.optim.coded_adam import decode_moment, in_form_of
-from containers.parts import Outer, Precision
+from containers.parts import PartState
 from containers.state.flat import (
     PG,
     STATE,
@@ -41,17 +41,15 @@ class ContainerState:
         owner: Optimizer,
         optimizers: list[Optimizer],
         fqns: dict[torch.Tensor, str],
-        precision: Precision,
-        outer: Outer | None,
-        ema: ShadowWeights | None,
+        parts: list[PartState],
+        keeps_ema: bool,
         flat_shards: FlatShards,
     ) -> None:
         self.owner = owner
         self.optimizers = optimizers
         self._fqns = fqns
-        self.precision = precision
-        self.outer = outer
-        self.ema = ema
+        self.parts = parts  # precision, outer part, EMA: saved and loaded in this order
+        self.keeps_ema = keeps_ema
         self.flat_shards = flat_shards
         # Keys (and dtypes) of the checkpoint about to load: until then the template's Adam
         # moments take its form (8-bit codes or tensors of its dtype).
@@ -102,11 +100,8 @@ class ContainerState:
                     for key, value in group.items():
                         if key != "params" and key not in UNSAVED_KEYS:
                             flat[f"{PG}.{self._fqns[p]}.{key}"] = value
-        flat.update(self.precision.state_dict(self._fqns))
-        if self.outer is not None:
-            flat.update(self.outer.state_dict(self._fqns))
-        if self.ema is not None:
-            flat.update(self.ema.state_dict(self._fqns))
+        for part in self.parts:
+            flat.update(part.state_dict(self._fqns))
         if self.flat_shards:
             flat = self.flat_shards.export(flat)
         for hook in self.owner._optimizer_state_dict_post_hooks.values():
@@ -132,10 +127,7 @@ class ContainerState:
         zeros: set[str] = set()
         if self.flat_shards:
             state_dict, sliced, zeros = self.flat_shards.take_local(state_dict)
-        taken = self.precision.take_state(state_dict, self._fqns)
-        outer = self.outer
-        outer_taken = outer.take_state(state_dict, self._fqns) if outer is not None else None
-        ema_taken = self.ema.take_state(state_dict, self._fqns) if self.ema is not None else None
+        taken = [part.take_state(state_dict, self._fqns) for part in self.parts]
         layout, created, changes = [], {}, []
         for opt in self.optimizers:
             states, news, changed = self._states(opt, False, state_dict.keys())
@@ -156,11 +148,8 @@ class ContainerState:
         prepared, self._checkpoint_keys = self._checkpoint_keys, {}
         if not prepared and changes:
             logger.info("optimizer state converted on load: %s", _describe(changes))
-        self.precision.load_state(taken)
-        if self.outer is not None:
-            self.outer.load_state(outer_taken)
-        if self.ema is not None:
-            self.ema.load_state(ema_taken)
+        for part, part_taken in zip(self.parts, taken):
+            part.load_state(part_taken)
         for hook in self.owner._optimizer_load_state_dict_post_hooks.values():
             hook(self.owner)
 
@@ -180,11 +169,9 @@ class ContainerState:
         refuse_other_layout(self.optimizers, [f[0] for f in fitted], self._fqns, keys)
         dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
         self._checkpoint_keys = {k: v for k, v in dtypes.items() if k.startswith(f"{STATE}.")}
-        if self.outer is not None:
-            self.outer.fit_template(keys, self._fqns)
-        if self.ema is not None:
-            self.ema.fit_template(keys)
-        elif any(k.startswith(f"{EMA}.") for k in keys):
+        for part in self.parts:
+            part.fit_template(keys, self._fqns)
+        if not self.keeps_ema and any(k.startswith(f"{EMA}.") for k in keys):
             raise ValueError(
                 "the checkpoint holds an EMA of the weights (ema.*) and this container keeps "
                 "none, so the load would drop it: keep one ([ema] enable = true)"
@@ -194,10 +181,8 @@ class ContainerState:
     def forget_checkpoint_keys(self) -> None:
         """Undo `check_checkpoint_keys` after a failed load (the EMA kept)."""
         self._checkpoint_keys = {}
-        if self.outer is not None:
-            self.outer.forget_template()
-        if self.ema is not None:
-            self.ema.forget_template()
+        for part in self.parts:
+            part.forget_template()
 
 
 def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> None:

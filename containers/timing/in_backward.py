@@ -112,7 +112,7 @@ class InBackward(Timing):
             self._flags.append(found)
         elif (c.skip_nonfinite and not all_finite(grads)) or (
             # (the refusal reads the weights: only for a unit whose gradients could apply)
-            c.precision.may_refuse and c.precision.refusal(unit.optimizers)
+            c.decision.may_refuse and c.precision.refusal(unit.optimizers)
         ):
             self._skipped += 1
         else:

@@ -340,7 +340,7 @@ def test_a_resume_never_makes_masters_kept_as_remainders_fp32(tmp_path):
     expected = _snapshot(parts, optimizers)
     parts2, optimizers2, _, manager2 = _lean_job(tmp_path, 1)
     made = []
-    flats = {id(f): f for f, _ in optimizers2.precision._flat_of.values()}.values()
+    flats = {id(f): f for f, _ in optimizers2.precision.flat_of.values()}.values()
     for flat in flats:
         flat.master_value = lambda i: made.append(i)  # type: ignore[method-assign]
     assert manager2.load() == 2 and not made

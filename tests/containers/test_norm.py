@@ -166,6 +166,11 @@ def _precision(kind: str) -> Precision:
     return MasterWeights() if kind == "bf16" else Precision()
 
 
+def _cast(precision: Precision, model: nn.Module) -> nn.Module:
+    """`model` with the parameter dtype `precision` steps (bf16 for `MasterWeights`)."""
+    return precision.cast_model(model) if isinstance(precision, MasterWeights) else model
+
+
 def _llama_loss(parts: list[nn.Module]) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)  # the same batch on every rank
     tokens = torch.randint(0, 256, (2, 16), generator=g)
@@ -221,7 +226,7 @@ def _pp_fsdp(mesh, kind: str) -> dict:
     full model's (one forward/backward on every rank), sharded as the parameters are."""
     precision = _precision(kind)
     torch.manual_seed(0)
-    model = precision.cast_model(Transformer(FLAVORS["tiny"]))
+    model = _cast(precision, Transformer(FLAVORS["tiny"]))
     ref = copy.deepcopy(model)
     _llama_loss([ref]).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -255,7 +260,7 @@ def _tp_fsdp(mesh, kind: str) -> dict:
     """TP2 x FSDP2, a real forward/backward on the same batch everywhere."""
     precision = _precision(kind)
     torch.manual_seed(0)
-    model = precision.cast_model(_NormMLP())
+    model = _cast(precision, _NormMLP())
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1)).to(model.norm.weight)
     ref(x).float().square().sum().backward()
@@ -274,7 +279,7 @@ def _hsdp(mesh, kind: str) -> dict:
     """HSDP 2 x 2 (Replicate, Shard(0)), a real forward/backward on the same batch everywhere."""
     precision = _precision(kind)
     torch.manual_seed(0)
-    model = precision.cast_model(Transformer(FLAVORS["tiny"]))
+    model = _cast(precision, Transformer(FLAVORS["tiny"]))
     ref = copy.deepcopy(model)
     _llama_loss([ref]).backward()
     dp = mesh["dp_replicate", "dp_shard"]

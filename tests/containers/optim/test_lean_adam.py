@@ -318,10 +318,10 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
     ],
 )
 def test_lean_moments_where_they_do_not_apply_are_refused_by_name(cfg, match):
-    from components.optimizer import build_optimizers, build_precision
+    from components.optimizer import build_optimizers, build_precision, cast_model
 
     precision = build_precision(cfg, MixedPrecision())
-    parts = [precision.cast_model(part) for part in three_parts()]
+    parts = [cast_model(precision, part) for part in three_parts()]
     with pytest.raises(ConfigError, match=match):
         build_optimizers(parts, cfg, precision=precision)
 

@@ -42,7 +42,7 @@ def _grads(shapes, step: int) -> list[torch.Tensor]:
 def _step(mp, model, grads, factor: float = 1.0) -> None:
     for p, g in zip(model.parameters(), grads):
         p.grad = g.clone()
-    mp.precision._unscale = factor  # as a loss scale of 1 / factor would
+    mp.precision.unscale = factor  # as a loss scale of 1 / factor would
     mp.precision.apply(mp.optimizers)
 
 

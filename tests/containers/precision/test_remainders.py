@@ -81,7 +81,7 @@ def _step(mp, model: nn.Module, step: int, unused: int | None = None) -> None:
     torch.manual_seed(100 + step)
     for i, p in enumerate(model.parameters()):
         p.grad = None if i == unused else torch.randn(p.shape).to(torch.bfloat16)
-    mp.precision._unscale = 0.3  # as a loss scale of 1 / 0.3 would
+    mp.precision.unscale = 0.3  # as a loss scale of 1 / 0.3 would
     mp.precision.apply(mp.optimizers)
 
 
@@ -189,7 +189,7 @@ def _load(path: str, planned: bool) -> dict:
     states = {"model": ModelWrapper(parts), "optim": container}
     if planned:  # as the checkpoint manager loads: no master is ever made fp32
         made = []
-        flats = {id(f): f for f, _ in container.precision._flat_of.values()}.values()
+        flats = {id(f): f for f, _ in container.precision.flat_of.values()}.values()
         for flat in flats:
             flat.master_value = lambda i: made.append(i)  # type: ignore[method-assign]
         with load_planner(states) as planner:
