@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,8 +257,18 @@ class OptimizersContainer(Optimizer, Stateful):
         return len(self.optimizers)
 
     def __repr__(self) -> str:
-        inner = ", ".join(type(o).__name__ for o in self.optimizers)
-        return f"{type(self).__name__}([{inner}])"
+        """What steps, in one line: each kind of param group (optimizer, state dtype, how
+        many), then every part, named even where it is the plain one."""
+        groups = Counter(
+            f"{type(opt).__name__} ({g.get('moment_dtype', 'float32')} state)"
+            for opt in self.optimizers
+            for g in opt.param_groups
+        )
+        inner = ", ".join(f"{what} x{n}" if n > 1 else what for what, n in groups.items())
+        parts = [f"precision {self.precision!r}", f"gate {self.gate!r}", f"{self.timing!r}"]
+        parts += [f"outer {self.outer!r}"] if self.outer is not None else []
+        parts += [f"ema {self.ema!r}"] if self.ema is not None else []
+        return f"{type(self).__name__}([{inner}]; {'; '.join(parts)})"
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__

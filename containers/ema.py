@@ -58,6 +58,12 @@ class ShadowWeights:
         self._from_weights = False
         self._absent = False  # (fitted to a checkpoint without it: not in the template)
 
+    def __repr__(self) -> str:
+        return (
+            f"ShadowWeights(decay={self.decay}, update_every_n_steps={self.every}, "
+            f"start_step={self.start_step})"
+        )
+
     @torch.no_grad()
     def attach(self, params: Sequence[torch.Tensor]) -> None:
         """Shadow `params` (what the container steps), starting from their values."""

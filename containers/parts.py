@@ -163,6 +163,9 @@ class Precision:
         """StepReport fields this precision measures."""
         return {}
 
+    def __repr__(self) -> str:
+        return "fp32"
+
 
 class PartState(Protocol):
     """Checkpoint entries of a part (precision, outer part, EMA) beside the optimizer state,
@@ -216,6 +219,9 @@ class Gate:
     def commit(self) -> bool:
         return True
 
+    def __repr__(self) -> str:
+        return "none"
+
 
 class Outer(PartState, Protocol):
     """A post-step part with state of its own that may write the stepped weights (DiLoCo).
@@ -260,6 +266,9 @@ class Timing:
 
     def on_zero_grad(self) -> None:
         """A new step begins."""
+
+    def __repr__(self) -> str:
+        return "steps after backward"
 
     def finish(self, container: OptimizersContainer) -> None:
         """In `step()`, for timings that apply inside backward: apply what is left."""

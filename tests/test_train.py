@@ -497,7 +497,9 @@ def test_muon_toml_trains_with_muon_on_the_block_matrices_and_checkpoints_its_mo
     args = ["config/muon.toml" if a == "config/debug.toml" else a for a in BASE]
     result = launch(0, [*args, "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "OptimizersContainer([ShardedMuon, AdamW, AdamW, ShardedMuon])" in result.stdout
+    assert "OptimizersContainer([ShardedMuon (float32 state) x2, AdamW (float32 state) x3]" in (
+        result.stdout
+    )
     assert list(_losses(tmp_path)) == [1, 2] and _losses(tmp_path)[2] < _losses(tmp_path)[1]
     state = _checkpoint(tmp_path, 2, tmp_path)["optimizer"]
     muon = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in state if k.endswith(".momentum_buffer")}

@@ -50,6 +50,9 @@ class TorchFTGate(Gate):
     def features(self) -> dict[str, str]:  # type: ignore[override]
         return {"torchft": "TorchFTGate (torchft)"}
 
+    def __repr__(self) -> str:
+        return "torchft every step (gradients averaged across replica groups)"
+
     def on_zero_grad(self) -> None:
         # No state reads by healing peers (from torchft's thread) during forward/backward:
         # FSDP2 unshards the parameters there.

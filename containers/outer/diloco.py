@@ -126,6 +126,14 @@ class DiLoCo(Outer):
     def features(self) -> dict[str, str]:  # type: ignore[override]
         return {"torchft": "DiLoCo (torchft)", "diloco": "DiLoCo"}
 
+    def __repr__(self) -> str:
+        kwargs = ", ".join(f"{k}={v}" for k, v in self.outer_kwargs.items())
+        return (
+            f"DiLoCo(sync_steps={self.sync_steps}, num_fragments={self.num_fragments}, "
+            f"fragment_sync_delay={self.delay}, fragment_update_alpha={self.alpha}, "
+            f"outer {self.outer_cls.__name__}({kwargs}))"
+        )
+
     def attach(self, container: OptimizersContainer) -> None:
         self.container = container
         # What the inner optimizers step: the parameters, or their fp32 masters (whose

@@ -90,6 +90,13 @@ class MasterWeights(Precision):
             named["remainders"] = "MasterWeights' store_param_remainders"
         return named
 
+    def __repr__(self) -> str:
+        s = self.settings
+        masters = f"{s.master_dtype} masters" + (" as int16 remainders" if self.remainders else "")
+        sums = ", float32 gradient sums" if self.sums is not None else ""
+        scaling = f"loss scaling {self.scaler.mode}"
+        return f"MasterWeights({s.param_dtype} params, {masters}, {scaling}{sums})"
+
     def cast_model(self, model: nn.Module) -> nn.Module:
         """Cast the floating-point parameters only (buffers such as rotary tables keep their dtype).
 

@@ -59,6 +59,10 @@ class InBackward(Timing):
     def features(self) -> dict[str, str]:  # type: ignore[override]
         return {"in_backward": "InBackward (units step inside backward)"}
 
+    def __repr__(self) -> str:
+        every = self.gradient_accumulation_steps
+        return "steps in backward" + (f" (every {every} passes)" if every > 1 else "")
+
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
         """One unit per FSDP2 module (its gradients arrive together after one reduce-scatter),
         else one per module that directly owns parameters."""

@@ -870,3 +870,34 @@ def test_a_huge_finite_gradient_is_not_taken_for_an_overflow(max_norm):
 def opt_norm(report) -> torch.Tensor:
     """The norm the container clipped by: the reported value, as the fp32 tensor it used."""
     return torch.tensor(report.grad_norm, dtype=torch.float64).float()
+
+
+def test_repr_names_each_group_kind_and_every_part_even_the_plain_ones():
+    """The trainer's start line is this repr: what steps must be readable from it alone."""
+    from containers import DiLoCo, MixedPrecisionSettings, ShadowWeights
+
+    plain = repr(OptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-3}))
+    assert plain == (
+        "OptimizersContainer([AdamW (float32 state) x3]; precision fp32; gate none; "
+        "steps after backward)"
+    )
+    in_backward = OptimizersInBackwardContainer(
+        three_parts(), torch.optim.SGD, {"lr": 1e-3}, gradient_accumulation_steps=2,
+        ema=ShadowWeights(0.5),
+    )  # fmt: skip
+    assert "; steps in backward (every 2 passes); ema ShadowWeights(decay=0.5," in repr(in_backward)
+    lean = MixedPrecisionOptimizersContainer(
+        [p.bfloat16() for p in three_parts()], LeanAdamW,
+        {"lr": 1e-3, "moment_dtype": "bfloat16", "fused": True},
+        settings=MixedPrecisionSettings(store_param_remainders=True),
+    )  # fmt: skip
+    assert repr(lean).startswith(
+        "MixedPrecisionOptimizersContainer([LeanAdamW (bfloat16 state) x3]; precision "
+        "MasterWeights(bfloat16 params, float32 masters as int16 remainders, loss scaling none)"
+    )
+    outer = DiLoCo(None, sync_steps=4, num_fragments=2)
+    diloco = OptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-3}, outer=outer)
+    assert repr(diloco).endswith(
+        "; outer DiLoCo(sync_steps=4, num_fragments=2, fragment_sync_delay=0, "
+        "fragment_update_alpha=0.0, outer SGD(lr=0.7, momentum=0.9, nesterov=True)))"
+    )
