@@ -55,6 +55,8 @@ def main(argv: list[str]) -> int:
     watch_parent()
     stop = StopRequest()
     cfg = load_job_config(argv)
+    if cfg.fault_tolerance.enable:  # replica groups run side by side: tell their lines apart
+        run_log.tag_group(cfg.fault_tolerance.replica_id)
     resolved = to_toml(cfg)
     if cfg.job.print_config:
         logger.info("config (saved as config.toml in the dump folder):\n%s", resolved)

@@ -100,6 +100,7 @@ class RunLog:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.group = ""  # "[group N] " under torchft (`tag_group`)
         self.level = logging.INFO if rank == 0 else logging.ERROR
         self.file: logging.FileHandler | None = None
         self._pending: _Pending | None = _Pending()
@@ -116,10 +117,9 @@ class RunLog:
         ones logged so far; returns the file's path."""
         path = Path(folder) / LOG_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        tag = "" if self.rank == 0 else f"[rank {self.rank}] "
         self.file = _LogFile(path, encoding="utf-8")
-        formatter = logging.Formatter(FORMAT.replace("%(message)s", f"{tag}%(message)s"))
-        self.file.setFormatter(formatter)
+        tag = "" if self.rank == 0 else f"[rank {self.rank}] "
+        self.file.setFormatter(self._formatter(tag))
         root = logging.getLogger()
         root.addHandler(self.file)
         if self._pending is not None:
@@ -128,6 +128,24 @@ class RunLog:
                 self.file.handle(record)
             self._pending = None
         return path
+
+    def tag_group(self, replica_id: int) -> None:
+        """Start every line of this process with `[group N]` (torchft: replica groups run
+        side by side, and their lines must be told apart)."""
+        self.group = f"[group {replica_id}] "
+        self._restyle_console()
+        if self.file is not None:
+            self.file.setFormatter(
+                self._formatter("" if self.rank == 0 else f"[rank {self.rank}] ")
+            )
+
+    def _restyle_console(self) -> None:
+        for handler in logging.getLogger().handlers:
+            if not isinstance(handler, _Pending | _LogFile):
+                handler.setFormatter(self._formatter())
+
+    def _formatter(self, tag: str = "") -> logging.Formatter:
+        return logging.Formatter(FORMAT.replace("%(message)s", f"{self.group}{tag}%(message)s"))
 
     def _uncaught(
         self, kind: type[BaseException], error: BaseException, tb: TracebackType | None
@@ -145,6 +163,9 @@ class RunLog:
         of known noise), for a process that goes on after the run."""
         root = logging.getLogger()
         root.setLevel(self._root_level)
+        if self.group:
+            self.group = ""
+            self._restyle_console()
         logging.captureWarnings(False)
         if self._pending is not None:
             root.removeHandler(self._pending)

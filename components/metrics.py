@@ -106,11 +106,26 @@ def _drop_rows_after(path: Path, step: int) -> None:
     )
 
 
+def _keep_aside(path: Path) -> None:
+    """Rename an earlier run's `path` to `metrics.before-<its last write, UTC>.jsonl`, so a
+    run that starts from step 0 neither appends to it nor drops its rows."""
+    if not path.exists() or not path.stat().st_size:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(path.stat().st_mtime))
+    kept, n = path.with_name(f"metrics.before-{stamp}.jsonl"), 1
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"metrics.before-{stamp}-{n}.jsonl")
+    os.replace(path, kept)
+    logger.info("kept the earlier run's %s as %s (this run starts from step 0)", path, kept.name)
+
+
 class MetricsLogger:
     """Logs the first step, every `[metrics] log_freq`-th and the last; only if `enabled`.
 
     `metrics.jsonl` is appended to, so a resumed run continues the same file, once the rows of
-    the steps it trains again (its first step and later) are dropped: no step is there twice. Each
+    the steps it trains again (its first step and later) are dropped: no step is there twice. A
+    run that starts from step 0 keeps an earlier run's file aside (`_keep_aside`). Each
     line is one strict JSON object (non-finite numbers as null) with at least `step`, `time`
     (wall clock, unix seconds) and `loss`. Throughput and step time are over the log window:
     the steps since the last logged row.
@@ -169,10 +184,13 @@ class MetricsLogger:
         the first shown in the log line."""
         self._step_times.append(step_time)
         if self.enabled and self._file is None:
-            # The first step this run trains: rows of it and later ones are from a run that
-            # was rolled back (a resume, or a restart from scratch) and go. Known only now: a
-            # torchft group that heals from a peer starts at the peer's step.
-            _drop_rows_after(self._path, step - 1)
+            # The first step this run trains: from step 0, an earlier run's rows are kept
+            # aside; on a resume, those of this step and later were rolled back and go. Known
+            # only now: a torchft group that heals from a peer starts at the peer's step.
+            if step == 1:
+                _keep_aside(self._path)
+            else:
+                _drop_rows_after(self._path, step - 1)
             self._file = self._path.open("a", encoding="utf-8")
         window = self._window
         window[0] += step_time
@@ -208,7 +226,8 @@ class MetricsLogger:
     def _write_line(step: int, record: dict[str, Any], lr_label: str | None) -> None:
         fields = "  ".join(
             f"{f'lr[{lr_label}]' if k == 'lr' and lr_label else k} "
-            + (f"{v:.4g}" if isinstance(v, float) else f"{v}")
+            # (checksums are compared across runs and groups: every digit)
+            + (f"{v:.4g}" if isinstance(v, float) and k != "param_checksum" else f"{v}")
             for k, v in record.items()
             if k not in ("step", "time") and not k.startswith("lr/")
         )

@@ -41,3 +41,21 @@ def test_every_rank_s_line_once_errors_of_each_rank_and_known_noise_filtered(tmp
     assert any(line.endswith("ERROR rank 0 failed") for line in lines), lines
     assert any(line.endswith("ERROR [rank 1] rank 1 failed") for line in lines), lines
     assert not any("view tensor" in line or "after close" in line for line in lines), lines
+
+
+def _log_as_a_replica_group(folder: str) -> None:
+    rank = dist.get_rank()
+    run_log = setup_logging(rank)
+    run_log.tag_group(3)
+    run_log.keep_in(folder)
+    log = logging.getLogger("train")
+    log.info("step 1")
+    log.error("rank %d failed", rank)
+    run_log.close()
+
+
+def test_a_replica_group_s_lines_carry_its_group_id(tmp_path):
+    run_ranks(2, _log_as_a_replica_group, str(tmp_path))
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert any(line.endswith("INFO [group 3] step 1") for line in lines), lines
+    assert any(line.endswith("ERROR [group 3] [rank 1] rank 1 failed") for line in lines), lines

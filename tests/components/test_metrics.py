@@ -135,6 +135,32 @@ def test_a_resumed_run_appends_to_the_same_file(tmp_path):
     assert [r["loss"] for r in _rows(tmp_path)][2:] == [1.0, 1.0]
 
 
+def test_a_run_from_step_0_keeps_an_earlier_runs_file_aside_instead_of_dropping_its_rows(
+    tmp_path, caplog
+):
+    earlier = _logger(tmp_path, total_steps=3)
+    for step in (1, 2, 3):
+        earlier.log(step, 2.0, 0.1, 10)
+    earlier.close()
+    fresh = _logger(tmp_path, total_steps=3)
+    with caplog.at_level(logging.INFO, logger="components.metrics"):
+        fresh.log(1, 1.0, 0.1, 10)
+    fresh.close()
+    (kept,) = tmp_path.glob("metrics.before-*.jsonl")
+    assert [json.loads(r)["loss"] for r in kept.read_text().splitlines()] == [2.0, 2.0, 2.0]
+    assert [r["loss"] for r in _rows(tmp_path)] == [1.0]
+    assert f"kept the earlier run's {tmp_path / 'metrics.jsonl'} as {kept.name}" in caplog.text
+    assert "dropped" not in caplog.text
+
+
+def test_the_log_line_prints_the_checksum_with_every_digit(tmp_path, caplog):
+    metrics = _logger(tmp_path, total_steps=1)
+    with caplog.at_level(logging.INFO, logger="components.metrics"):
+        metrics.log(1, 1.0, 0.1, 10, param_checksum=1500.8212345)
+    metrics.close()
+    assert "param_checksum 1500.8212345 " in caplog.text  # (4 digits would print 1501)
+
+
 def _sharded_checksum(folder: str) -> dict:
     parts = three_parts(seed=3)
     params = [p for part in parts for p in part.parameters()]
