@@ -85,7 +85,12 @@ def _keys(cls: type, title: str) -> list[str]:
 def usage(prog: str = "train.py") -> str:
     """The `--help` text of `prog`: how to set keys, then every section and key."""
     lines = [
-        f"usage: {prog} [--job.config_file FILE.toml] [--section.key VALUE ...]",
+        f"usage: {prog} [--nproc_per_node N] [--job.config_file FILE.toml] "
+        "[--section.key VALUE ...]",
+        "",
+        "  --nproc_per_node N   start N ranks on this machine (gloo on CPU, nccl on GPUs) and",
+        "                       stop them together: a signal reaches every rank, which saves and",
+        "                       exits 0; without it, one process (or the ranks torchrun starts)",
         "",
         "Every key below is set in the TOML file ([section] key = value) or on the command",
         "line (--section.key VALUE or --section.key=VALUE; a boolean as a bare flag).",

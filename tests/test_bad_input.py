@@ -31,7 +31,8 @@ def test_help_lists_the_keys_and_reads_nothing(flag, capsys):
 
     train.main(["--job.config_file", "nope.toml", flag])
     out = capsys.readouterr().out
-    assert out.startswith("usage: train.py")
+    assert out.startswith("usage: train.py [--nproc_per_node N]")
+    assert "\n  --nproc_per_node N   start N ranks on this machine" in out  # the launcher's own
     assert "\n[training]\n  steps: int = 200\n" in out
     assert "train_timeout_seconds: int = 100" in out
 
