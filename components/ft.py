@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from components.optimizer import resolve_optimizer
-from config import ConfigError, JobConfig
+from config import DILOCO_KEYS, ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
 from config import Optimizer as OptimizerConfig
 from containers import DiLoCo, TorchFTGate
@@ -62,13 +62,6 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
     return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
 
 
-_DILOCO_MATH = (
-    "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
-    "outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov",
-)  # fmt: skip
-"""The `[fault_tolerance]` keys that shape DiLoCo's math: replica groups must share them."""
-
-
 def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     """The gate of a torchft replica group that averages gradients at every step
     (`TorchFTGate`, groups of another math config refused); None without torchft, or under
@@ -92,7 +85,7 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
         moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
     )  # fmt: skip
     cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
-    diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
+    diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in DILOCO_KEYS}
     return DiLoCo(
         manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
         num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,

@@ -275,6 +275,14 @@ class FaultTolerance:
     """DiLoCo: Nesterov momentum in the outer step (torchtitan's choice)."""
 
 
+DILOCO_KEYS = (
+    "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
+    "outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov",
+)  # fmt: skip
+"""The `[fault_tolerance]` keys only DiLoCo reads (`semi_sync_method = "diloco"`): its math,
+which replica groups must share."""
+
+
 _MP = MixedPrecisionSettings()  # the library's defaults
 
 
