@@ -166,11 +166,7 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
             f"precision policy; {fix} or set mixed_precision_param and mixed_precision_reduce "
             "to 'float32'"
         )
-    names = [("[optimizer] name", cfg.optimizer.name)] + [
-        (f"[optimizer.param_groups[{i}]] name", g.name)
-        for i, g in enumerate(cfg.optimizer.param_groups)
-    ]
-    for where, name in names:
+    for where, name in _section_and_groups(cfg.optimizer, "name"):
         if name in ("Muon", "Adafactor"):
             found.append(
                 f"{key} with {where} = {name!r}: FSDP1 hands the optimizer 1-D slices of each "
@@ -178,6 +174,32 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
                 "optimizer (AdamW, Adam, SGD, ...)"
             )
     return found
+
+
+def _section_and_groups(cfg: OptimizerConfig, key: str) -> list[tuple[str, Any]]:
+    """`key` of the `[optimizer]` section and of each param group that sets it, as
+    (where it is written, value): `[optimizer] key`, `[optimizer.param_groups[i]] key`."""
+    found = [(f"[optimizer] {key}", getattr(cfg, key))]
+    for i, group in enumerate(cfg.param_groups):
+        if getattr(group, key) is not None:
+            found.append((f"[optimizer.param_groups[{i}]] {key}", getattr(group, key)))
+    return found
+
+
+def _codes_under_masters(cfg: JobConfig) -> str | None:
+    """8-bit moments asked for in the section or a param group of the mixed-precision
+    container, which keeps Adam's moments in flat buffers (`containers.precision.flat_adam`)."""
+    if cfg.optimizer.container != "mixed_precision":
+        return None
+    for where, dtype in _section_and_groups(cfg.optimizer, "moment_dtype"):
+        if dtype == "8bit":
+            return (
+                f"{where} = '8bit': container 'mixed_precision' keeps the moments in flat "
+                "buffers that a chunk cuts anywhere, not in rows of 8-bit blocks; use "
+                "'bfloat16' there (with [mixed_precision] store_param_remainders: 8 bytes a "
+                "parameter) or container 'default'"
+            )
+    return None
 
 
 def _fsdp_policy_set(cfg: Training) -> tuple[str, str] | None:
@@ -257,9 +279,9 @@ def cross_check(cfg: JobConfig) -> None:
     if (composition := _composition_conflict(cfg)) is not None:
         problems.append(composition)
     problems += _unread(cfg)
-    policy = _policy_conflict(cfg)
-    if policy is not None:
-        problems.append(policy)
+    for rule in (_policy_conflict, _codes_under_masters):
+        if (line := rule(cfg)) is not None:
+            problems.append(line)
     if cfg.optimizer.container == "fault_tolerant" and not ft.enable:
         problems.append(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "

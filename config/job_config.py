@@ -263,7 +263,8 @@ class FaultTolerance:
     """DiLoCo: after a sync, local = alpha x local + (1 - alpha) x global (0: the global)."""
 
     outer_optimizer: str = "SGD"
-    """DiLoCo: the outer optimizer (a registered `[optimizer] name`)."""
+    """DiLoCo: the outer optimizer (a registered `[optimizer] name` that takes every
+    parameter, 1-D ones too: not Muon)."""
 
     outer_lr: float = bounded(0.7, gt=0.0)
     """DiLoCo: the outer learning rate (torchtitan's 0.7)."""
