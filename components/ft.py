@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
-from components.optimizer import resolve_optimizer
-from config import ConfigError, JobConfig
+from components.optimizer import OPTIMIZERS, resolve_optimizer
+from config import DILOCO_KEYS, ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
 from config import Optimizer as OptimizerConfig
 from containers import DiLoCo, TorchFTGate
@@ -22,11 +23,14 @@ from containers.parts import Gate, Outer
 if TYPE_CHECKING:
     from torchft import Manager
 
+    from components.train_spec import ModelBuilder
+
 __all__ = [
     "build_ft_manager",
     "build_gate",
     "build_outer",
     "check_ft_config",
+    "check_outer",
     "manager_port",
     "math_settings",
     "serve_state",
@@ -62,13 +66,6 @@ def math_settings(cfg: JobConfig) -> dict[str, Any]:
     return {f"[{name}] {k}": v for name, keys in sections.items() for k, v in keys.items()}
 
 
-_DILOCO_MATH = (
-    "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
-    "outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov",
-)  # fmt: skip
-"""The `[fault_tolerance]` keys that shape DiLoCo's math: replica groups must share them."""
-
-
 def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     """The gate of a torchft replica group that averages gradients at every step
     (`TorchFTGate`, groups of another math config refused); None without torchft, or under
@@ -85,20 +82,52 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
     ft = cfg.fault_tolerance
     if manager is None or ft.semi_sync_method != "diloco":
         return None
-    outer = OptimizerConfig(
-        name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
-        momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
-        # lean state: the outer momentum too (in bf16 where the inner moments are coded)
-        moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
-    )  # fmt: skip
-    cls, kwargs = resolve_optimizer(outer, where="[fault_tolerance] outer_optimizer:")
-    diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in _DILOCO_MATH}
+    cls, kwargs = _outer_optimizer(cfg)
+    diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in DILOCO_KEYS}
     return DiLoCo(
         manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
         num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
         fragment_update_alpha=ft.fragment_update_alpha,
         agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
     )  # fmt: skip
+
+
+def _outer_optimizer(cfg: JobConfig) -> tuple[type[Optimizer], dict[str, Any]]:
+    """DiLoCo's outer optimizer from the registry, with the outer hyperparameters. Its state
+    is as lean as the inner moments (bf16 where they are 8-bit codes) where it has lean state,
+    else float32: the inner `moment_dtype` is no request of the outer optimizer's."""
+    ft = cfg.fault_tolerance
+    outer = OptimizerConfig(
+        name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
+        momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
+        moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
+    )  # fmt: skip
+    factory = OPTIMIZERS.get(outer.name)
+    if factory is not None and "moment_dtype" not in factory(outer)[1]:
+        outer = dataclasses.replace(outer, moment_dtype="float32")
+    return resolve_optimizer(outer, where="[fault_tolerance]", key="outer_optimizer")
+
+
+def check_outer(cfg: JobConfig, build_model: ModelBuilder) -> None:
+    """Raise `ConfigError` unless DiLoCo's outer optimizer is registered and takes the
+    parameters of the model `build_model` makes (on the meta device: no memory, no init),
+    before any connection. The outer step updates every parameter, 1-D ones too (which
+    e.g. Muon refuses): torch's refusal is one line under `[fault_tolerance]`."""
+    ft = cfg.fault_tolerance
+    if not (ft.enable and ft.semi_sync_method == "diloco"):
+        return
+    cls, kwargs = _outer_optimizer(cfg)
+    with torch.device("meta"):
+        params = [p for p in build_model(cfg.model).parameters() if p.requires_grad]
+    try:
+        cls(params, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        reason = " ".join(str(e).split())
+        raise ConfigError(
+            f"[fault_tolerance] outer_optimizer = {ft.outer_optimizer!r}: {reason} (the outer "
+            "step updates every parameter of the model); pick one that takes them all, e.g. "
+            "'SGD' (DiLoCo's Nesterov momentum, the default)"
+        ) from None
 
 
 def _group_name(cfg: FaultToleranceConfig) -> str:

@@ -28,6 +28,7 @@ from components.ft import (
     build_gate,
     build_outer,
     check_ft_config,
+    check_outer,
     serve_state,
 )
 from components.lr_scheduler import LRSchedulersContainer
@@ -159,13 +160,14 @@ def init_distributed(
 
 def validate_job(cfg: JobConfig, world_size: int | None = None) -> ParallelDims:
     """Raise `ConfigError` for anything in `cfg` this job cannot run, before any process group
-    or connection exists: registry names, the world size (default: the launcher's
-    `WORLD_SIZE`), torchft's address and the model family's own rules
+    or connection exists: registry names (DiLoCo's outer optimizer too), the world size
+    (default: the launcher's `WORLD_SIZE`), torchft's address and the model family's own rules
     (`TrainSpec.validate_config_fn`). Returns the resolved parallel degrees."""
     spec = get_train_spec(cfg.model.name)
     check_names(cfg.optimizer)
     ft = cfg.fault_tolerance
     check_ft_config(ft, _device())
+    check_outer(cfg, spec.build_model_fn)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg, world_size)

@@ -4,6 +4,7 @@ from config.checks import accumulation_steps, fsdp_mixed_precision, steps_in_bac
 from config.dump import to_toml
 from config.errors import ConfigError
 from config.job_config import (
+    DILOCO_KEYS,
     EMA,
     Checkpoint,
     Comm,
@@ -23,6 +24,7 @@ from config.optimizer_config import Optimizer, ParamGroup
 from config.usage import field_docs, usage
 
 __all__ = [
+    "DILOCO_KEYS",
     "EMA",
     "Checkpoint",
     "Comm",

@@ -4,9 +4,11 @@ size, before any process group exists). Each error names the keys, the values an
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 from config.errors import ConfigError
-from config.job_config import JobConfig, MixedPrecision, Training
+from config.job_config import DILOCO_KEYS, JobConfig, Training
 from config.optimizer_config import Optimizer as OptimizerConfig
 from containers.rules import conflict
 
@@ -16,6 +18,66 @@ __all__ = ["accumulation_steps", "cross_check", "fsdp_mixed_precision", "steps_i
 def steps_in_backward(cfg: OptimizerConfig) -> bool:
     """Whether the `[optimizer]` section asks for units stepped inside backward."""
     return cfg.early_step_in_backward or cfg.container == "in_backward"
+
+
+@dataclass(frozen=True)
+class _Switch:
+    """Keys of `section` that only a feature reads, and the key that turns the feature on."""
+
+    section: str
+    on: tuple[str, str, Any]
+    """(section, key, value) that turns the feature on."""
+    keys: tuple[str, ...] = ()
+    """The keys only the feature reads; empty: every key of `section` but the switch."""
+
+
+_SWITCHES = (
+    _Switch("fault_tolerance", ("fault_tolerance", "enable", True), ("semi_sync_method",)),
+    _Switch("fault_tolerance", ("fault_tolerance", "semi_sync_method", "diloco"), DILOCO_KEYS),
+    _Switch("ema", ("ema", "enable", True)),
+    _Switch("mixed_precision", ("optimizer", "container", "mixed_precision")),
+    _Switch(
+        "checkpoint",
+        ("checkpoint", "enable", True),
+        ("load_step", "set_aside_newer", "initial_load_path", "initial_load_model_only"),
+    ),
+)
+"""Features that are off unless a key turns them on, and the keys only they read: a key set
+for a feature that is off would be ignored silently, so it is refused unless it holds its
+default (TOMLs often spell defaults out). Keys of where and how often a feature connects or
+saves (`[fault_tolerance] lighthouse`, timeouts, `[checkpoint] interval`, ...) are left out:
+switching a TOML's torchft or checkpoints off from the command line is common (e.g.
+scripts/convert.py does), and those keys change nothing a run computes or loads."""
+
+
+def _shown(value: Any) -> str:
+    """`value` as it is written in TOML (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _unread(cfg: JobConfig) -> list[str]:
+    """A line for each key set (not to its default) for a feature of `_SWITCHES` that is off."""
+    found = []
+    for switch in _SWITCHES:
+        section, key, on = switch.on
+        now = getattr(getattr(cfg, section), key)
+        if now == on:
+            continue
+        table = getattr(cfg, switch.section)
+        for f in dataclasses.fields(table):
+            value = getattr(table, f.name)
+            read_anyway = (switch.section, f.name) == (section, key) or (
+                switch.keys and f.name not in switch.keys
+            )
+            if value == f.default or read_anyway:
+                continue
+            turn_on, where = f"[{section}] {key} = {_shown(on)}", f"[{switch.section}] {f.name}"
+            found.append(
+                f"{where} = {_shown(value)}: only {turn_on} reads it, and {key} = {_shown(now)}; "
+                f"set {turn_on} or remove {where} (with the feature off, only its default "
+                f"{_shown(f.default)} is accepted)"
+            )
+    return found
 
 
 def _features(cfg: JobConfig) -> dict[str, tuple[str, str]]:
@@ -104,11 +166,7 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
             f"precision policy; {fix} or set mixed_precision_param and mixed_precision_reduce "
             "to 'float32'"
         )
-    names = [("[optimizer] name", cfg.optimizer.name)] + [
-        (f"[optimizer.param_groups[{i}]] name", g.name)
-        for i, g in enumerate(cfg.optimizer.param_groups)
-    ]
-    for where, name in names:
+    for where, name in _section_and_groups(cfg.optimizer, "name"):
         if name in ("Muon", "Adafactor"):
             found.append(
                 f"{key} with {where} = {name!r}: FSDP1 hands the optimizer 1-D slices of each "
@@ -116,6 +174,32 @@ def _fsdp1_conflicts(cfg: JobConfig) -> list[str]:
                 "optimizer (AdamW, Adam, SGD, ...)"
             )
     return found
+
+
+def _section_and_groups(cfg: OptimizerConfig, key: str) -> list[tuple[str, Any]]:
+    """`key` of the `[optimizer]` section and of each param group that sets it, as
+    (where it is written, value): `[optimizer] key`, `[optimizer.param_groups[i]] key`."""
+    found = [(f"[optimizer] {key}", getattr(cfg, key))]
+    for i, group in enumerate(cfg.param_groups):
+        if getattr(group, key) is not None:
+            found.append((f"[optimizer.param_groups[{i}]] {key}", getattr(group, key)))
+    return found
+
+
+def _codes_under_masters(cfg: JobConfig) -> str | None:
+    """8-bit moments asked for in the section or a param group of the mixed-precision
+    container, which keeps Adam's moments in flat buffers (`containers.precision.flat_adam`)."""
+    if cfg.optimizer.container != "mixed_precision":
+        return None
+    for where, dtype in _section_and_groups(cfg.optimizer, "moment_dtype"):
+        if dtype == "8bit":
+            return (
+                f"{where} = '8bit': container 'mixed_precision' keeps the moments in flat "
+                "buffers that a chunk cuts anywhere, not in rows of 8-bit blocks; use "
+                "'bfloat16' there (with [mixed_precision] store_param_remainders: 8 bytes a "
+                "parameter) or container 'default'"
+            )
+    return None
 
 
 def _fsdp_policy_set(cfg: Training) -> tuple[str, str] | None:
@@ -167,11 +251,6 @@ def cross_check(cfg: JobConfig) -> None:
             f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
             f"{ft.group_size}; raise group_size or lower replica_id"
         )
-    if ft.semi_sync_method == "diloco" and not ft.enable:
-        problems.append(
-            "[fault_tolerance] semi_sync_method = 'diloco': DiLoCo syncs replica groups "
-            "through torchft; set [fault_tolerance] enable = true"
-        )
     if ft.semi_sync_method == "diloco" and ft.num_fragments > ft.sync_steps:
         problems.append(
             f"[fault_tolerance] num_fragments = {ft.num_fragments}: more than sync_steps = "
@@ -189,10 +268,6 @@ def cross_check(cfg: JobConfig) -> None:
             f"average must land before the next fragment's is taken (sync_steps // "
             f"num_fragments = {spacing} steps apart); use at most {spacing - 1}"
         )
-    ema = cfg.ema
-    for key, value in (("eval_every", ema.eval_every), ("export", ema.export)):
-        if value and not ema.enable:
-            problems.append(f"[ema] {key} = {value!r}: no average is kept; set [ema] enable = true")
     mp = cfg.mixed_precision
     if not mp.min_scale <= mp.initial_scale <= mp.max_scale:
         problems.append(
@@ -203,22 +278,11 @@ def cross_check(cfg: JobConfig) -> None:
         problems += _fsdp1_conflicts(cfg)
     if (composition := _composition_conflict(cfg)) is not None:
         problems.append(composition)
-    container = cfg.optimizer.container
-    if container != "mixed_precision":
-        # Only the mixed-precision container reads the section: a key set for another would
-        # be silently ignored (e.g. param_dtype, and the run trains in fp32).
-        for f in dataclasses.fields(MixedPrecision):
-            if getattr(mp, f.name) != f.default:
-                problems.append(
-                    f"[mixed_precision] {f.name} = {getattr(mp, f.name)!r}: only [optimizer] "
-                    f"container = 'mixed_precision' reads [mixed_precision], and container = "
-                    f"{container!r}; set container = 'mixed_precision' or leave the key out"
-                )
-                break
-    policy = _policy_conflict(cfg)
-    if policy is not None:
-        problems.append(policy)
-    if container == "fault_tolerant" and not ft.enable:
+    problems += _unread(cfg)
+    for rule in (_policy_conflict, _codes_under_masters):
+        if (line := rule(cfg)) is not None:
+            problems.append(line)
+    if cfg.optimizer.container == "fault_tolerant" and not ft.enable:
         problems.append(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (then container 'default' is enough)"
@@ -228,12 +292,6 @@ def cross_check(cfg: JobConfig) -> None:
         problems.append(
             f"[lr_scheduler] warmup_steps = {warmup}: more than [training] steps = {steps}, so "
             f"the lr would never reach its peak; use warmup_steps <= {steps} or train longer"
-        )
-    ckpt = cfg.checkpoint
-    if ckpt.initial_load_path and not ckpt.enable:
-        problems.append(
-            f"[checkpoint] initial_load_path = {ckpt.initial_load_path!r}: a run without "
-            "checkpoints loads nothing; set [checkpoint] enable = true or leave it empty"
         )
     if problems:
         raise ConfigError(problems[0])

@@ -263,7 +263,8 @@ class FaultTolerance:
     """DiLoCo: after a sync, local = alpha x local + (1 - alpha) x global (0: the global)."""
 
     outer_optimizer: str = "SGD"
-    """DiLoCo: the outer optimizer (a registered `[optimizer] name`)."""
+    """DiLoCo: the outer optimizer (a registered `[optimizer] name` that takes every
+    parameter, 1-D ones too: not Muon)."""
 
     outer_lr: float = bounded(0.7, gt=0.0)
     """DiLoCo: the outer learning rate (torchtitan's 0.7)."""
@@ -273,6 +274,14 @@ class FaultTolerance:
 
     outer_nesterov: bool = True
     """DiLoCo: Nesterov momentum in the outer step (torchtitan's choice)."""
+
+
+DILOCO_KEYS = (
+    "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
+    "outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov",
+)  # fmt: skip
+"""The `[fault_tolerance]` keys only DiLoCo reads (`semi_sync_method = "diloco"`): its math,
+which replica groups must share."""
 
 
 _MP = MixedPrecisionSettings()  # the library's defaults

@@ -147,23 +147,116 @@ def test_a_refused_ft_job_never_connects(tmp_path):
     assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == store_port
 
 
+def _refused_line(args: list[str], dump: Path) -> str:
+    """The one line `train.py --nproc_per_node 2 args` prints when the launcher refuses the
+    config (exit 2, before any rank starts): stderr alone, with its final newline, nothing on
+    stdout and nothing written under `dump`."""
+    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *args]
+    result = subprocess.run(
+        [*cmd, "--job.dump_folder", str(dump)], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.endswith("\n") and not dump.exists()
+    return result.stderr.partition(" ERROR error: ")[2].removesuffix("\n")
+
+
 def test_a_retired_key_is_one_line_naming_its_replacement_before_any_rank(tmp_path):
     """`[mixed_precision] compile` went: `[optimizer] implementation = "compiled"` is the one
     compile knob. The launcher refuses it (exit 2) before it starts a rank or a folder."""
-    dump = tmp_path / "run"
-    args = ["--job.config_file", "config/mixed_precision.toml", "--job.dump_folder", str(dump)]
-    result = subprocess.run(
-        [sys.executable, "train.py", "--nproc_per_node", "2", *args, "--mixed_precision.compile"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].endswith(
-        " error: [mixed_precision] compile: retired; set [optimizer] implementation = "
+    args = ["--job.config_file", "config/mixed_precision.toml", "--mixed_precision.compile"]
+    assert _refused_line(args, tmp_path / "run") == (
+        "[mixed_precision] compile: retired; set [optimizer] implementation = "
         "'compiled' (one inductor graph a param group, under every container) instead, and "
         "leave this key out"
-    ), lines
-    assert not dump.exists()
+    )
+
+
+DILOCO = ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"]
+DILOCO += ["--fault_tolerance.sync_steps", "4"]
+OFF = "(with the feature off, only its default {} is accepted)"
+GROUPS = """
+[optimizer]
+container = "mixed_precision"
+[[optimizer.param_groups]]
+pattern = "norm"
+weight_decay = 0.0
+[[optimizer.param_groups]]
+pattern = "attention\\\\.w"
+moment_dtype = "8bit"
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["--ema.decay", "0.5"],
+            "[ema] decay = 0.5: only [ema] enable = true reads it, and enable = false; set "
+            f"[ema] enable = true or remove [ema] decay {OFF.format(0.9999)}",
+        ),
+        (
+            ["--fault_tolerance.sync_steps", "4"],
+            "[fault_tolerance] sync_steps = 4: only [fault_tolerance] semi_sync_method = "
+            "'diloco' reads it, and semi_sync_method = 'none'; set [fault_tolerance] "
+            f"semi_sync_method = 'diloco' or remove [fault_tolerance] sync_steps {OFF.format(100)}",
+        ),
+        (
+            ["--fault_tolerance.enable", "--fault_tolerance.num_fragments", "4"],
+            "[fault_tolerance] num_fragments = 4: only [fault_tolerance] semi_sync_method = "
+            "'diloco' reads it, and semi_sync_method = 'none'; set [fault_tolerance] "
+            "semi_sync_method = 'diloco' or remove [fault_tolerance] num_fragments "
+            + OFF.format(1),
+        ),
+        (
+            [*DILOCO, "--fault_tolerance.outer_optimizer", "Nope"],
+            "[fault_tolerance] outer_optimizer = 'Nope': unknown optimizer; registered: "
+            "Adafactor, Adagrad, Adam, AdamW, Adamax, Muon, NAdam, RAdam, SGD (add one with "
+            "components.optimizer.register_optimizer)",
+        ),
+        (
+            [*DILOCO, "--fault_tolerance.outer_optimizer", "Muon"],
+            "[fault_tolerance] outer_optimizer = 'Muon': Muon only supports 2D parameters "
+            "whereas we found a parameter with size: torch.Size([128]) (the outer step updates "
+            "every parameter of the model); pick one that takes them all, e.g. 'SGD' (DiLoCo's "
+            "Nesterov momentum, the default)",
+        ),
+        (
+            ["--job.config_file", "{toml}"],
+            "[optimizer.param_groups[1]] moment_dtype = '8bit': container 'mixed_precision' "
+            "keeps the moments in flat buffers that a chunk cuts anywhere, not in rows of 8-bit "
+            "blocks; use 'bfloat16' there (with [mixed_precision] store_param_remainders: 8 "
+            "bytes a parameter) or container 'default'",
+        ),
+        (
+            ["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"],
+            "[lr_scheduler] warmup_steps = 10: more than [training] steps = 5, so the lr would "
+            "never reach its peak; use warmup_steps <= 5 or train longer",
+        ),
+    ],
+    ids=[
+        "ema_key_without_ema",
+        "diloco_key_without_ft",
+        "diloco_key_without_diloco",
+        "unknown_outer_optimizer",
+        "muon_outer_optimizer",
+        "8bit_group_under_mixed_precision",
+        "warmup_above_steps",
+    ],
+)
+def test_a_config_decision_is_one_line_under_its_key_before_any_rank_or_connection(
+    tmp_path, args, line
+):
+    """Issue 47 (7, 8): a key set for a feature that is off, DiLoCo's outer optimizer (a
+    closed lighthouse port: checked before torchft would wait for it), and an 8-bit group
+    under mixed precision are refused by the launcher, named where they were written."""
+    toml = tmp_path / "groups.toml"
+    toml.write_text(GROUPS, encoding="utf-8")
+    lighthouse = ["--fault_tolerance.lighthouse", f"http://127.0.0.1:{free_port()}"]
+    args = [str(toml) if a == "{toml}" else a for a in args]
+    args += lighthouse if "--fault_tolerance.enable" in args else []
+    assert _refused_line(args, tmp_path / "run") == line
 
 
 def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path):

@@ -150,7 +150,9 @@ def test_a_torch_save_file_converted_resumes_at_two_ranks(tmp_path):
 
 def test_seed_and_convert_refuse_what_they_cannot_use(seeded, tmp_path, caplog):
     off = ["--checkpoint.enable", "false", "--checkpoint.initial_load_path", str(seeded.source)]
-    with pytest.raises(ConfigError, match=r"initial_load_path = .*loads nothing; set .*enable"):
+    with pytest.raises(
+        ConfigError, match=r"initial_load_path = .*: only \[checkpoint\] enable = true reads it"
+    ):
         load_job_config([*BASE, *off])
     # Checked before any rank starts, when it would be used: a run that has its own
     # checkpoint restarts with the same arguments even once the seed is gone.

@@ -158,14 +158,15 @@ register_optimizer("Adafactor", lambda cfg: (torch.optim.Adafactor, adafactor_kw
 
 
 def resolve_optimizer(
-    cfg: OptimizerConfig, name: str | None = None, where: str = "[optimizer]"
+    cfg: OptimizerConfig, name: str | None = None, where: str = "[optimizer]", key: str = "name"
 ) -> tuple[type[Optimizer], dict[str, Any]]:
-    """The registered optimizer `name` (default `cfg.name`): its class and hyperparameters."""
+    """The registered optimizer `name` (default `cfg.name`): its class and hyperparameters;
+    `where` and `key` name the config key that asked for it in an error."""
     name = cfg.name if name is None else name
     if name not in OPTIMIZERS:
         known = ", ".join(registered_optimizers())
         raise ConfigError(
-            f"{where} name = {name!r}: unknown optimizer; registered: {known} "
+            f"{where} {key} = {name!r}: unknown optimizer; registered: {known} "
             "(add one with components.optimizer.register_optimizer)"
         )
     cls, kwargs = OPTIMIZERS[name](cfg)

@@ -19,7 +19,9 @@ def test_the_section_builds_the_average_and_a_half_life_sets_its_decay():
     ema = build_ema(EMA(enable=True, half_life=8.0, update_every_n_steps=2, start_step=5))
     assert ema.decay == 0.5**0.25 and ema.every == 2 and ema.start_step == 5
     assert build_ema(EMA(enable=True, decay=0.99)).decay == 0.99
-    with pytest.raises(ValueError, match=r"\[ema\] eval_every = 5: no average is kept; set"):
+    with pytest.raises(
+        ValueError, match=r"\[ema\] eval_every = 5: only \[ema\] enable = true reads it"
+    ):
         load_job_config(["--ema.eval_every", "5"])
 
 

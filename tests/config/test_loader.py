@@ -439,7 +439,27 @@ CLI_ERRORS = [
     (
         ["--mixed_precision.param_dtype", "float16"],
         r"\[mixed_precision\] param_dtype = 'float16': only \[optimizer\] container = "
-        r"'mixed_precision' reads \[mixed_precision\], and container = 'default'; set",
+        r"'mixed_precision' reads it, and container = 'default'; set",
+    ),
+    # A key of a feature that is off (issue 47): refused unless at its default.
+    (
+        ["--ema.half_life", "8"],
+        r"\[ema\] half_life = 8\.0: only \[ema\] enable = true reads it, and enable = false; "
+        r"set \[ema\] enable = true or remove \[ema\] half_life \(with the feature off, only "
+        r"its default 0\.0 is accepted\)$",
+    ),
+    (
+        ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"],
+        r"^\[fault_tolerance\] semi_sync_method = 'diloco': only \[fault_tolerance\] enable = "
+        r"true reads it",
+    ),
+    (
+        ["--checkpoint.load_step", "4"],
+        r"^\[checkpoint\] load_step = 4: only \[checkpoint\] enable = true reads it",
+    ),
+    (
+        ["--optimizer.container=mixed_precision", "--optimizer.moment_dtype=8bit"],
+        r"^\[optimizer\] moment_dtype = '8bit': container 'mixed_precision' keeps the moments",
     ),
     # Missing or unreadable file.
     (["--job.config_file", "/nonexistent/job.toml"], r"config_file = '/nonexistent/job\.toml'"),
@@ -453,6 +473,20 @@ def test_cli_errors(argv, message):
     """Each bad CLI override raises ConfigError naming section, key and value."""
     with pytest.raises(ConfigError, match=message):
         load_job_config(argv)
+
+
+def test_a_feature_that_is_off_takes_its_defaults_and_where_it_connects_or_saves(tmp_path):
+    """TOMLs spell defaults out, and a TOML's torchft or checkpoints are switched off from
+    the command line (scripts/convert.py does): neither is refused (issue 47)."""
+    text = (
+        '[ema]\ndecay = 0.9999\nexport = false\n[mixed_precision]\nparam_dtype = "bfloat16"\n'
+        '[fault_tolerance]\nsync_steps = 100\nouter_optimizer = "SGD"\nlighthouse = "http://h:1"\n'
+        "connect_timeout_ms = 5\n[checkpoint]\nenable = true\ninterval = 7\n"
+    )
+    cfg = _load(tmp_path, text, "--checkpoint.enable", "false")
+    assert cfg.ema.decay == 0.9999 and cfg.checkpoint.interval == 7
+    with pytest.raises(ConfigError, match=r"^\[checkpoint\] load_step = 3: only"):
+        _load(tmp_path, text + "load_step = 3\n", "--checkpoint.enable", "false")
 
 
 def test_config_error_is_value_error():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -388,6 +390,24 @@ def test_the_outer_momentum_follows_the_lean_moment_dtype_and_the_global_weights
     assert state["outer.outer_steps"] == 1
     assert state["outer.state.head.weight.momentum_buffer"].dtype == torch.bfloat16
     assert state["outer.global.head.weight"].dtype == torch.float32
+
+
+def test_an_outer_optimizer_without_lean_state_keeps_fp32_state_beside_lean_inner_moments():
+    """The inner `moment_dtype = "bfloat16"` makes the outer state lean only where the outer
+    optimizer has lean state: Adagrad keeps its fp32 sums (it was refused under a key
+    `[fault_tolerance] outer_optimizer: moment_dtype` that does not exist, after torchft
+    connected)."""
+    from components.ft import build_outer
+    from components.job import validate_job
+    from config import load_job_config
+
+    args = ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"]
+    args += ["--fault_tolerance.lighthouse", "http://127.0.0.1:1"]  # never contacted
+    args += ["--fault_tolerance.outer_optimizer", "Adagrad", "--optimizer.moment_dtype=bfloat16"]
+    cfg = load_job_config(args)
+    validate_job(cfg)
+    diloco = build_outer(cfg, SimpleNamespace(_use_async_quorum=False))
+    assert diloco.outer_cls is torch.optim.Adagrad and "moment_dtype" not in diloco.outer_kwargs
 
 
 def test_masters_kept_as_remainders_are_refused_when_built():
