@@ -43,6 +43,7 @@ from components.checkpoint.files import (
     clear_stale,
     damaged_checkpoint_error,
     forgetting_on_failure,
+    load_refusal,
     verify,
 )
 from components.checkpoint.resume import ConfigSettings
@@ -225,7 +226,10 @@ class CheckpointManager:
             newer = [s for s in found if s > step]
             if newer and not read_only:
                 self._protect_newer(step, newer)
-            dcp.load(self.states, checkpoint_id=path, planner=planner)
+            try:
+                dcp.load(self.states, checkpoint_id=path, planner=planner)
+            except ValueError as e:  # a part of the job refused the checkpoint's values
+                raise load_refusal(path, e) from None
         self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
