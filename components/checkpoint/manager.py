@@ -340,7 +340,6 @@ class CheckpointManager:
             staged, error = self._stager.stage(state_dicts), None
         except Exception as e:  # e.g. out of CPU memory: nothing written, nothing launched
             staged, error = None, e
-        del state_dicts
         if any_rank(error is not None):  # a rank that writes alone would wait for the others
             if error is None:
                 error = RuntimeError("the CPU copy failed on another rank")
