@@ -178,9 +178,11 @@ class Checkpoint:
     keep_latest_k: int = bounded(0, ge=0)
     """Keep only the newest k checkpoints; 0 keeps all."""
 
-    async_mode: Literal["disabled", "async"] = "disabled"
-    """Save in the background with `dcp.async_save`; each save becomes `step-N` as soon as it
-    completes."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in the background with `dcp.async_save` from a CPU copy taken at the step; each
+    save becomes `step-N` as soon as it completes. "async_with_pinned_mem" keeps the CPU copy
+    for the run (pinned where CUDA is) and copies into it again at each save: no allocation
+    per save, one copy of the state held between saves."""
 
     load_step: int = bounded(-1, ge=-1)
     """Step to resume from; -1 resumes from the newest complete checkpoint. A step older than

@@ -18,10 +18,11 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 from components.checkpoint import complete_checkpoints
 from tests.harness.dist import finish, kill_tree, launch, start, worker_pids
-from tests.test_train import BASE, LONG
+from tests.test_train import BASE, LONG, _checkpoint_tensors, _losses
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -185,6 +186,50 @@ def test_a_save_that_runs_out_of_disk_is_one_line_exit_1_and_the_older_one_intac
     assert int(said[1]) == sum(p.stat().st_size for p in (folder / "step-2").iterdir())
     assert {p.name for p in folder.iterdir()} == {"run.lock", "step-2"}
     assert _hashes(folder / "step-2") == before
+
+
+MIXED = ["--job.config_file", "config/mixed_precision.toml"]
+LEAN = ["--optimizer.moment_dtype", "bfloat16", "--mixed_precision.store_param_remainders"]
+IN_BACKWARD = ["--optimizer.early_step_in_backward", "--training.max_norm", "0"]
+IN_BACKWARD += ["--mixed_precision.grad_accumulation_dtype", "param_dtype"]
+
+
+@pytest.mark.parametrize(
+    "mode, extra",
+    [
+        ("async", MIXED),
+        ("async", [*MIXED, *LEAN]),
+        ("async", [*MIXED, *IN_BACKWARD]),
+        ("async_with_pinned_mem", MIXED),
+    ],
+    ids=["fp32_masters", "bf16_moments_remainders", "in_backward", "pinned_mem"],
+)
+def test_async_saves_under_mixed_precision_are_written_and_resume_bitwise(tmp_path, mode, extra):
+    """The masters and moments are views of flat buffers, held by DTensors: both async saves
+    are written (DCP's own stager took such a DTensor for a tensor with storage and failed
+    on every rank, leaving no checkpoint), and a resume from step-3 ends at step 6 with every
+    saved tensor bitwise the uninterrupted run's."""
+    common = [*BASE, *extra, "--training.steps", "6", "--checkpoint.interval", "3"]
+    common += ["--checkpoint.async_mode", mode]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    for dump in (full, resumed):
+        if dump == resumed:
+            (resumed / "checkpoint").mkdir(parents=True)
+            shutil.copytree(full / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+        result = launch(2, [*common, "--job.dump_folder", str(dump)], torchrun=False)
+        out = result.stdout
+        assert result.returncode == 0 and "Traceback" not in out, out[-3000:]
+        assert not _lines(out, "ERROR"), out[-3000:]
+        assert sorted(complete_checkpoints(dump / "checkpoint")) == [3, 6]
+    assert f"resumed from {resumed / 'checkpoint' / 'step-3'}" in out
+    a, b = _losses(full), _losses(resumed)
+    assert sorted(b) == [4, 5, 6] and [a[s] for s in b] == [b[s] for s in b]
+    ours, theirs = (_checkpoint_tensors(d / "checkpoint" / "step-6", d) for d in (full, resumed))
+    assert ours.keys() == theirs.keys()
+    assert any(".exp_avg_sq" in k for k in ours) and any("master_weights." in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [
+        k for k in ours if not torch.equal(ours[k], theirs[k])
+    ]
 
 
 def _catches(pid: int, sig: signal.Signals) -> bool:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from config import ConfigError
 from containers import OptimizersContainer
+from containers.outer import OtherFragments
 from containers.state.flat import OtherOptimizerState, describe_keys
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "checkpoint_steps",
     "clear_stale",
     "damaged_checkpoint_error",
+    "load_refusal",
     "verify",
 ]
 
@@ -197,10 +199,7 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
             except ValueError as e:
                 other = isinstance(e, OtherOptimizerState)
                 fix = "[optimizer] name and its settings pick the optimizer; " if other else ""
-                raise ConfigError(
-                    f"[checkpoint] checkpoint {path}: {e} ({fix}another [job] dump_folder "
-                    "starts over)"
-                ) from None
+                raise _refused(path, e, fix) from None
     ours, _ = flatten_state_dict({k: v.state_dict() for k, v in states.items()})
     missing, unexpected = ours.keys() - saved.keys(), saved.keys() - ours.keys()
     reshaped = {
@@ -222,6 +221,27 @@ def check_matches(states: dict[str, Stateful], path: Path, metadata: Metadata) -
         )
     if converted := "; ".join(filter(None, [dtype_changes(ours, saved), *forms])):
         logger.info("checkpoint %s: converted on load: %s", path, converted)
+
+
+def load_refusal(path: Path, error: ValueError) -> ConfigError:
+    """The one line for a checkpoint refused while it loads, for values the key check cannot
+    see (DiLoCo's fragments; the data position's seq_len says its own)."""
+    if isinstance(error, ConfigError):
+        return error
+    if isinstance(error, OtherFragments):
+        return ConfigError(
+            f"[fault_tolerance] num_fragments = {error.configured}: the checkpoint {path} was "
+            f"trained with num_fragments = {error.saved} (each parameter keeps its fragment's "
+            f"sync schedule); resume with --fault_tolerance.num_fragments {error.saved}, or "
+            "start a new dump folder"
+        )
+    return _refused(path, error)
+
+
+def _refused(path: Path, error: ValueError, fix: str = "") -> ConfigError:
+    return ConfigError(
+        f"[checkpoint] checkpoint {path}: {error} ({fix}another [job] dump_folder starts over)"
+    )
 
 
 def dtype_changes(ours: dict[str, Any], saved: dict[str, Any]) -> str:

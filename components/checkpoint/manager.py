@@ -2,11 +2,13 @@
 
 A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has finished (its
 `.metadata` is written last), so a process killed during a save never leaves a directory that
-resume would take; the previous checkpoint stays the newest complete one. A `step-N` damaged
-afterwards (files removed, truncated or overwritten) is reported when it would be loaded, never
-skipped for an older one (`components.checkpoint.files`). A save holding a non-finite value is
-refused, and one that runs out of disk ends the run in one line
-(`components.checkpoint.save`). Only the run holding the folder's lock
+resume would take; the previous checkpoint stays the newest complete one. An async save writes
+in the background from a CPU copy taken before training goes on
+(`components.checkpoint.staging`). A `step-N` damaged afterwards (files removed, truncated or
+overwritten) is reported when it would be loaded, never skipped for an older one
+(`components.checkpoint.files`). A save holding a non-finite value is refused, and one that
+fails is one line: out of disk, or the run's last save, ends the run; otherwise training goes
+on (`components.checkpoint.save`). Only the run holding the folder's lock
 (`components.run_lock`) removes what a stopped save left.
 """
 
@@ -41,11 +43,21 @@ from components.checkpoint.files import (
     clear_stale,
     damaged_checkpoint_error,
     forgetting_on_failure,
+    load_refusal,
     verify,
 )
 from components.checkpoint.resume import ConfigSettings
-from components.checkpoint.save import audit, folder_bytes, kept_steps, save_failed
+from components.checkpoint.save import (
+    SaveFailed,
+    any_rank,
+    audit,
+    describe,
+    folder_bytes,
+    kept_steps,
+    save_failed,
+)
 from components.checkpoint.seed import load_seed, open_seed
+from components.checkpoint.staging import Staged, Stager
 from components.run_lock import holds
 from config import Checkpoint as CheckpointConfig
 from config import ConfigError
@@ -126,6 +138,8 @@ class _AsyncSave:
     needed: int
     free: int
     rotate: bool = True
+    last: bool = False
+    """No later save follows (the run's last step, or a forced one): a failure stops the run."""
     published: bool = False
     error: BaseException | None = None
 
@@ -159,13 +173,12 @@ class CheckpointManager:
         optimizer = states.get("optimizer")
         ours = isinstance(optimizer, OptimizersContainer)
         self._config = ConfigSettings(optimizer) if ours else None
+        self._async = cfg.enable and cfg.async_mode != "disabled"
+        keep = cfg.async_mode == "async_with_pinned_mem"
+        self._stager = Stager(keep=keep, pin=keep and torch.cuda.is_available())
         # Async saves run collectives from a background thread: give them a group of their
         # own so they never interleave with the training's collectives.
-        self._pg = (
-            dist.new_group(backend="gloo")
-            if cfg.enable and cfg.async_mode == "async" and dist.is_initialized()
-            else None
-        )
+        self._pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
 
     # -- resume --------------------------------------------------------------------------
 
@@ -213,7 +226,10 @@ class CheckpointManager:
             newer = [s for s in found if s > step]
             if newer and not read_only:
                 self._protect_newer(step, newer)
-            dcp.load(self.states, checkpoint_id=path, planner=planner)
+            try:
+                dcp.load(self.states, checkpoint_id=path, planner=planner)
+            except ValueError as e:  # a part of the job refused the checkpoint's values
+                raise load_refusal(path, e) from None
         self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
@@ -287,7 +303,10 @@ class CheckpointManager:
             return
         self._deferred = False
         self._finish_pending()
-        checked = audit(self.states)
+        last = force or step == self.total_steps
+        # Taken once: what the audit checks is what the save writes.
+        state_dicts = {name: state.state_dict() for name, state in self.states.items()}
+        checked = audit(state_dicts)
         if checked.nonfinite:
             if _rank0():
                 logger.error("%s", checked.refusal(step, self.folder))
@@ -301,18 +320,58 @@ class CheckpointManager:
         found = complete_checkpoints(self.folder)
         needed = folder_bytes(found[max(found)]) if found else checked.nbytes
         free = shutil.disk_usage(self.folder).free
-        if self._pg is not None:
-            future = dcp.async_save(self.states, checkpoint_id=tmp, process_group=self._pg)
-            save = _AsyncSave(future, step, needed, free, rotate=not skipped)
-            self._pending = save
-            future.add_done_callback(lambda _: self._publish_when_saved(save))
+        if self._async:
+            save = _AsyncSave(Future(), step, needed, free, rotate=not skipped, last=last)
+            self._save_async(state_dicts, save)
             return
         try:
-            dcp.save(self.states, checkpoint_id=tmp)
+            dcp.save(state_dicts, checkpoint_id=tmp)
         except (Exception, CheckpointException) as e:
-            raise save_failed(self.folder, step, e, needed, free) from None
+            self._failed(save_failed(self.folder, step, e, needed, free), last)
+            return
         self._publish(step, rotate=not skipped)
         _barrier()
+
+    def _save_async(self, state_dicts: dict[str, Any], save: _AsyncSave) -> None:
+        """Copy `state_dicts` to CPU (every rank, or none, goes on) and write the copy in
+        the background: `save` takes DCP's future and is published from DCP's thread once
+        written."""
+        try:
+            staged, error = self._stager.stage(state_dicts), None
+        except Exception as e:  # e.g. out of CPU memory: nothing written, nothing launched
+            staged, error = None, e
+        if any_rank(error is not None):  # a rank that writes alone would wait for the others
+            if error is None:
+                error = RuntimeError("the CPU copy failed on another rank")
+            line = f"[checkpoint] step-{save.step} not saved: its CPU copy for the async save "
+            line += f"failed ({describe(error)}); the checkpoints in {self.folder} stay as "
+            self._failed(SaveFailed(f"{line}they were ({self.kept()})", stops=False), save.last)
+            return
+        save.future = dcp.async_save(
+            staged,
+            checkpoint_id=self.folder / f"step-{save.step}.tmp",
+            process_group=self._pg,
+            async_stager=Staged(),
+            no_dist=not dist.is_initialized(),
+        )
+        self._pending = save
+        save.future.add_done_callback(lambda _: self._publish_when_saved(save))
+
+    def _failed(self, failure: SaveFailed, last: bool) -> None:
+        """A failed save: stop the run (out of disk, or no later save follows), naming what
+        resumes; else say it in one line and train on (a later save may succeed)."""
+        if failure.stops:
+            raise failure
+        if last:
+            newest = max(complete_checkpoints(self.folder), default=None)
+            then = (
+                f"the same command resumes from step-{newest}"
+                if newest is not None
+                else "nothing is saved: the same command starts over"
+            )
+            raise SaveFailed(f"{failure}; the run stops: {then}")
+        if _rank0():
+            logger.error("%s; training goes on (the next save may succeed)", failure)
 
     def kept(self) -> str:
         """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
@@ -325,7 +384,7 @@ class CheckpointManager:
             failure = save.future.exception()
             if failure is None:
                 self._publish_once(save)
-            else:  # raised by _finish_pending; the partial save goes now, on every rank
+            else:  # said by _finish_pending; the partial save goes now, on every rank
                 save_failed(self.folder, save.step, failure, save.needed, save.free)
         except BaseException as e:  # the future would only log it: hand it to the trainer
             save.error = e
@@ -336,17 +395,20 @@ class CheckpointManager:
                 save.published = True
                 self._publish(save.step, save.rotate)
 
-    def _finish_pending(self) -> None:
-        """Wait for the async save in flight; raise if it or its publishing failed."""
+    def _finish_pending(self, closing: bool = False) -> None:
+        """Wait for the async save in flight; if it or its publishing failed, say so
+        (`_failed`: the run stops where it was the last save, or when `closing`)."""
         if self._pending is None:
             return
         save, self._pending = self._pending, None
         try:
             save.future.result()
+            if save.error is not None:
+                raise save.error
         except (Exception, CheckpointException) as e:
-            raise save_failed(self.folder, save.step, e, save.needed, save.free) from None
-        if save.error is not None:
-            raise save.error
+            failure = save_failed(self.folder, save.step, e, save.needed, save.free)
+            self._failed(failure, save.last or closing)
+            return
         self._publish_once(save)
 
     def _publish(self, step: int, rotate: bool = True) -> None:
@@ -389,6 +451,7 @@ class CheckpointManager:
         return path
 
     def close(self) -> None:
-        """Wait for an async save in flight and publish it."""
-        self._finish_pending()
+        """Wait for an async save in flight and publish it; free the kept CPU copies."""
+        self._finish_pending(closing=True)
+        self._stager.close()
         _barrier()

@@ -1,6 +1,8 @@
 """What a save checks before it writes and how a failed one ends: no non-finite value is ever
-written, and a disk that fills during a save is said in one line (`SaveFailed`, exit 1) with
-the partial `step-N.tmp` removed and the older checkpoints left as they were.
+written, and a save that fails is said in one line (`SaveFailed`) with the partial
+`step-N.tmp` removed and the older checkpoints left as they were. A full disk stops the run
+(exit 1); anything else stops it only where the save was its last, and training goes on
+otherwise (a later save may succeed: the steps trained are not thrown away).
 """
 
 from __future__ import annotations
@@ -10,23 +12,42 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint.files import checkpoint_steps
 
-__all__ = ["Audit", "SaveFailed", "audit", "folder_bytes", "kept_steps", "save_failed"]
+__all__ = [
+    "Audit",
+    "SaveFailed",
+    "any_rank",
+    "audit",
+    "describe",
+    "folder_bytes",
+    "kept_steps",
+    "save_failed",
+]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 class SaveFailed(Exception):
-    """A save that could not be written, said in one line; the run exits 1."""
+    """A save that could not be written, said in one line.
+
+    Args:
+        line: what failed and what is kept.
+        stops: the run must stop (exit 1) whether or not it had more saves to make: the disk
+            is full.
+    """
+
+    def __init__(self, line: str, stops: bool = True) -> None:
+        super().__init__(line)
+        self.stops = stops
 
 
 @dataclass
@@ -49,13 +70,18 @@ class Audit:
         )
 
 
+def _collective_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 @torch.no_grad()
-def audit(states: dict[str, Stateful]) -> Audit:
-    """Count the non-finite tensors and the bytes of `states`, in one all-reduce over the world.
+def audit(state_dicts: dict[str, Any]) -> Audit:
+    """Count the non-finite tensors and the bytes of `state_dicts` (each Stateful's
+    `state_dict()`, by name: what the save writes), in one all-reduce over the world.
 
     A collective: every rank calls it at the same save.
     """
-    flat, _ = flatten_state_dict({name: state.state_dict() for name, state in states.items()})
+    flat, _ = flatten_state_dict(state_dicts)
     nonfinite, nbytes, examples = 0, 0, []
     for key, value in flat.items():
         if isinstance(value, DTensor):
@@ -68,11 +94,19 @@ def audit(states: dict[str, Stateful]) -> Audit:
             if len(examples) < 3:
                 examples.append(key)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=device)
+        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(counts)
         nonfinite, nbytes = (int(c) for c in counts.tolist())
     return Audit(nonfinite, nbytes, examples)
+
+
+def any_rank(failed: bool) -> bool:
+    """Whether `failed` holds on any rank (a collective where the world has several)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([int(failed)], device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def folder_bytes(path: Path) -> int:
@@ -116,6 +150,16 @@ def out_of_space(error: BaseException, needed: int = 0, free: int | None = None)
     return short and free is not None and free < needed
 
 
+def describe(error: BaseException) -> str:
+    """`error` in a few words for a one-line message: `rank 1: OSError: [Errno 28] ...`
+    (the first failed rank's first line, where DCP gathered a traceback per rank)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (failure, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {describe(failure)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def kept_steps(folder: Path) -> str:
     """The checkpoints in `folder`, for a message: `step-20, step-30` or `none`."""
     return ", ".join(f"step-{s}" for s in checkpoint_steps(folder)) or "none"
@@ -123,17 +167,21 @@ def kept_steps(folder: Path) -> str:
 
 def save_failed(
     folder: Path, step: int, error: BaseException, needed: int, free: int
-) -> BaseException:
-    """The error to raise for a failed save of `step-N.tmp` in `folder`: out of disk, one line
-    (the partial save removed); anything else as it came.
+) -> SaveFailed:
+    """The one line for a failed save of `step-N.tmp` in `folder`, the partial save removed:
+    out of disk (`stops`), or anything else (the run may train on).
 
     DCP raises it on every rank once they all stopped writing, so any rank may remove the
     partial save: the first to see the failure does.
     """
-    if not out_of_space(error, needed, free):
-        return error
     tmp = folder / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    if not out_of_space(error, needed, free):
+        return SaveFailed(
+            f"[checkpoint] step-{step} not saved ({describe(error)}); the checkpoints in "
+            f"{folder} stay as they were ({kept_steps(folder)})",
+            stops=False,
+        )
     return SaveFailed(
         f"[checkpoint] out of disk space saving step-{step} in {folder}: it needs {needed} "
         f"bytes, {free} were free; the partial {tmp.name} was removed and the checkpoints "

@@ -3,6 +3,6 @@
 `DiLoCo`: local inner steps, an outer step on the averaged pseudo-gradient every `sync_steps`.
 """
 
-from containers.outer.diloco import DiLoCo
+from containers.outer.diloco import DiLoCo, OtherFragments
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "OtherFragments"]

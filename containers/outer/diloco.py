@@ -35,10 +35,22 @@ if TYPE_CHECKING:
 
     from containers.container import OptimizersContainer
 
-__all__ = ["OUTER", "DiLoCo", "fragments"]
+__all__ = ["OUTER", "DiLoCo", "OtherFragments", "fragments"]
 
 OUTER = "outer"
 """Prefix of DiLoCo's entries in the flat state dict."""
+
+
+class OtherFragments(ValueError):
+    """A checkpoint whose parameters were cut into `saved` fragments, not `configured`."""
+
+    def __init__(self, saved: int, configured: int, moved: str) -> None:
+        super().__init__(
+            f"DiLoCo state: num_fragments = {configured}, the checkpoint's {saved}: parameters "
+            f"{moved} were in other fragments, so their sync schedule would break; resume "
+            f"with num_fragments = {saved}"
+        )
+        self.saved, self.configured = saved, configured
 
 
 class DiLoCo(Outer):
@@ -310,6 +322,10 @@ class DiLoCo(Outer):
                 f"DiLoCo state: missing keys {describe_keys(missing)} (a checkpoint of "
                 "every-step averaging? start DiLoCo in another dump folder)"
             )
+        saved = [int(taken[f"{OUTER}.fragment.{fqn_of[p]}"]) for p in self.params]
+        moved = [fqn_of[p] for i, p in enumerate(self.params) if saved[i] != self.fragment_of[i]]
+        if moved:
+            raise OtherFragments(max(saved) + 1, self.num_fragments, describe_keys(moved))
         in_flight = int(taken[f"{OUTER}.in_flight"])
         if not -1 <= in_flight < self.num_fragments:
             raise ValueError(
@@ -326,17 +342,6 @@ class DiLoCo(Outer):
                     "checkpoint first (container.check_checkpoint_keys(its keys), as the "
                     "checkpoint manager does)"
                 )
-        moved = [
-            fqn_of[p]
-            for i, p in enumerate(self.params)
-            if int(taken[f"{OUTER}.fragment.{fqn_of[p]}"]) != self.fragment_of[i]
-        ]
-        if moved:
-            raise ValueError(
-                f"DiLoCo state: parameters {describe_keys(moved)} were in other fragments "
-                f"(the checkpoint's num_fragments differs from {self.num_fragments}): their "
-                "sync schedule would break; resume with the checkpoint's num_fragments"
-            )
         return taken, fqn_of
 
     @torch.no_grad()

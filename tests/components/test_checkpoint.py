@@ -11,7 +11,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from components.checkpoint import CheckpointManager, ModelWrapper, TrainState, complete_checkpoints
+from components.checkpoint import (
+    CheckpointManager,
+    ModelWrapper,
+    SaveFailed,
+    TrainState,
+    complete_checkpoints,
+)
 from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer, ShadowWeights
@@ -303,6 +309,55 @@ def test_async_saves_are_published_as_soon_as_complete_on_two_ranks(tmp_path):
     result = run_ranks(2, _async_round_trip, str(tmp_path))[0]
     assert result["found"] == [2, 4]
     assert_same(result["two"], result["expected_two"])
+
+
+def _saves_with_files_in_the_way(folder: str, mode: str) -> dict:
+    """Steps 1-7, saves every 2 and at 7; files where step-2.tmp and step-7.tmp go."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
+    logging.getLogger("components.checkpoint.manager").addHandler(handler)
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
+    checkpoints = Path(folder) / "checkpoint"
+    if dist.get_rank() == 0:
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        for step in (2, 7):
+            (checkpoints / f"step-{step}.tmp").write_text("not a directory")
+    dist.barrier()
+    stopped = None
+    try:
+        _train_and_save(manager, parts, optimizers, state, range(1, 8))
+        manager.close()
+    except SaveFailed as e:
+        stopped = str(e)
+    return {
+        "lines": lines,
+        "found": list(complete_checkpoints(checkpoints)),
+        "stopped": stopped,
+        "step": state.step,
+    }
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_failed_save_is_one_line_and_training_goes_on_and_a_failed_last_one_stops(tmp_path, mode):
+    """A save that cannot be written (here: a file where its folder goes) is one error line
+    and the run trains on; the later saves are written; a failed last save stops the run in
+    one line naming the checkpoint the same command resumes from."""
+    results = run_ranks(2, _saves_with_files_in_the_way, str(tmp_path), mode)
+    ours, other = results
+    folder = tmp_path / "checkpoint"
+    errors = [line for line in ours["lines"] if line.startswith("ERROR")]
+    assert len(errors) == 1 and not [x for x in other["lines"] if x.startswith("ERROR")]
+    assert errors[0].startswith("ERROR [checkpoint] step-2 not saved (rank "), errors
+    assert f"the checkpoints in {folder} stay as they were (none); training goes on" in errors[0]
+    assert ours["step"] == other["step"] == 7 and ours["found"] == [4, 6]
+    for result in results:
+        assert result["stopped"].startswith("[checkpoint] step-7 not saved (rank ")
+        assert "stay as they were (step-4, step-6); the run stops: the same command resumes " \
+            "from step-6" in result["stopped"]  # fmt: skip
+        assert "\n" not in result["stopped"]
 
 
 def _lean_job(folder: Path, seed: int) -> tuple[list, object, TrainState, CheckpointManager]:

@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import ModelWrapper
 from containers import DiLoCo, OptimizersContainer, ShadowWeights
+from containers.outer import OtherFragments
 from containers.tensors import shaped_like
 from tests.containers.gate.test_fault_tolerant import one_group
 from tests.harness.ftjob import FTJob
@@ -349,9 +350,49 @@ def test_a_checkpoint_of_other_fragments_is_refused_by_name_and_changes_nothing(
         other_parts, torch.optim.AdamW, KW, outer=DiLoCo(manager, sync_steps=4)
     )
     before = {k: full(v) for k, v in one.state_dict().items()}
-    with pytest.raises(ValueError, match=r"were in other fragments .* num_fragments differs"):
+    with pytest.raises(OtherFragments, match=r"num_fragments = 1, the checkpoint's 2: parameters"):
         one.load_state_dict(saved)
     assert_same({k: full(v) for k, v in one.state_dict().items()}, before)
+
+
+def test_train_py_refuses_a_checkpoint_of_other_fragments_in_one_line_before_training(tmp_path):
+    """Saved with 2 fragments, resumed with 1 (a real lighthouse): exit 2 and one line naming
+    the key, both values and the fix, before step 1; no file of the run changes."""
+    import hashlib
+
+    from tests.containers.gate.test_fault_tolerant import _errors
+
+    def files() -> dict[str, str]:
+        dump = tmp_path / "replica_0"  # train.log says why; the run lock records each run
+        return {
+            str(f.relative_to(dump)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(dump.rglob("*"))
+            if f.is_file() and f.name not in ("train.log", "run.lock")
+        }
+
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    args += ["--fault_tolerance.num_fragments", "2", "--checkpoint.enable"]
+    job = FTJob(tmp_path, 4, args)
+    try:
+        job.start_replica(0)
+        assert job.wait_exit("replica_0") == 0, job.tails()
+        before, logged = files(), len(job.log("replica_0"))
+        assert "checkpoint/step-4/.metadata" in before
+        job.args += ["--fault_tolerance.num_fragments", "1", "--training.steps", "8"]
+        job.start_replica(0)
+        assert job.wait_exit("replica_0") == 2, job.tails()
+    finally:
+        job.close()
+    log = job.log("replica_0")[logged:]
+    step4 = tmp_path / "replica_0" / "checkpoint" / "step-4"
+    [line] = _errors(log)
+    assert (
+        f"error: [fault_tolerance] num_fragments = 1: the checkpoint {step4} was trained with "
+        "num_fragments = 2 (each parameter keeps its fragment's sync schedule); resume with "
+        "--fault_tolerance.num_fragments 2, or start a new dump folder"
+    ) in line, log
+    assert " INFO step " not in log, log  # refused before step 1
+    assert files() == before and sorted(job.metrics(0)) == [1, 2, 3, 4]
 
 
 def test_a_group_with_another_outer_lr_is_refused_at_its_first_sync_the_live_one_trains_on(
