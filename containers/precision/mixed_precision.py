@@ -87,14 +87,6 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         return self.precision.scaler.scale
 
     @property
-    def last_grad_norm(self) -> float:
-        return self.last_report.grad_norm or 0.0
-
-    @property
-    def last_step_skipped(self) -> bool:
-        return self.last_report.skipped is not None
-
-    @property
     def offloaded(self) -> bool:
         return self.precision.offloaded
 

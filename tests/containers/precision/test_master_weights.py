@@ -84,7 +84,7 @@ def test_non_finite_gradients_skip_the_step_and_back_off(dtype, bad):
     _backward(parts, mp, step=1)
     parts[1].mid.weight.grad[0, 0] = bad  # a single bad element (0 * inf = nan must not hide it)
     mp.step()
-    assert mp.last_step_skipped and not mp.last_step_committed
+    assert mp.last_report.skipped is not None and not mp.last_step_committed
     assert mp.loss_scale == 512.0 and mp.last_report.nonfinite
     state, params = _snapshot(parts, mp)
     optimizer_state = {k: v for k, v in state.items() if not k.startswith("loss_scaler.")}
@@ -427,7 +427,7 @@ def _clip_on_ranks(max_norm: float) -> dict:
     mp.step()
     after = _masters(mp)
     moved = torch.stack([(before[k] - after[k]).double().norm() for k in before]).norm().item()
-    return {"raw": mp.last_grad_norm, "moved": moved, "groups": len(mp.param_groups)}
+    return {"raw": mp.last_report.grad_norm, "moved": moved, "groups": len(mp.param_groups)}
 
 
 def test_clipping_gives_the_global_norm_over_groups_and_ranks():
