@@ -34,6 +34,7 @@ __all__ = [
     "checkpoint_steps",
     "clear_stale",
     "damaged_checkpoint_error",
+    "resume_instead",
     "verify",
 ]
 
@@ -142,13 +143,19 @@ def damaged_checkpoint_error(step: int, damage: Damaged, found: dict[int, Path])
         f"[checkpoint] {path} is damaged: {damage}; nothing was loaded or changed. Restore "
         f"{path.name} or move it out of {path.parent}"
     )
-    if not intact:
-        return ConfigError(f"{message} (no intact checkpoint there: the run would start over)")
-    best = max(intact)
-    fix = f"resume the newest intact step with [checkpoint] load_step = {best}"
+    message = resume_instead(message, max(intact, default=None), found, "intact")
+    return ConfigError(f"{message}; intact: {intact}" if intact else message)
+
+
+def resume_instead(message: str, best: int | None, found: dict[int, Path], usable: str) -> str:
+    """`message` (a refused `step-N`), then the other fix: resume `best`, the newest `usable`
+    step, setting the newer ones aside; None: there is none."""
+    if best is None:
+        return f"{message} (no {usable} checkpoint there: the run would start over)"
+    fix = f"resume the newest {usable} step with [checkpoint] load_step = {best}"
     if any(s > best for s in found):
         fix += " and set_aside_newer = true (moves the newer steps aside)"
-    return ConfigError(f"{message}, or {fix}; intact: {intact}")
+    return f"{message}, or {fix}"
 
 
 def agree_across_ranks(

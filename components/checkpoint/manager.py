@@ -4,10 +4,10 @@ A checkpoint is written to `step-N.tmp` and renamed to `step-N` once DCP has fin
 `.metadata` is written last), so a process killed during a save never leaves a directory that
 resume would take; the previous checkpoint stays the newest complete one. A `step-N` damaged
 afterwards (files removed, truncated or overwritten) is reported when it would be loaded, never
-skipped for an older one (`components.checkpoint.files`). A save holding a non-finite value is
-refused, and one that runs out of disk ends the run in one line
-(`components.checkpoint.save`). Only the run holding the folder's lock
-(`components.run_lock`) removes what a stopped save left.
+skipped for an older one (`components.checkpoint.files`), as is one holding inf or NaN
+(`components.checkpoint.finite`). A save holding a non-finite value is refused, and one that
+runs out of disk ends the run in one line (`components.checkpoint.save`). Only the run holding
+the folder's lock (`components.run_lock`) removes what a stopped save left.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from components.checkpoint.files import (
     forgetting_on_failure,
     verify,
 )
+from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
 from components.checkpoint.resume import ConfigSettings
 from components.checkpoint.save import audit, folder_bytes, kept_steps, save_failed
 from components.checkpoint.seed import load_seed, open_seed
@@ -153,6 +154,10 @@ class CheckpointManager:
         self.total_steps = total_steps
         self._pending: _AsyncSave | None = None
         self._deferred = False  # a save fell due inside a skip streak: make it at the next step
+        self._ours: set[int] = set()
+        """The steps this run loaded or saved: each checked finite then."""
+        self.last_save_refused = False
+        """The last save was refused (inf or NaN, said in its line): the run must not exit 0."""
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
         self._publish_lock = threading.Lock()
         # This run's hyperparameters, put back after it resumes a checkpoint or a seed.
@@ -210,10 +215,13 @@ class CheckpointManager:
         # (masters kept as remainders are not made fp32 for either).
         with load_planner(self.states) as planner, forgetting_on_failure(self.states):
             check_matches(self.states, path, metadata)
+            if (key := first_nonfinite(path, metadata)) is not None:
+                raise nonfinite_checkpoint_error(step, key, found)
             newer = [s for s in found if s > step]
             if newer and not read_only:
                 self._protect_newer(step, newer)
             dcp.load(self.states, checkpoint_id=path, planner=planner)
+        self._ours.add(step)
         self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
@@ -288,7 +296,8 @@ class CheckpointManager:
         self._deferred = False
         self._finish_pending()
         checked = audit(self.states)
-        if checked.nonfinite:
+        self.last_save_refused = checked.nonfinite > 0
+        if self.last_save_refused:
             if _rank0():
                 logger.error("%s", checked.refusal(step, self.folder))
             return
@@ -317,6 +326,15 @@ class CheckpointManager:
     def kept(self) -> str:
         """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
         return kept_steps(self.folder)
+
+    def finite_kept(self) -> str:
+        """What a message may say of the kept checkpoints' numbers: `all finite` where this run
+        checked each (loading or saving it), else which ones it checked."""
+        kept = complete_checkpoints(self.folder)
+        checked = [f"step-{s}" for s in kept if s in self._ours]
+        if len(checked) == len(kept):
+            return "all finite"
+        return f"{', '.join(checked) or 'none'} checked finite by this run"
 
     def _publish_when_saved(self, save: _AsyncSave) -> None:
         """In DCP's save thread, as soon as the save is complete: rename it to `step-N` then,
@@ -352,6 +370,7 @@ class CheckpointManager:
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
         `rotate`)."""
+        self._ours = self._ours | {step}
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"

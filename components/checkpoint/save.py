@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint.files import checkpoint_steps
+from components.checkpoint.finite import all_finite, collective_device
 
 __all__ = ["Audit", "SaveFailed", "audit", "folder_bytes", "kept_steps", "save_failed"]
 
@@ -63,13 +64,12 @@ def audit(states: dict[str, Stateful]) -> Audit:
         if not isinstance(value, torch.Tensor):
             continue
         nbytes += value.numel() * value.element_size()
-        if value.is_floating_point() and not bool(value.isfinite().all()):
+        if value.is_floating_point() and not all_finite(value):
             nonfinite += 1
             if len(examples) < 3:
                 examples.append(key)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=device)
+        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=collective_device())
         dist.all_reduce(counts)
         nonfinite, nbytes = (int(c) for c in counts.tolist())
     return Audit(nonfinite, nbytes, examples)
