@@ -145,7 +145,7 @@ def test_a_step_that_would_overflow_fp16_weights_is_skipped_and_the_stop_line_is
     assert not complete_checkpoints(dump / "checkpoint")
 
 
-# -- inf or NaN in a checkpoint (issue 47) -------------------------------------------------
+# -- inf or NaN in a checkpoint, a file under a checkpoint's name (issue 47) ----------------
 
 
 @pytest.mark.parametrize(
@@ -193,6 +193,23 @@ def test_a_run_whose_last_save_was_refused_for_inf_exits_1(tmp_path):
     said = [f"step-{step} not saved: inf or NaN in " for step in (1, 2)]
     assert len(errors) == 2 and all(a in e for a, e in zip(said, errors)), out[-3000:]
     assert not complete_checkpoints(dump / "checkpoint")
+
+
+def test_a_file_named_step_30_stops_the_run_before_step_1_and_stays(tmp_path):
+    """It was renamed step-30.old by the step-30 save, and every later start said it was
+    removed while it stayed."""
+    dump, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    folder.mkdir(parents=True)
+    (folder / "step-30").write_text("the user's notes")
+    args = [*BASE, "--job.dump_folder", str(dump), "--training.steps", "30"]
+    result = launch(2, args, torchrun=False)
+    out = result.stdout
+    assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
+    (error,) = _lines(out, "ERROR")
+    assert f"[checkpoint] {folder / 'step-30'} (a file): not a checkpoint" in error, error
+    assert "removed" not in out and not (dump / "metrics.jsonl").exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["run.lock", "step-30"]
+    assert (folder / "step-30").read_text() == "the user's notes"
 
 
 @pytest.fixture

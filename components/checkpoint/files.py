@@ -34,6 +34,7 @@ __all__ = [
     "checkpoint_steps",
     "clear_stale",
     "damaged_checkpoint_error",
+    "refuse_strangers",
     "resume_instead",
     "verify",
 ]
@@ -59,10 +60,10 @@ def checkpoint_steps(folder: Path) -> dict[int, Path]:
 
 
 def clear_stale(folder: Path, owned: bool) -> None:
-    """Remove the `step-N.tmp` (and `step-N.old`) a run stopped while saving left, if `owned`:
-    this run holds the folder's lock, so whoever wrote them is dead; otherwise leave them (the
-    writer may be live). Warn once about names a save never writes (`step-040`, `step-7.bak`):
-    they are never loaded, written over or deleted."""
+    """Remove the `step-N.tmp` (and `step-N.old`) folders a run stopped while saving left, if
+    `owned`: this run holds the folder's lock, so whoever wrote them is dead; otherwise leave
+    them (the writer may be live). Warn once about names a save never writes (`step-040`,
+    `step-7.bak`): they are never loaded, written over or deleted."""
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if foreign := [n for n in names if n.startswith("step-") and not _OURS.fullmatch(n)]:
         logger.warning(
@@ -71,7 +72,7 @@ def clear_stale(folder: Path, owned: bool) -> None:
             ", ".join(foreign),
             folder,
         )
-    stale = [n for n in names if (m := _OURS.fullmatch(n)) and m.group(2)]
+    stale = [n for n in names if (m := _OURS.fullmatch(n)) and m.group(2) and _folder(folder / n)]
     if stale and not owned:
         logger.warning(
             "left %s in %s alone: this run holds no lock on the folder, so the run that wrote "
@@ -81,8 +82,44 @@ def clear_stale(folder: Path, owned: bool) -> None:
         )
         return
     for name in stale:
-        shutil.rmtree(folder / name, ignore_errors=True)
-        logger.warning("removed %s, left by a run stopped while saving", folder / name)
+        try:
+            shutil.rmtree(folder / name)
+        except OSError as e:
+            logger.warning("could not remove %s, left by a stopped save: %s", folder / name, e)
+        else:
+            logger.warning("removed %s, left by a run stopped while saving", folder / name)
+
+
+def refuse_strangers(folder: Path, found: dict[int, Path], step: int) -> None:
+    """Refuse to start where a name a save writes holds no checkpoint of ours, which a save,
+    clean-up or rotation would rename or delete: a file or link under any such name (`step-N`,
+    `step-N.tmp`, `step-N.old`), or a `step-N` folder older than `step` (the one to load; -1:
+    none) without `.metadata` (a save writes it before the folder takes its name).
+
+    Raises:
+        ConfigError: naming each, before anything is loaded or changed.
+    """
+    names = [p for p in folder.iterdir() if _OURS.fullmatch(p.name) and not _folder(p)]
+    names += [p for s, p in found.items() if s < step and not (p / ".metadata").is_file()]
+    if names:
+        what = ", ".join(f"{p} ({_kind(p)})" for p in sorted(names))
+        raise ConfigError(
+            f"[checkpoint] {what}: not a checkpoint, under a name a save writes, so a save "
+            "would rename or delete it; nothing was changed. Move or rename it, or point "
+            "[checkpoint] folder elsewhere"
+        )
+
+
+def _kind(path: Path) -> str:
+    """What sits under a checkpoint's name, for `refuse_strangers`' line."""
+    if path.is_symlink():
+        return "a link"
+    return "a folder without .metadata" if path.is_dir() else "a file"
+
+
+def _folder(path: Path) -> bool:
+    """A folder itself, not a file or a link (which `rmtree` and `os.replace` treat apart)."""
+    return path.is_dir() and not path.is_symlink()
 
 
 class Damaged(Exception):

@@ -7,7 +7,9 @@ afterwards (files removed, truncated or overwritten) is reported when it would b
 skipped for an older one (`components.checkpoint.files`), as is one holding inf or NaN
 (`components.checkpoint.finite`). A save holding a non-finite value is refused, and one that
 runs out of disk ends the run in one line (`components.checkpoint.save`). Only the run holding
-the folder's lock (`components.run_lock`) removes what a stopped save left.
+the folder's lock (`components.run_lock`) removes what a stopped save left; a file, a link or a
+folder without `.metadata` under a name a save writes stops the run before step 1, and one that
+appears there later is never replaced.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from components.checkpoint.files import (
     clear_stale,
     damaged_checkpoint_error,
     forgetting_on_failure,
+    refuse_strangers,
     verify,
 )
 from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
@@ -155,7 +158,7 @@ class CheckpointManager:
         self._pending: _AsyncSave | None = None
         self._deferred = False  # a save fell due inside a skip streak: make it at the next step
         self._ours: set[int] = set()
-        """The steps this run loaded or saved: each checked finite then."""
+        """The steps this run loaded or saved: each checked finite, and its own to save again."""
         self.last_save_refused = False
         """The last save was refused (inf or NaN, said in its line): the run must not exit 0."""
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
@@ -187,23 +190,22 @@ class CheckpointManager:
         if not read_only:
             self._prepare_folder()
         found = complete_checkpoints(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in found:
-                raise ConfigError(
-                    f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
-                    f"step-{self.cfg.load_step} in {self.folder}; available: "
-                    f"{sorted(found) or 'none'} (use -1 for the newest)"
-                )
-            step = self.cfg.load_step
-        elif found:
-            step = max(found)
-        elif self.cfg.initial_load_path:
+        if self.cfg.load_step >= 0 and self.cfg.load_step not in found:
+            raise ConfigError(
+                f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
+                f"step-{self.cfg.load_step} in {self.folder}; available: "
+                f"{sorted(found) or 'none'} (use -1 for the newest)"
+            )
+        step = self.cfg.load_step if self.cfg.load_step >= 0 else max(found, default=-1)
+        if not read_only:
+            refuse_strangers(self.folder, found, step)
+        if step < 0 and self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
             step = load_seed(seed, self.states, model_only)
             self._config_wins()
             return step
-        else:
+        if step < 0:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
         path = found[step]
@@ -370,12 +372,18 @@ class CheckpointManager:
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
         `rotate`)."""
-        self._ours = self._ours | {step}
+        ours, self._ours = step in self._ours, self._ours | {step}
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        if final.exists():
-            # Re-saving a step after resuming from an earlier one: replace it.
+        if final.exists() or final.is_symlink():
+            if not ours:  # put there while this run trained
+                raise ConfigError(
+                    f"[checkpoint] {final} appeared during this run and is none of its "
+                    f"checkpoints: left as it is, so step {step} was not saved (its files are "
+                    f"in {tmp.name}); move it out of {self.folder} and resume"
+                )
+            # Saving again a step this run saved or loaded (a stop right after it): replace it.
             old = self.folder / f"step-{step}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)

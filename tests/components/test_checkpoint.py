@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -483,3 +484,72 @@ def test_a_last_save_refused_for_nan_is_remembered_until_a_save_passes(tmp_path)
     assert manager.last_save_refused and sorted(complete_checkpoints(tmp_path / "checkpoint")) == [
         1
     ]
+
+
+# -- what sits under a checkpoint's name (issue 47, 3) --------------------------------------
+
+
+def _entries(folder: Path) -> dict[str, object]:
+    """Each entry of `folder` but the lock: a link's target, a folder's files, a file's bytes."""
+    return {
+        p.name: os.readlink(p)
+        if p.is_symlink()
+        else _tree_bytes(p)
+        if p.is_dir()
+        else p.read_bytes()
+        for p in folder.iterdir()
+        if p.name != "run.lock"
+    }
+
+
+def _file(folder: Path, name: str) -> None:
+    (folder / name).write_text("the user's notes")
+
+
+STRANGERS = {
+    "a file step-6": (lambda f: _file(f, "step-6"), "step-6 (a file)"),
+    "a file step-4.tmp": (lambda f: _file(f, "step-4.tmp"), "step-4.tmp (a file)"),
+    "a file step-6.old": (lambda f: _file(f, "step-6.old"), "step-6.old (a file)"),
+    "a link step-6": (lambda f: (f / "step-6").symlink_to(f / "step-2"), "step-6 (a link)"),
+    "an older folder without .metadata": (
+        lambda f: (f / "step-1").mkdir(),
+        "step-1 (a folder without .metadata)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STRANGERS)
+def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
+    tmp_path, case, caplog
+):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    folder = tmp_path / "checkpoint"
+    put, named = STRANGERS[case]
+    put(folder)
+    before = _entries(folder)
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    fresh = _snapshot(parts2, optimizers2)
+    lock = RunLock(folder)  # as build_job takes it: a stale step-N.tmp would be removed
+    lock.acquire()
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(ConfigError) as refused:
+            manager2.load()
+    finally:
+        lock.release()
+    assert f"{folder / named}: not a checkpoint" in str(refused.value)
+    assert "removed" not in caplog.text
+    assert _entries(folder) == before
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+
+
+def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    stranger = tmp_path / "checkpoint" / "step-4"
+    stranger.mkdir()
+    _file(stranger, "notes")
+    with pytest.raises(ConfigError, match=r"step-4 appeared during this run and is none of its"):
+        _train_and_save(manager, parts, optimizers, state, range(3, 5))
+    assert [p.name for p in stranger.iterdir()] == ["notes"]
+    assert (stranger / "notes").read_text() == "the user's notes"
