@@ -11,7 +11,8 @@ train_timeout_seconds` is one line naming it and exit code 1. The built-in launc
 (`components.launcher`) checks the config once before any rank starts and exits 0 when a
 signal stopped the run after a save (torchrun exits 1 when signalled). SIGTERM, SIGINT or
 SIGHUP: every rank finishes its step, saves and exits 0 (before step 1: exits 0, nothing to
-save); a second signal exits at once. A save that runs out of disk: one line, exit 1.
+save); a second signal exits at once. A save that runs out of disk: one line, exit 1; a last
+save refused for inf or NaN: its line, exit 1.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ logger = logging.getLogger("train")
 
 
 def main(argv: list[str]) -> int:
-    """Train; return the exit code (0 done or stopped by a signal and saved, 1 diverged)."""
+    """Train; return the exit code (0 done or stopped by a signal and saved, 1 diverged or the
+    last save refused)."""
     # -- config and build -------------------------------------------------------------------
     if {"-h", "--help"} & set(argv):
         print(usage(), end="")
@@ -139,7 +141,8 @@ def main(argv: list[str]) -> int:
     job.close()
     stop.close()
     run_log.close()
-    return loop.exit_code
+    # A last save refused for inf or NaN (said in its line) left no checkpoint of the end.
+    return loop.exit_code or int(job.checkpoint.last_save_refused)
 
 
 def run(

@@ -157,18 +157,20 @@ class LoopPolicy:
         streak = self._skipped_in_a_row
         if len(streak) < cfg.training.max_consecutive_skips:
             return False
-        kept = job.checkpoint.kept() if cfg.checkpoint.enable else "none (not enabled)"
+        checkpoint = job.checkpoint
+        enabled = cfg.checkpoint.enable
         self._fail(
             "steps %d-%d were all skipped for non-finite numbers (gradients, or weights an "
             "update would overflow; [training] "
             "max_consecutive_skips = %d): stopping; nothing was saved during the skips; "
-            "checkpoints kept in %s (all finite): %s (lower [optimizer] lr and run again "
+            "checkpoints kept in %s (%s): %s (lower [optimizer] lr and run again "
             "to resume the newest, or pick one with [checkpoint] load_step)",
             streak[0],
             streak[-1],
             cfg.training.max_consecutive_skips,
-            job.checkpoint.folder,
-            kept,
+            checkpoint.folder,
+            checkpoint.finite_kept() if enabled else "all finite",
+            checkpoint.kept() if enabled else "none (not enabled)",
         )
         self.exit_code = 1
         return True

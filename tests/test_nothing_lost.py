@@ -22,6 +22,7 @@ import torch
 
 from components.checkpoint import complete_checkpoints
 from tests.harness.dist import finish, kill_tree, launch, start, worker_pids
+from tests.harness.helpers import poison
 from tests.test_train import BASE, LONG, _checkpoint_tensors, _losses
 
 
@@ -105,8 +106,9 @@ def test_a_skip_streak_keeps_the_good_checkpoints_and_step_040_is_not_a_checkpoi
     assert len(strays) == 1 and "not checkpoint names" in strays[0], out[-3000:]
     (error,) = _lines(out, "ERROR")
     assert "steps 8-10 were all skipped" in error, out[-3000:]
-    said = f"nothing was saved during the skips; checkpoints kept in {folder} (all finite): "
-    assert said + "step-4, step-6 (" in error, error
+    # step-4 is the first run's: this one did not check it.
+    said = f"nothing was saved during the skips; checkpoints kept in {folder} (step-6 checked "
+    assert said + "finite by this run): step-4, step-6 (" in error, error
     assert _hashes(folder) == before  # step-4, step-6 and step-040, byte for byte
     assert {p.name for p in folder.iterdir()} == {"run.lock", "step-4", "step-6", "step-040"}
     assert _steps(dump) == list(range(1, 11))
@@ -142,6 +144,73 @@ def test_a_step_that_would_overflow_fp16_weights_is_skipped_and_the_stop_line_is
     assert "steps 1-3 were all skipped" in stop, out[-3000:]
     assert f"kept in {dump / 'checkpoint'} (all finite): none (" in stop
     assert not complete_checkpoints(dump / "checkpoint")
+
+
+# -- inf or NaN in a checkpoint, a file under a checkpoint's name (issue 47) ----------------
+
+
+@pytest.mark.parametrize(
+    "config, steps, word, fix",
+    [
+        ("mixed_precision", [10], "master_weights", "(no finite checkpoint there: the run would"),
+        ("debug", [5, 10], "exp_avg_sq", "load_step = 5 and set_aside_newer = true ("),
+    ],
+)
+def test_a_checkpoint_holding_nan_is_refused_in_one_line_before_anything(
+    tmp_path, config, steps, word, fix
+):
+    """Once loaded, a NaN master skipped every step and the stop line called the checkpoint
+    finite; a NaN moment trained NaN into the weights and the run exited 0."""
+    dump, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    args = [*BASE, "--job.config_file", f"config/{config}.toml", "--job.dump_folder", str(dump)]
+    args += ["--checkpoint.interval", str(steps[0])]
+    good = launch(2, [*args, "--training.steps", str(steps[-1])], torchrun=False)
+    assert good.returncode == 0, good.stdout[-3000:]
+    key = poison(folder / f"step-{steps[-1]}", word)
+    before, config_toml = _hashes(folder), (dump / "config.toml").read_text()
+    result = launch(2, [*args, "--training.steps", "40"], torchrun=False)
+    out = result.stdout
+    assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
+    (error,) = _lines(out, "ERROR")
+    said = f"[checkpoint] {folder / f'step-{steps[-1]}'} holds inf or NaN (first in {key}): "
+    assert said in error and "nothing was loaded or changed" in error and fix in error, error
+    assert key.startswith(f"optimizer.{'master_weights' if config != 'debug' else 'state'}.")
+    assert _hashes(folder) == before
+    assert (dump / "config.toml").read_text() == config_toml
+    assert _steps(dump) == list(range(1, steps[-1] + 1))  # not one step trained
+
+
+def test_a_run_whose_last_save_was_refused_for_inf_exits_1(tmp_path):
+    """lr 1e38 overflows the weights to inf at step 1 (a committed step: its gradients were
+    finite); the saves of steps 1 and 2 are refused, so the run may not end as if saved."""
+    dump = tmp_path / "run"
+    args = [*BASE, "--job.dump_folder", str(dump), "--optimizer.lr", "1e38"]
+    args += ["--lr_scheduler.warmup_steps", "0", "--training.steps", "2"]
+    args += ["--checkpoint.interval", "1"]
+    result = launch(2, args, torchrun=False)
+    out = result.stdout
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    errors = _lines(out, "ERROR")
+    said = [f"step-{step} not saved: inf or NaN in " for step in (1, 2)]
+    assert len(errors) == 2 and all(a in e for a, e in zip(said, errors)), out[-3000:]
+    assert not complete_checkpoints(dump / "checkpoint")
+
+
+def test_a_file_named_step_30_stops_the_run_before_step_1_and_stays(tmp_path):
+    """It was renamed step-30.old by the step-30 save, and every later start said it was
+    removed while it stayed."""
+    dump, folder = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    folder.mkdir(parents=True)
+    (folder / "step-30").write_text("the user's notes")
+    args = [*BASE, "--job.dump_folder", str(dump), "--training.steps", "30"]
+    result = launch(2, args, torchrun=False)
+    out = result.stdout
+    assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
+    (error,) = _lines(out, "ERROR")
+    assert f"[checkpoint] {folder / 'step-30'} (a file): not a checkpoint" in error, error
+    assert "removed" not in out and not (dump / "metrics.jsonl").exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["run.lock", "step-30"]
+    assert (folder / "step-30").read_text() == "the user's notes"
 
 
 @pytest.fixture

@@ -36,6 +36,8 @@ __all__ = [
     "clear_stale",
     "damaged_checkpoint_error",
     "load_refusal",
+    "refuse_strangers",
+    "resume_instead",
     "verify",
 ]
 
@@ -60,10 +62,10 @@ def checkpoint_steps(folder: Path) -> dict[int, Path]:
 
 
 def clear_stale(folder: Path, owned: bool) -> None:
-    """Remove the `step-N.tmp` (and `step-N.old`) a run stopped while saving left, if `owned`:
-    this run holds the folder's lock, so whoever wrote them is dead; otherwise leave them (the
-    writer may be live). Warn once about names a save never writes (`step-040`, `step-7.bak`):
-    they are never loaded, written over or deleted."""
+    """Remove the `step-N.tmp` (and `step-N.old`) folders a run stopped while saving left, if
+    `owned`: this run holds the folder's lock, so whoever wrote them is dead; otherwise leave
+    them (the writer may be live). Warn once about names a save never writes (`step-040`,
+    `step-7.bak`): they are never loaded, written over or deleted."""
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if foreign := [n for n in names if n.startswith("step-") and not _OURS.fullmatch(n)]:
         logger.warning(
@@ -72,7 +74,7 @@ def clear_stale(folder: Path, owned: bool) -> None:
             ", ".join(foreign),
             folder,
         )
-    stale = [n for n in names if (m := _OURS.fullmatch(n)) and m.group(2)]
+    stale = [n for n in names if (m := _OURS.fullmatch(n)) and m.group(2) and _folder(folder / n)]
     if stale and not owned:
         logger.warning(
             "left %s in %s alone: this run holds no lock on the folder, so the run that wrote "
@@ -82,8 +84,44 @@ def clear_stale(folder: Path, owned: bool) -> None:
         )
         return
     for name in stale:
-        shutil.rmtree(folder / name, ignore_errors=True)
-        logger.warning("removed %s, left by a run stopped while saving", folder / name)
+        try:
+            shutil.rmtree(folder / name)
+        except OSError as e:
+            logger.warning("could not remove %s, left by a stopped save: %s", folder / name, e)
+        else:
+            logger.warning("removed %s, left by a run stopped while saving", folder / name)
+
+
+def refuse_strangers(folder: Path, found: dict[int, Path], step: int) -> None:
+    """Refuse to start where a name a save writes holds no checkpoint of ours, which a save,
+    clean-up or rotation would rename or delete: a file or link under any such name (`step-N`,
+    `step-N.tmp`, `step-N.old`), or a `step-N` folder older than `step` (the one to load; -1:
+    none) without `.metadata` (a save writes it before the folder takes its name).
+
+    Raises:
+        ConfigError: naming each, before anything is loaded or changed.
+    """
+    names = [p for p in folder.iterdir() if _OURS.fullmatch(p.name) and not _folder(p)]
+    names += [p for s, p in found.items() if s < step and not (p / ".metadata").is_file()]
+    if names:
+        what = ", ".join(f"{p} ({_kind(p)})" for p in sorted(names))
+        raise ConfigError(
+            f"[checkpoint] {what}: not a checkpoint, under a name a save writes, so a save "
+            "would rename or delete it; nothing was changed. Move or rename it, or point "
+            "[checkpoint] folder elsewhere"
+        )
+
+
+def _kind(path: Path) -> str:
+    """What sits under a checkpoint's name, for `refuse_strangers`' line."""
+    if path.is_symlink():
+        return "a link"
+    return "a folder without .metadata" if path.is_dir() else "a file"
+
+
+def _folder(path: Path) -> bool:
+    """A folder itself, not a file or a link (which `rmtree` and `os.replace` treat apart)."""
+    return path.is_dir() and not path.is_symlink()
 
 
 class Damaged(Exception):
@@ -144,13 +182,19 @@ def damaged_checkpoint_error(step: int, damage: Damaged, found: dict[int, Path])
         f"[checkpoint] {path} is damaged: {damage}; nothing was loaded or changed. Restore "
         f"{path.name} or move it out of {path.parent}"
     )
-    if not intact:
-        return ConfigError(f"{message} (no intact checkpoint there: the run would start over)")
-    best = max(intact)
-    fix = f"resume the newest intact step with [checkpoint] load_step = {best}"
+    message = resume_instead(message, max(intact, default=None), found, "intact")
+    return ConfigError(f"{message}; intact: {intact}" if intact else message)
+
+
+def resume_instead(message: str, best: int | None, found: dict[int, Path], usable: str) -> str:
+    """`message` (a refused `step-N`), then the other fix: resume `best`, the newest `usable`
+    step, setting the newer ones aside; None: there is none."""
+    if best is None:
+        return f"{message} (no {usable} checkpoint there: the run would start over)"
+    fix = f"resume the newest {usable} step with [checkpoint] load_step = {best}"
     if any(s > best for s in found):
         fix += " and set_aside_newer = true (moves the newer steps aside)"
-    return ConfigError(f"{message}, or {fix}; intact: {intact}")
+    return f"{message}, or {fix}"
 
 
 def agree_across_ranks(

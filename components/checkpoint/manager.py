@@ -6,10 +6,12 @@ resume would take; the previous checkpoint stays the newest complete one. An asy
 in the background from a CPU copy taken before training goes on
 (`components.checkpoint.staging`). A `step-N` damaged afterwards (files removed, truncated or
 overwritten) is reported when it would be loaded, never skipped for an older one
-(`components.checkpoint.files`). A save holding a non-finite value is refused, and one that
-fails is one line: out of disk, or the run's last save, ends the run; otherwise training goes
-on (`components.checkpoint.save`). Only the run holding the folder's lock
-(`components.run_lock`) removes what a stopped save left.
+(`components.checkpoint.files`), as is one holding inf or NaN (`components.checkpoint.finite`).
+A save holding a non-finite value is refused, and one that fails is one line: out of disk, or
+the run's last save, ends the run; otherwise training goes on (`components.checkpoint.save`).
+Only the run holding the folder's lock (`components.run_lock`) removes what a stopped save
+left; a file, a link or a folder without `.metadata` under a name a save writes stops the run
+before step 1, and one that appears there later is never replaced.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ from components.checkpoint.files import (
     damaged_checkpoint_error,
     forgetting_on_failure,
     load_refusal,
+    refuse_strangers,
     verify,
 )
+from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
 from components.checkpoint.resume import ConfigSettings
 from components.checkpoint.save import (
     SaveFailed,
@@ -167,6 +171,10 @@ class CheckpointManager:
         self.total_steps = total_steps
         self._pending: _AsyncSave | None = None
         self._deferred = False  # a save fell due inside a skip streak: make it at the next step
+        self._ours: set[int] = set()
+        """The steps this run loaded or saved: each checked finite, and its own to save again."""
+        self.last_save_refused = False
+        """The last save was refused (inf or NaN, said in its line): the run must not exit 0."""
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
         self._publish_lock = threading.Lock()
         # This run's hyperparameters, put back after it resumes a checkpoint or a seed.
@@ -195,23 +203,22 @@ class CheckpointManager:
         if not read_only:
             self._prepare_folder()
         found = complete_checkpoints(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in found:
-                raise ConfigError(
-                    f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
-                    f"step-{self.cfg.load_step} in {self.folder}; available: "
-                    f"{sorted(found) or 'none'} (use -1 for the newest)"
-                )
-            step = self.cfg.load_step
-        elif found:
-            step = max(found)
-        elif self.cfg.initial_load_path:
+        if self.cfg.load_step >= 0 and self.cfg.load_step not in found:
+            raise ConfigError(
+                f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
+                f"step-{self.cfg.load_step} in {self.folder}; available: "
+                f"{sorted(found) or 'none'} (use -1 for the newest)"
+            )
+        step = self.cfg.load_step if self.cfg.load_step >= 0 else max(found, default=-1)
+        if not read_only:
+            refuse_strangers(self.folder, found, step)
+        if step < 0 and self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
             step = load_seed(seed, self.states, model_only)
             self._config_wins()
             return step
-        else:
+        if step < 0:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
         path = found[step]
@@ -223,6 +230,8 @@ class CheckpointManager:
         # (masters kept as remainders are not made fp32 for either).
         with load_planner(self.states) as planner, forgetting_on_failure(self.states):
             check_matches(self.states, path, metadata)
+            if (key := first_nonfinite(path, metadata)) is not None:
+                raise nonfinite_checkpoint_error(step, key, found)
             newer = [s for s in found if s > step]
             if newer and not read_only:
                 self._protect_newer(step, newer)
@@ -230,6 +239,7 @@ class CheckpointManager:
                 dcp.load(self.states, checkpoint_id=path, planner=planner)
             except ValueError as e:  # a part of the job refused the checkpoint's values
                 raise load_refusal(path, e) from None
+        self._ours.add(step)
         self._config_wins()
         seed = self.cfg.initial_load_path
         # As in torchtitan: the run's own checkpoint wins, so a restart keeps its arguments.
@@ -307,7 +317,8 @@ class CheckpointManager:
         # Taken once: what the audit checks is what the save writes.
         state_dicts = {name: state.state_dict() for name, state in self.states.items()}
         checked = audit(state_dicts)
-        if checked.nonfinite:
+        self.last_save_refused = checked.nonfinite > 0
+        if self.last_save_refused:
             if _rank0():
                 logger.error("%s", checked.refusal(step, self.folder))
             return
@@ -377,6 +388,15 @@ class CheckpointManager:
         """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
         return kept_steps(self.folder)
 
+    def finite_kept(self) -> str:
+        """What a message may say of the kept checkpoints' numbers: `all finite` where this run
+        checked each (loading or saving it), else which ones it checked."""
+        kept = complete_checkpoints(self.folder)
+        checked = [f"step-{s}" for s in kept if s in self._ours]
+        if len(checked) == len(kept):
+            return "all finite"
+        return f"{', '.join(checked) or 'none'} checked finite by this run"
+
     def _publish_when_saved(self, save: _AsyncSave) -> None:
         """In DCP's save thread, as soon as the save is complete: rename it to `step-N` then,
         not at a later step, so a kill in between keeps the checkpoint."""
@@ -414,11 +434,18 @@ class CheckpointManager:
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
         `rotate`)."""
+        ours, self._ours = step in self._ours, self._ours | {step}
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        if final.exists():
-            # Re-saving a step after resuming from an earlier one: replace it.
+        if final.exists() or final.is_symlink():
+            if not ours:  # put there while this run trained
+                raise ConfigError(
+                    f"[checkpoint] {final} appeared during this run and is none of its "
+                    f"checkpoints: left as it is, so step {step} was not saved (its files are "
+                    f"in {tmp.name}); move it out of {self.folder} and resume"
+                )
+            # Saving again a step this run saved or loaded (a stop right after it): replace it.
             old = self.folder / f"step-{step}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint.files import checkpoint_steps
+from components.checkpoint.finite import all_finite, collective_device
 
 __all__ = [
     "Audit",
@@ -70,10 +71,6 @@ class Audit:
         )
 
 
-def _collective_device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
 @torch.no_grad()
 def audit(state_dicts: dict[str, Any]) -> Audit:
     """Count the non-finite tensors and the bytes of `state_dicts` (each Stateful's
@@ -89,12 +86,12 @@ def audit(state_dicts: dict[str, Any]) -> Audit:
         if not isinstance(value, torch.Tensor):
             continue
         nbytes += value.numel() * value.element_size()
-        if value.is_floating_point() and not bool(value.isfinite().all()):
+        if value.is_floating_point() and not all_finite(value):
             nonfinite += 1
             if len(examples) < 3:
                 examples.append(key)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=_collective_device())
+        counts = torch.tensor([nonfinite, nbytes], dtype=torch.int64, device=collective_device())
         dist.all_reduce(counts)
         nonfinite, nbytes = (int(c) for c in counts.tolist())
     return Audit(nonfinite, nbytes, examples)
@@ -104,7 +101,7 @@ def any_rank(failed: bool) -> bool:
     """Whether `failed` holds on any rank (a collective where the world has several)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return failed
-    flag = torch.tensor([int(failed)], device=_collective_device())
+    flag = torch.tensor([int(failed)], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

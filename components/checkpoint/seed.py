@@ -33,6 +33,7 @@ from components.checkpoint.files import (
     saved_dtype,
     verify,
 )
+from components.checkpoint.finite import first_nonfinite
 from config import ConfigError
 from containers import OptimizersContainer
 from containers.state.flat import describe_keys
@@ -203,8 +204,9 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
     """Load `seed` into the job's `states` (model; with `model_only` false also optimizer,
     LR schedule, step and whatever else the seed has a counterpart for); return the step.
 
-    Keys are checked first (another model is refused before anything changes). Values the
-    seed does not hold keep this job's own (data position and RNG of a torchtitan seed).
+    Keys and then the numbers are checked first (another model, or inf or NaN in a value it
+    would take, is refused before anything changes). Values the seed does not hold keep this
+    job's own (data position and RNG of a torchtitan seed).
     """
     names = [n for n in (("model", "optimizer") if model_only else states) if n in states]
     optimizer = states.get("optimizer")
@@ -230,6 +232,12 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
             if source is not None:
                 fill[key] = source
         unused = _check(seed, flat, fill, model_only)
+        metadata = dcp.FileSystemReader(seed.path).read_metadata()
+        if (bad := first_nonfinite(seed.path, metadata, set(fill.values()))) is not None:
+            raise ConfigError(
+                f"{seed.what} = '{seed.path}' holds inf or NaN (first in {bad}); nothing was "
+                "loaded or changed: point it at another checkpoint"
+            )
         saved = {k: seed.saved[source] for k, source in fill.items()}
         if converted := "; ".join(filter(None, [dtype_changes(flat, saved), forms])):
             logger.info("%s: converted on load: %s", seed.path, converted)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer, ShadowWeights
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, forward, full, three_parts, train
+from tests.harness.helpers import assert_same, forward, full, poison, three_parts, train
 
 
 def _job(
@@ -444,3 +445,166 @@ def test_bf16_moments_into_8bit_codes_are_read_as_bf16_and_said_once(tmp_path, c
             want = encode_moment(name, value, p)
             for k in ("code", "scale"):
                 assert torch.equal(loaded[f"state.{fqn}.{name}.{k}"], want[k]), (fqn, name, k)
+
+
+# -- inf or NaN in a checkpoint (issue 47, 2) -----------------------------------------------
+
+
+@pytest.mark.parametrize("word", ["model.mid.weight", "exp_avg_sq"])
+def test_a_checkpoint_holding_nan_is_refused_before_anything_changes(tmp_path, word):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 7))
+    folder = tmp_path / "checkpoint"
+    key = poison(folder / "step-6", word)
+    poison(folder / "step-4", "exp_avg")  # the newest finite one is step-2
+    before = _tree_bytes(folder)
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    fresh = _snapshot(parts2, optimizers2)
+    fix = r"load_step = 2 and set_aside_newer = true \(moves the newer steps aside\)$"
+    with pytest.raises(ConfigError, match=rf"step-6 holds inf or NaN \(first in {key}\).*{fix}"):
+        manager2.load()
+    assert _tree_bytes(folder) == before
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+    # The step it names loads.
+    manager3 = _job(tmp_path, interval=2, load_step=2, set_aside_newer=True)[3]
+    assert manager3.load() == 2
+
+
+def test_with_no_finite_checkpoint_the_line_says_the_run_would_start_over(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    poison(tmp_path / "checkpoint" / "step-2", "exp_avg")
+    with pytest.raises(ConfigError, match=r"\(no finite checkpoint there: the run would start"):
+        _job(tmp_path, interval=2)[3].load()
+
+
+def _poisoned_on_two_ranks(folder: str) -> str:
+    """Saved by 2 ranks, NaN put in the last tensor (in the bytes rank 1 reads), loaded again."""
+    parts, optimizers, state, manager = _job(Path(folder), interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    if dist.get_rank() == 0:
+        poison(Path(folder) / "checkpoint" / "step-2", "optimizer.state.", last=True)
+    dist.barrier()
+    try:
+        _job(Path(folder), seed=3, interval=2)[3].load()
+    except ConfigError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_the_ranks_agree_on_a_nan_that_one_of_them_read(tmp_path):
+    said = run_ranks(2, _poisoned_on_two_ranks, str(tmp_path))
+    assert said[0] == said[1] and "holds inf or NaN (first in optimizer.state." in said[0]
+
+
+def test_a_seed_holding_nan_is_refused_before_anything_changes(tmp_path):
+    """A torchtitan model-only checkpoint (weights at the top level) with a NaN weight."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = {k: v.clone() for part in three_parts(1) for k, v in part.state_dict().items()}
+    weights["head.weight"][2, 3] = float("nan")
+    seed = tmp_path / "torchtitan" / "step-5"
+    dcp.save(weights, checkpoint_id=seed, no_dist=True)
+    before = _tree_bytes(seed)
+    parts, optimizers, state, manager = _job(
+        tmp_path / "run", seed=9, initial_load_path=str(seed), initial_load_model_only=True
+    )
+    fresh = _snapshot(parts, optimizers)
+    said = rf"initial_load_path = '{seed}' holds inf or NaN \(first in head.weight\); nothing"
+    with pytest.raises(ConfigError, match=said):
+        manager.load()
+    assert_same(_snapshot(parts, optimizers), fresh) and state.step == 0
+    assert _tree_bytes(seed) == before
+
+
+def test_the_kept_checkpoints_are_called_finite_only_where_this_run_checked_them(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 5))
+    assert manager.finite_kept() == "all finite"  # it saved each
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, interval=2)
+    assert manager2.load() == 4
+    assert manager2.finite_kept() == "step-4 checked finite by this run"  # not step-2
+    _train_and_save(manager2, parts2, optimizers2, state2, range(5, 7))
+    assert manager2.finite_kept() == "step-4, step-6 checked finite by this run"
+
+
+def test_a_last_save_refused_for_nan_is_remembered_until_a_save_passes(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=1)
+    _train_and_save(manager, parts, optimizers, state, range(1, 2))
+    assert not manager.last_save_refused
+    with torch.no_grad():
+        parts[1].mid.weight[0, 0] = float("nan")
+    state.step = 2
+    manager.maybe_save(2)
+    assert manager.last_save_refused and sorted(complete_checkpoints(tmp_path / "checkpoint")) == [
+        1
+    ]
+
+
+# -- what sits under a checkpoint's name (issue 47, 3) --------------------------------------
+
+
+def _entries(folder: Path) -> dict[str, object]:
+    """Each entry of `folder` but the lock: a link's target, a folder's files, a file's bytes."""
+    return {
+        p.name: os.readlink(p)
+        if p.is_symlink()
+        else _tree_bytes(p)
+        if p.is_dir()
+        else p.read_bytes()
+        for p in folder.iterdir()
+        if p.name != "run.lock"
+    }
+
+
+def _file(folder: Path, name: str) -> None:
+    (folder / name).write_text("the user's notes")
+
+
+STRANGERS = {
+    "a file step-6": (lambda f: _file(f, "step-6"), "step-6 (a file)"),
+    "a file step-4.tmp": (lambda f: _file(f, "step-4.tmp"), "step-4.tmp (a file)"),
+    "a file step-6.old": (lambda f: _file(f, "step-6.old"), "step-6.old (a file)"),
+    "a link step-6": (lambda f: (f / "step-6").symlink_to(f / "step-2"), "step-6 (a link)"),
+    "an older folder without .metadata": (
+        lambda f: (f / "step-1").mkdir(),
+        "step-1 (a folder without .metadata)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STRANGERS)
+def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
+    tmp_path, case, caplog
+):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    folder = tmp_path / "checkpoint"
+    put, named = STRANGERS[case]
+    put(folder)
+    before = _entries(folder)
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    fresh = _snapshot(parts2, optimizers2)
+    lock = RunLock(folder)  # as build_job takes it: a stale step-N.tmp would be removed
+    lock.acquire()
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(ConfigError) as refused:
+            manager2.load()
+    finally:
+        lock.release()
+    assert f"{folder / named}: not a checkpoint" in str(refused.value)
+    assert "removed" not in caplog.text
+    assert _entries(folder) == before
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+
+
+def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    stranger = tmp_path / "checkpoint" / "step-4"
+    stranger.mkdir()
+    _file(stranger, "notes")
+    with pytest.raises(ConfigError, match=r"step-4 appeared during this run and is none of its"):
+        _train_and_save(manager, parts, optimizers, state, range(3, 5))
+    assert [p.name for p in stranger.iterdir()] == ["notes"]
+    assert (stranger / "notes").read_text() == "the user's notes"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -241,3 +244,28 @@ def train_resumed(argv: list[str]) -> dict:
     finally:
         train.build_job = build_job
     return {"code": code, **resumed}
+
+
+def poison(step_dir: Path, word: str, last: bool = False) -> str:
+    """Set one element of the first (or `last`) floating-point tensor of the checkpoint
+    `step_dir` whose flat key holds `word` to NaN, as a damaged or hand-edited checkpoint holds
+    it: the folder is rewritten by one process through DCP. Returns the key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "all.pt"
+        dcp_to_torch_save(step_dir, whole)
+        nested = torch.load(whole, weights_only=False)
+    flat, _ = flatten_state_dict(nested)  # views of `nested`'s tensors
+    keys = [
+        k
+        for k, v in flat.items()
+        if word in k and isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
+    key = keys[-1 if last else 0]
+    flat[key].view(-1)[0] = float("nan")
+    shutil.rmtree(step_dir)
+    dcp.save(nested, checkpoint_id=step_dir, no_dist=True)
+    return key
