@@ -1,14 +1,11 @@
 """Adam's moments in 8-bit codes (`moment_dtype = "8bit"`): 2.25 bytes a parameter.
 
-Each coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq =
-{"code": uint8, "scale": fp32}` (`moment_codes`, one scale per block of 32 in a row).
-Parameters under 2-D (a 1-D shard may cut any block), rows of 4 or fewer elements (scales
-cost more than bf16 saves) and shards that cut a row inside a block keep bf16 moments. Scales
-of a sharded parameter are a DTensor placed like it, so DCP reshards codes and scales exactly.
-
-A step decodes a run of rows into fp32 scratch, runs torch's fused kernel and encodes back:
-bitwise torch's fused step on the decoded moments. Re-encoding decoded values gives the same
-codes, so a step skipped by `found_inf` changes nothing.
+A coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code":
+uint8, "scale": fp32}` (`moment_codes`); a sharded one's scales are a DTensor placed like it,
+so DCP reshards both exactly. Parameters under 2-D, rows of 4 or fewer elements (scales would
+cost more than bf16 saves) and shards that cut a row inside a block keep bf16 moments. A step
+decodes rows into fp32 scratch, runs torch's fused kernel and encodes back: bitwise torch's
+step on the decoded moments, and a step skipped by `found_inf` changes nothing.
 """
 
 from __future__ import annotations
@@ -64,10 +61,6 @@ def coded(p: torch.Tensor) -> bool:
     return p.dim() >= 2 and p.shape[-1] > 4 and cut_inside(p) is None
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
 def cut_inside(p: torch.Tensor) -> int | None:
     """The first column where a shard of `p` (any rank) cuts a row inside a block, or None."""
     if not isinstance(p, DTensor) or p.dim() < 2:
@@ -117,7 +110,7 @@ def _scales(p: torch.Tensor) -> torch.Tensor:
     shape = scale_shape(p.shape)
     return DTensor.from_local(
         s, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
+        stride=torch.empty(shape, device="meta").stride(),
     )  # fmt: skip
 
 
@@ -230,8 +223,7 @@ def coded_adam(
         codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
         if not p.numel():
             continue
-        contiguous = all(t.is_contiguous() for t in (p, g, *codes))
-        if not contiguous:
+        if not all(t.is_contiguous() for t in (p, g, *codes)):
             _step_rows(kernel, settings, p, g, codes, steps[i])
             continue
         last = p.shape[-1]
