@@ -153,15 +153,14 @@ def plan_load(
     missing = {k for k in expected.keys() - flat.keys() if _group_fqns([k]) <= ours - theirs}
     unexpected = {k for k in flat.keys() - expected.keys() if _group_fqns([k]) <= theirs - ours}
     if missing or unexpected:
-        hint = ""
-        if isinstance(flat.get(STATE), dict):
-            hint = (
-                " (this looks like an unflattened torch optimizer state dict; pass the "
-                "flat FQN-keyed format of state_dict())"
-            )
+        unflattened = isinstance(flat.get(STATE), dict)
+        hint = (
+            " (this looks like an unflattened torch optimizer state dict; pass the "
+            "flat FQN-keyed format of state_dict())"
+        )
         raise ValueError(
             "optimizer state dict does not match this container"
-            f"{hint}: missing keys {describe_keys(missing)}; "
+            f"{hint if unflattened else ''}: missing keys {describe_keys(missing)}; "
             f"unexpected keys {describe_keys(unexpected)}"
         )
     bad = []
@@ -182,7 +181,6 @@ def plan_load(
     for opt, states in zip(optimizers, layout):
         osd_state: dict[int, Any] = {}
         groups = []
-        index = 0
         for group in opt.param_groups:
             loaded = _loaded_settings(group, fqns, flat)
             loaded["params"] = []
@@ -194,9 +192,8 @@ def plan_load(
                     placeholder = key in zeros if key in sliced else _all_zero(state.get(name))
                     if name in state and placeholder:
                         del state[name]
-                osd_state[index] = state
-                loaded["params"].append(index)
-                index += 1
+                loaded["params"].append(len(osd_state))
+                osd_state[len(osd_state)] = state
             groups.append(loaded)
         plans.append({"state": osd_state, "param_groups": groups})
     return plans

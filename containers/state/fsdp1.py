@@ -1,16 +1,12 @@
 """FSDP1 model parts: `FullyShardedDataParallel(use_orig_params=True)` in the flat DCP format.
 
-With `use_orig_params=True` FSDP1 hands the optimizer each parameter as a 1-D view of the part
-inside this rank's padded slice of the flat parameter (possibly empty, cut anywhere): a
-rank-local layout no other run could load.
-
-`FlatShards` saves what FSDP2 writes, as torch's FSDP1 optimizer state dict does: per-element
-entries are all-gathered over the shard group (one collective per flat parameter and state
-name) into full-shape DTensors placed `Shard(0)` (HSDP: `(Replicate(), Shard(0))`); scalars
-come from a rank holding elements of the parameter (an empty slice never steps). A load cuts
-each rank's range back out. Checkpoints thus move between FSDP1 and FSDP2 at any world size.
-
-Only elementwise optimizers can step such slices; others are refused (`refuse_optimizers`).
+FSDP1 hands the optimizer each parameter as a 1-D view of its part in this rank's padded
+slice of the flat parameter (possibly empty, cut anywhere): a layout no other run could load.
+`FlatShards` saves what FSDP2 writes instead, as torch's FSDP1 state dict does: per-element
+entries all-gathered over the shard group into full-shape DTensors placed `Shard(0)` (HSDP:
+`(Replicate(), Shard(0))`), scalars from a rank holding elements of the parameter; a load
+cuts each rank's range back out. So checkpoints move between FSDP1 and FSDP2 at any world
+size. Only elementwise optimizers can step such slices (`refuse_optimizers`).
 """
 
 from __future__ import annotations
