@@ -1,13 +1,11 @@
 """The global L2 norm of the gradients over the job's mesh, each element counted once; and
 the non-finite checks a step without a clip takes instead (`all_finite`, `nonfinite_flag`).
 
-Mesh dims are ("pp", "dp_replicate", "dp_shard", "tp"). Within a pipeline stage, a DTensor's
-local shard is held by `world / pp / S` ranks (S: product of the sizes of the dims it is
-sharded on); a plain tensor by all `world / pp`; an FSDP1 slice (`shards`) by `world / pp`
-over its shard group's size. Each rank sums its shards' squares divided by their copy count,
-and one all-reduce over the world sums shards, replicas and stages. Dividing rather than
-electing an owner keeps every rank's gradients in the sum, so a non-finite gradient anywhere
-makes the norm non-finite on every rank.
+Each rank sums its pieces' squares divided by how many ranks of its pipeline stage hold the
+same piece (a DTensor shard: `world / pp / S`, S the product of the dims it is sharded on; a
+plain tensor: all `world / pp`; an FSDP1 slice: `world / pp` over its shard group), and one
+all-reduce sums shards, replicas and stages. Dividing rather than electing an owner keeps
+every rank's gradients in the sum, so a non-finite one anywhere is non-finite everywhere.
 """
 
 from __future__ import annotations
@@ -135,10 +133,7 @@ class GlobalNorm:
         dtype = torch.float64 if exact else torch.float32
         total = torch.zeros((), dtype=dtype, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            if exact:
-                sq = exact_sum_of_squares(tensors, self.device)
-            else:
-                sq = sum_of_squares(tensors, self.device)
+            sq = (exact_sum_of_squares if exact else sum_of_squares)(tensors, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -199,8 +194,6 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
-    if not tensors:
-        return norms
     # Cut to the kept buffer's size: a larger buffer would be allocated (and page-faulted
     # on CPU) every step.
     kept = scratch_numel(tensors[0].device)

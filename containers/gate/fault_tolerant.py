@@ -102,17 +102,8 @@ class TorchFTGate(Gate):
 
 
 class FTOptimizersContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `TorchFTGate`: commit-or-skip steps under torchft.
-
-    Args:
-        model_parts: modules whose trainable parameters are optimized.
-        optimizer_cls: optimizer for parameters no rule assigns to another class.
-        optimizer_kwargs: constructor kwargs of `optimizer_cls`.
-        ft_manager: the replica group's `torchft.Manager`.
-        param_groups: rules that form param groups by FQN.
-        precision: what the inner optimizers step (default: the fp32 parameters).
-        max_norm: clip the global gradient norm (after the average) to this; None: off.
-        mesh: the job's named DeviceMesh for the global norm (`OptimizersContainer`).
+    """An `OptimizersContainer` with the `TorchFTGate` of `ft_manager` (the replica group's
+    `torchft.Manager`): commit-or-skip steps under torchft. The norm is taken after the average.
     """
 
     def __init__(
