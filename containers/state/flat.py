@@ -139,12 +139,9 @@ def plan_load(
     for states in layout:
         for p, st in states.items():
             flatten_into(expected, f"{STATE}.{fqns[p]}", st)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for key in group:
-                    if key != "params" and key not in UNSAVED_KEYS:
-                        expected[f"{PG}.{fqns[p]}.{key}"] = None
+    for group in (g for opt in optimizers for g in opt.param_groups):
+        keys = [k for k in group if k != "params" and k not in UNSAVED_KEYS]
+        expected.update({f"{PG}.{fqns[p]}.{k}": None for p in group["params"] for k in keys})
     if not isinstance(flat.get(STATE), dict):
         refuse_other_layout(optimizers, layout, fqns, flat.keys())
     # Group settings come from this container: only which parameters they cover must match
