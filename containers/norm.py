@@ -115,8 +115,7 @@ class GlobalNorm:
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of this rank's `grads`; every rank must call it.
 
-        Non-finite if any gradient on any rank is, or if fp32 squares overflowed (elements
-        beyond ~1.8e19).
+        Non-finite if any gradient on any rank is, or if fp32 squares overflowed.
 
         Args:
             params: the parameters of `grads`, in order (needed for `shards`).
@@ -186,11 +185,8 @@ def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) 
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 sums of squares of pieces of low-precision tensors (summing to the tensors').
-
-    Each piece is copied into the fp32 scratch buffer and measured by `dot` with itself:
-    faster than `vector_norm`, without an fp32 copy of each tensor or a kernel per tensor.
-    """
+    """fp32 sums of squares of pieces of low-precision tensors, each piece widened into the
+    scratch buffer and measured by `dot` with itself (faster than `vector_norm`)."""
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
@@ -216,14 +212,9 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
 def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
 ) -> bool:
-    """Whether every element of `tensors` is finite, agreed across `groups`.
-
-    One read, no write: an fp32 sum is non-finite iff an element is or it overflowed; only
-    then an fp64 sum tells the two apart. A sum is cheaper than a norm (no multiply).
-
-    Args:
-        groups: process groups to agree over (default: every dim of the DTensors' mesh).
-    """
+    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
+    dim of the DTensors' mesh). An fp32 sum (one read, no multiply) is non-finite iff an
+    element is or it overflowed; only then an fp64 sum tells the two apart."""
     return _finite(*_local_pieces(tensors, groups))
 
 
@@ -294,7 +285,7 @@ def _local_pieces(
     for t in tensors:  # runs every step over every gradient: kept lean
         if isinstance(t, DTensor):
             mesh, t = t.device_mesh, t.to_local()
-        pieces.append(t.coalesce().values() if t.is_sparse else t)
+        pieces.append(dense(t))
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
     device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")

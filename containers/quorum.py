@@ -97,9 +97,8 @@ class SettingsAgreement:
     def check(self, manager: Manager) -> int | None:
         """Compare with every group of `manager`'s current quorum (once per quorum).
 
-        Returns None when all agree (or this quorum agreed already), else the number of
-        groups left once those that differ are refused (no collective on this quorum's
-        process group runs this step then).
+        Returns None when all agree, else the number of groups left once those that differ
+        are refused (then no collective on this quorum's process group runs this step).
 
         Raises:
             SettingsMismatch: this group's settings differ from the reference group's.
