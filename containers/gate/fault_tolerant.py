@@ -78,11 +78,9 @@ class TorchFTGate(Gate):
         flat = torch.cat([local(p.grad).reshape(-1) for p in live])
         self.manager.allreduce(flat).wait()
         # The gradients become views of the flat buffer (no copy back).
-        offset = 0
-        for p in live:
-            n = local(p.grad).numel()
-            p.grad = shaped_like(flat[offset : offset + n], p.grad)
-            offset += n
+        sizes = [local(p.grad).numel() for p in live]
+        for p, view in zip(live, flat.split(sizes)):
+            p.grad = shaped_like(view, p.grad)
 
     def _alone(self) -> bool:
         """Whether this is the quorum's only replica group (no healing one), so the average

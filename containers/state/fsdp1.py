@@ -208,12 +208,8 @@ class FlatShards:
 
     @torch.no_grad()
     def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
-        """`flat` with full-shape FSDP1 entries cut to this rank's slice.
-
-        Returns:
-            The new dict, the keys cut, and those whose whole tensor is all zeros (a
-            placeholder the slice alone cannot tell).
-        """
+        """`flat` with full-shape FSDP1 entries cut to this rank's slice, the keys cut, and those
+        whose whole tensor is all zeros (a placeholder the slice alone cannot tell)."""
         out = dict(flat)
         sliced, zeros = set(), set()
         for key, value in flat.items():

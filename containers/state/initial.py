@@ -39,13 +39,8 @@ State = dict[str, Any]
 
 @dataclass
 class Derived:
-    """What `derive` found for each parameter asked.
-
-    Attributes:
-        states: the start state.
-        created: top-level state names that the first update creates, for which `states` holds
-            zero placeholders (SGD's `momentum_buffer`).
-    """
+    """What `derive` found for each parameter asked: its start state, and the top-level state
+    names its first update creates, for which `states` holds zero placeholders."""
 
     states: dict[torch.Tensor, State]
     created: dict[torch.Tensor, frozenset[str]]
@@ -139,14 +134,9 @@ def _meta_grad(meta: torch.Tensor, sparse: bool) -> torch.Tensor:
 
 
 def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Derived:
-    """The start state `opt` would give `params` and the names its first update creates.
-
-    Args:
-        opt: the optimizer that owns `params`.
-        params: parameters of `opt` (their live state, if any, is ignored).
-        materialize: allocate the state (DTensors for sharded parameters) for a state dict;
-            otherwise return tensors that only carry shape and dtype, for validation.
-    """
+    """The start state `opt` would give `params` (their live state ignored) and the names its
+    first update creates. `materialize`: allocate the state (DTensors for sharded parameters)
+    for a state dict; else tensors that carry only shape and dtype, for validation."""
     if not params:
         return Derived({}, {})
     exact: dict[torch.Tensor, State] | None = None
@@ -154,7 +144,7 @@ def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Der
         try:
             exact = _init_group_states(opt, params, materialize)
         except (TypeError, RuntimeError, ValueError):
-            exact = None  # a private API of another shape: fall back to the meta step
+            pass  # a private API of another shape: fall back to the meta step
     try:
         stepped = _meta_step_states(opt, params)
     except Exception as e:
