@@ -183,40 +183,44 @@ def step_coded(
 ) -> None:
     """An "8bit" group's update: coded moments via `coded_adam` (or `compiled_coded_adam`),
     the bf16 moments of small parameters via `lean_adam` (or `step_compiled`)."""
-    is_coded = [isinstance(m, dict) for m in exp_avgs]
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
-    plain, codes = ([[t for t, c in zip(ts, is_coded) if c is want] for ts in lists]
-                    for want in (False, True))  # fmt: skip
+    codes, plain = _split(lists, [isinstance(m, dict) for m in exp_avgs])
     if plain[0] and compiled:
         step_compiled(*plain, found_inf, settings)
     elif plain[0]:
         lean_adam(*plain[:4], [], plain[4], found_inf=found_inf, **settings)
     if not codes[0]:
         return
-    torch._foreach_add_(codes[4], 1)
+    coded_steps = codes[4]
+    torch._foreach_add_(coded_steps, 1)
     ps, gs = [local(p) for p in codes[0]], [local(g) for g in codes[1]]
-    coded_tensors = [
-        [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+    moments = [
+        [local(t) for t in (m["code"], m["scale"], v["code"], v["scale"])]
         for m, v in zip(codes[2], codes[3])
     ]
-    graph = [
-        i for i, (p, g, c) in enumerate(zip(ps, gs, coded_tensors))
-        if compiled and p.numel() and takes_codes(p, g, c)
-    ]  # fmt: skip
-    if graph:
-        compiled_coded_adam(
-            [gs[i] for i in graph], [ps[i] for i in graph], [coded_tensors[i] for i in graph],
-            torch.stack([codes[4][i] for i in graph]), **_graph_settings(settings, found_inf),
-        )  # fmt: skip
-    rest = sorted(set(range(len(ps))) - set(graph))
-    if rest:
-        decoupled = settings["decoupled_weight_decay"]
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    in_graph = [
+        compiled and p.numel() > 0 and takes_codes(p, g, c) for p, g, c in zip(ps, gs, moments)
+    ]
+    graph, rest = _split((ps, gs, moments, coded_steps), in_graph)
+    if graph[0]:
+        p, g, c, s = graph
+        compiled_coded_adam(g, p, c, torch.stack(s), **_graph_settings(settings, found_inf))
+    if rest[0]:
+        kernel = torch._fused_adamw_ if settings["decoupled_weight_decay"] else torch._fused_adam_
         hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
-        coded_adam(*([ts[i] for i in rest] for ts in codes), kernel=kernel,
-                   settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
+        coded_adam(
+            *rest, kernel=kernel, settings={**hyper, "grad_scale": None, "found_inf": found_inf}
+        )
     if found_inf is not None:
-        torch._foreach_sub_(codes[4], [found_inf] * len(codes[4]))
+        torch._foreach_sub_(coded_steps, [found_inf] * len(coded_steps))
+
+
+def _split(lists: tuple[list[Any], ...], flags: list[bool]) -> tuple[list[list], list[list]]:
+    """Each of `lists` cut in two: its entries where `flags` hold, and the others."""
+    return (
+        [[t for t, f in zip(ts, flags) if f] for ts in lists],
+        [[t for t, f in zip(ts, flags) if not f] for ts in lists],
+    )
 
 
 def _graph_settings(settings: dict[str, Any], found_inf: torch.Tensor | None) -> dict[str, Any]:

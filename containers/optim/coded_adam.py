@@ -207,8 +207,7 @@ def in_form_of(
 def coded_adam(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
-    exp_avgs: list[dict[str, torch.Tensor]],
-    exp_avg_sqs: list[dict[str, torch.Tensor]],
+    codes: list[list[torch.Tensor]],
     steps: list[torch.Tensor],
     *,
     kernel: Callable[..., None],
@@ -216,23 +215,21 @@ def coded_adam(
 ) -> None:
     """Torch's fused `kernel` over coded moments, a run of rows at a time.
 
-    `steps` already hold this update's count (the caller advances and restores them)."""
-    for i, param in enumerate(params):
-        p, g = local(param), local(grads[i])
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+    Local tensors; `codes` per parameter: m code, m scale, v code, v top. `steps` already hold
+    this update's count (the caller advances and restores them)."""
+    for p, g, moments, step in zip(params, grads, codes, steps):
         if not p.numel():
             continue
-        if not all(t.is_contiguous() for t in (p, g, *codes)):
-            _step_rows(kernel, settings, p, g, codes, steps[i])
+        if not all(t.is_contiguous() for t in (p, g, *moments)):
+            _step_rows(kernel, settings, p, g, moments, step)
             continue
         last = p.shape[-1]
         rows = p.numel() // last
         per = max(1, scratch_numel(p.device) // (2 * last))
-        flat = [t.view(rows, -1) for t in (p, g, *codes)]
+        flat = [t.view(rows, -1) for t in (p, g, *moments)]
         for start in range(0, rows, per):
-            _step_rows(kernel, settings, *(t[start : start + per] for t in flat[:2]),
-                       [t[start : start + per] for t in flat[2:]], steps[i])  # fmt: skip
+            run = [t[start : start + per] for t in flat]
+            _step_rows(kernel, settings, run[0], run[1], run[2:], step)
 
 
 def _step_rows(
