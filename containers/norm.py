@@ -251,14 +251,11 @@ def nonfinite_flag(
     groups: Sequence[dist.ProcessGroup | None] | None = None,
     on_host: bool | None = None,
 ) -> torch.Tensor:
-    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`.
-
-    An fp32 scalar on their device: the `found_inf` torch's fused Adam kernels read. On CUDA
-    no host sync: torch's AMP check (scale 1, values unchanged) sets it from one multi-tensor
-    kernel (bf16, which it refuses, by an fp64 sum of squares), agreed by a device collective.
-    Elsewhere that check writes every tensor back and a sync is free, so `all_finite` decides
-    (`on_host`; None: everywhere but CUDA).
-    """
+    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`: the fp32
+    `found_inf` torch's fused Adam kernels read, on their device. On CUDA without a host sync:
+    torch's AMP check (scale 1) in one multi-tensor kernel (bf16: an fp64 sum of squares) and a
+    device collective. Elsewhere that check writes every tensor back and a sync is free, so
+    `all_finite` decides (`on_host`; None: everywhere but CUDA)."""
     pieces, groups, device = _local_pieces(tensors, groups)
     if on_host is None:
         on_host = device.type != "cuda"

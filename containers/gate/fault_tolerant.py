@@ -29,10 +29,9 @@ __all__ = ["FTOptimizersContainer", "TorchFTGate"]
 
 
 class TorchFTGate(Gate):
-    """The gate of a torchft replica group.
+    """The gate of a torchft replica group, whose `torchft.Manager` is `manager`.
 
     Args:
-        manager: the replica group's `torchft.Manager`.
         agree_on: settings (key -> JSON-serializable value) every replica group must share,
             compared at each new quorum (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.

@@ -81,14 +81,9 @@ def refuse_other_layout(
     fqns: Mapping[torch.Tensor, str],
     keys: Collection[str],
 ) -> None:
-    """Raise ValueError if flat `keys` hold another optimizer's state for these parameters.
-
-    The writer is told by its state names (Adam and AdamW share theirs, SGD's differ).
-
-    Args:
-        layout: per optimizer, each parameter's state (live or initial).
-        keys: the flat keys of the state dict or checkpoint.
-    """
+    """Raise `OtherOptimizerState` if flat `keys` hold another optimizer's state for these
+    parameters, told by its state names (Adam and AdamW share theirs, SGD's differ);
+    `layout` as `plan_load` takes it."""
     fqns_saved = _group_fqns(keys)
     saved = state_names(keys, set(fqns.values()))
     for opt, states in zip(optimizers, layout):
