@@ -79,8 +79,7 @@ class GlobalNorm:
         self.shards = dict(shards or {})
         sharded = bool(self.shards) or any(isinstance(p, DTensor) for p in params)
         self.collective = world > 1 and (mesh is not None or sharded)
-        device = next((p.device for p in params), None)
-        self.device = device if device is not None else torch.device("cpu")
+        self.device = next((p.device for p in params), torch.device("cpu"))
         for p in params:
             if isinstance(p, DTensor) and self.ranks_per_stage % _shards(p):
                 raise ValueError(

@@ -208,11 +208,8 @@ class ShardedMuon(torch.optim.Muon):
             ortho = self._orthogonalize(params, updates, group)
             lr, decay = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho):
-                piece = local(p)
-                piece.mul_(1 - lr * decay)
-                piece.add_(
-                    o, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-                )
+                alpha = -torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                local(p).mul_(1 - lr * decay).add_(o, alpha=alpha)
         return loss
 
     def _orthogonalize(

@@ -156,8 +156,6 @@ class FlatShards:
                 return piece, ".".join([kind, *parts[cut:]])
         return None
 
-    # -- save: local slices -> full-shape DTensors -------------------------------------------
-
     @torch.no_grad()
     def export(self, flat: dict[str, Any]) -> dict[str, Any]:
         """`flat` with FSDP1 entries as FSDP2 writes them; every rank must call it."""
@@ -203,8 +201,6 @@ class FlatShards:
             for (key, _, _), value in zip(entries, values.unbind()):
                 out[key] = value.clone()
         return out
-
-    # -- load: full-shape tensors -> local slices --------------------------------------------
 
     @torch.no_grad()
     def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
