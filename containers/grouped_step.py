@@ -5,9 +5,8 @@ One inner optimizer per model part would cost a `step()` and a kernel call per p
 its optimizer's own `_init_group` (torch's lazy state init; private, so a rename fails loudly)
 and makes one functional call per bucket: bitwise each optimizer stepping alone, since these
 kernels compute each tensor from its own gradient, state and step. An optimizer whose step
-could tell the difference (hooks, a patched `step`, a `GradScaler`, a subclass, no explicit
-kernel, a tensor lr, `differentiable`) steps alone. Buckets are rebuilt from the live groups
-every step, so schedulers, user writes and loads are seen.
+could tell the difference steps alone. Buckets are rebuilt from the live groups every step,
+so schedulers, user writes and loads are seen.
 """
 
 from __future__ import annotations
