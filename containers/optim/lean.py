@@ -16,12 +16,7 @@ from torch.optim import Optimizer
 
 from containers.optim.coded_adam import CODED, coded, decode_moment, encode_moment
 
-__all__ = [
-    "MOMENT_DTYPES",
-    "check_moment_dtype",
-    "load_keeping_dtypes",
-    "moment_dtype_of",
-]
+__all__ = ["MOMENT_DTYPES", "check_moment_dtype", "load_keeping_dtypes", "moment_dtype_of"]
 
 logger = logging.getLogger(__name__)
 
