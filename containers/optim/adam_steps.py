@@ -2,9 +2,9 @@
 
 fp32 moments step through torch's functional `adam`. bf16 moments (`lean_adam`) step as they
 are where torch's fused kernel takes them (`paths.BF16_FUSED_DEVICES`: bitwise torch's
-`AdamW(fused=True)` with bf16 state), else widened a chunk at a time into fp32 scratch and
-rounded back (bitwise torch's fused step on the widened moments). 8-bit codes go through
-`step_coded`, `compiled` groups through one inductor graph (`compiled_adam`).
+`AdamW(fused=True)` with bf16 state, an ulp from the widened step), else widened a chunk at a
+time into fp32 scratch and rounded back (bitwise torch's fused step on the widened moments).
+8-bit codes go through `step_coded`, `compiled` groups through one inductor graph.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 A coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code":
 uint8, "scale": fp32}` (`moment_codes`); a sharded one's scales are a DTensor placed like it,
-so DCP reshards both exactly. Parameters under 2-D, rows of 4 or fewer elements (scales would
-cost more than bf16 saves) and shards that cut a row inside a block keep bf16 moments. A step
-decodes rows into fp32 scratch, runs torch's fused kernel and encodes back: bitwise torch's
-step on the decoded moments, and a step skipped by `found_inf` changes nothing.
+so DCP reshards both exactly. Parameters under 2-D (a 1-D shard may cut any block), rows of 4
+or fewer elements (scales would cost more than bf16 saves) and shards that cut a row inside a
+block keep bf16 moments. A step decodes rows into fp32 scratch, runs torch's fused kernel and
+encodes back: bitwise torch's step on the decoded moments; a skipped step changes nothing.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def compiled_adam(
             parameters).
         steps: one step count per tensor, already advanced.
         remainders: `masters` are the int16 remainders completing bf16 `params`.
-        settings: as `_on_device` takes them.
+        settings: as `_on_device` takes them (`factor` multiplies the gradients; a set
+            `found_inf` skips).
     """
     hyper, corrections = _on_device(steps, **settings)
     # Flat views, never Parameters (dynamo makes their shapes static).
