@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from config import load_job_config
-from tests.harness.dist import REPO, launch
+from tests.harness.dist import launch, run_script
 
 ARGS = [
     *("--job.config_file", "config/debug.toml", "--model.flavor", "tiny"),
@@ -36,17 +33,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _tool(name: str, *args: str, cwd) -> str:
-    """`python -m scripts.<name>` from another directory, with the checkout on PYTHONPATH (the
-    installed distribution holds the library only)."""
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    out = subprocess.run(
-        [sys.executable, "-m", f"scripts.{name}", *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """What `python -m scripts.<name>` prints, run from another directory; it must exit 0."""
+    out = run_script(name, *args, cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
