@@ -141,6 +141,9 @@ def test_inspect_says_damaged_what_train_py_refuses(run, tmp_path):
         f"error: {overwritten} is damaged: the folder holds values that cannot be read "
         "(rank 0: UnpicklingError: invalid load key, "
     )
+    assert f"{overwritten} is damaged: the folder holds values that cannot be read" in (
+        _train_refusal(overwritten)
+    )
 
 
 def test_inspect_names_torchft_manager_state_as_torchft(tmp_path):

@@ -243,7 +243,11 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
                 fill[key] = source
         unused = _check(seed, flat, fill, model_only)
         metadata = dcp.FileSystemReader(seed.path).read_metadata()
-        if (bad := first_nonfinite(seed.path, metadata, set(fill.values()))) is not None:
+        try:
+            bad = first_nonfinite(seed.path, metadata, set(fill.values()))
+        except Damaged as damage:
+            raise ConfigError(f"{seed.what} = '{seed.path}' is damaged: {damage}") from None
+        if bad is not None:
             raise ConfigError(
                 f"{seed.what} = '{seed.path}' holds inf or NaN (first in {bad}); nothing was "
                 "loaded or changed: point it at another checkpoint"
