@@ -3,8 +3,9 @@
     python -m scripts.plot DUMP_FOLDER [DUMP_FOLDER ...] [--key loss] [--out PATH]
 
 Each folder's `metrics.jsonl` (what train.py writes there; a resumed run appends, and the
-last row of a step wins) is one curve, labelled by its folder, all on the same axes so runs
-compare at a glance (e.g. the mixed-precision quality runs beside an fp32 one). A folder of a
+last row of a step wins) is one curve, all on the same axes so runs compare at a glance (e.g.
+the mixed-precision quality runs beside an fp32 one), labelled by the config keys whose values
+differ between the runs (from each run's `config.toml`), or by its folder. A folder of a
 torchft job (its groups write `replica_<id>/metrics.jsonl`) gives one curve per group.
 Steps whose value was not finite (null in the file) are left out. matplotlib, no display.
 
@@ -20,8 +21,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BadLine", "main", "plot", "read_metrics"]
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+__all__ = ["BadLine", "labels", "main", "plot", "read_metrics"]
 
 Rows = dict[int, dict]
 _HEAD = '{"step": '  # how every row train.py writes begins
@@ -66,13 +73,42 @@ def read_metrics(path: Path) -> tuple[Rows, int | None]:
     return rows, None
 
 
-def _curves(folder: Path) -> list[tuple[str, Path]]:
-    """(label, metrics file) of each run in `folder`: its own, or its replica groups'."""
+def _curves(folder: Path) -> list[Path]:
+    """The metrics file of each run in `folder`: its own, or its replica groups'."""
     own = folder / "metrics.jsonl"
-    if own.is_file():
-        return [(str(folder), own)]
-    groups = sorted(folder.glob("replica_*/metrics.jsonl"))
-    return [(str(path.parent), path) for path in groups]
+    return [own] if own.is_file() else sorted(folder.glob("replica_*/metrics.jsonl"))
+
+
+_SAME_RUN = {"job.dump_folder", "job.config_file"}  # where a run is, not what it trains
+
+
+def _settings(folder: Path) -> dict[str, Any]:
+    """The run's `config.toml` (as train.py saved it) as {"section.key": value}; {} if none."""
+    try:
+        config = tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    return {
+        f"{section}.{key}": value
+        for section, table in config.items()
+        if isinstance(table, dict)
+        for key, value in table.items()
+        if f"{section}.{key}" not in _SAME_RUN
+    }
+
+
+def labels(folders: list[Path]) -> list[str]:
+    """A legend label per run folder: the config keys whose values differ between the runs
+    (`section.key=value`), else the folder; the folder too where two labels would be equal."""
+    settings = [_settings(f) for f in folders]
+    known = [s for s in settings if s]  # (a run without its config.toml is named by folder)
+    keys = sorted({k for s in known for k in s})
+    differ = [k for k in keys if len({json.dumps(s.get(k), default=str) for s in known}) > 1]
+    named = [", ".join(f"{k}={s[k]}" for k in differ if k in s) for s in settings]
+    return [
+        str(folder) if not name else f"{name} ({folder})" if named.count(name) > 1 else name
+        for name, folder in zip(named, folders)
+    ]
 
 
 def plot(runs: list[tuple[str, Rows]], out: Path, key: str = "loss") -> int:
@@ -110,17 +146,17 @@ def _read_runs(folders: list[Path]) -> list[tuple[str, Rows]]:
     Raises:
         BadLine, OSError: as `read_metrics`.
     """
+    curves = [path for folder in folders for path in _curves(folder)]
     runs = []
-    for folder in folders:
-        for label, path in _curves(folder):
-            rows, cut = read_metrics(path)
-            if cut is not None:
-                print(
-                    f"note: skipped {path}:{cut}, the last line: a row cut short (as a kill "
-                    "while writing it leaves)",
-                    file=sys.stderr,
-                )
-            runs.append((label, rows))
+    for label, path in zip(labels([path.parent for path in curves]), curves):
+        rows, cut = read_metrics(path)
+        if cut is not None:
+            print(
+                f"note: skipped {path}:{cut}, the last line: a row cut short (as a kill "
+                "while writing it leaves)",
+                file=sys.stderr,
+            )
+        runs.append((label, rows))
     return runs
 
 

@@ -82,3 +82,30 @@ def test_plot_and_inspect_read_the_run(run, tmp_path):
     ):
         assert line in listing, listing
     assert "  exp_avg_sq  " in listing and "  output.weight  " in listing, listing
+
+
+def test_plot_labels_runs_by_the_config_keys_that_differ_between_them(tmp_path):
+    from config import to_toml
+    from scripts.plot import labels
+
+    runs = {
+        "fp32": [],
+        "bf16": ["--optimizer.moment_dtype", "bfloat16"],
+        "bf16_again": ["--optimizer.moment_dtype", "bfloat16"],
+        "lr": ["--optimizer.lr", "0.001"],
+    }
+    for name, args in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        dump = ["--job.dump_folder", str(folder)]  # differs, but says where, not what
+        (folder / "config.toml").write_text(to_toml(load_job_config([*ARGS, *dump, *args])))
+    (tmp_path / "none").mkdir()  # no config.toml: its folder
+    folders = [tmp_path / name for name in [*runs, "none"]]
+    default_lr = load_job_config([]).optimizer.lr
+    assert labels(folders) == [
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=float32",
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=bfloat16 ({folders[1]})",
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=bfloat16 ({folders[2]})",
+        "optimizer.lr=0.001, optimizer.moment_dtype=float32",
+        str(folders[4]),
+    ]
