@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
         loop.count(report)  # the step counted: committed (lr schedule steps) or skipped
         loss, stop_flag = loop.share(loss_sum)  # one collective: loss, a signal on any rank
         extra = report.metrics()
+        row_loss, note = loop.row_loss(loss, extra)  # none after a heal inside the step
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)
         if cfg.ema.eval_every and state.step % cfg.ema.eval_every == 0:
@@ -120,10 +121,11 @@ def main(argv: list[str]) -> int:
         elapsed = time.perf_counter() - start
         metrics.log(
             state.step,
-            loss.item(),
+            row_loss,
             elapsed,
             job.tokens_per_step,
             lrs=lrs,
+            note=note,
             skipped_steps=state.skipped_steps,
             **extra,
         )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from components.train_spec import ModelBuilder
 
 __all__ = [
+    "Heals",
     "build_ft_manager",
     "build_gate",
     "build_outer",
@@ -72,7 +73,10 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     DiLoCo, whose inner steps all commit (`build_outer`)."""
     if manager is None or cfg.fault_tolerance.semi_sync_method == "diloco":
         return None
-    return TorchFTGate(manager, agree_on=math_settings(cfg), name=_group_name(cfg.fault_tolerance))
+    ft = cfg.fault_tolerance
+    return TorchFTGate(
+        manager, agree_on=math_settings(cfg), name=_group_name(ft), lighthouse=_lighthouse(ft)
+    )
 
 
 def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
@@ -89,6 +93,7 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
         num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
         fragment_update_alpha=ft.fragment_update_alpha,
         agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
+        lighthouse=_lighthouse(ft),
     )  # fmt: skip
 
 
@@ -133,6 +138,12 @@ def check_outer(cfg: JobConfig, build_model: ModelBuilder) -> None:
 def _group_name(cfg: FaultToleranceConfig) -> str:
     """This replica group's name: its torchft replica id, and in a refused group's message."""
     return f"replica_{cfg.replica_id}"
+
+
+def _lighthouse(cfg: FaultToleranceConfig) -> str | None:
+    """The lighthouse's address, as torchft's manager takes it (the config's, else
+    `TORCHFT_LIGHTHOUSE`); None where neither is set."""
+    return cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
@@ -209,7 +220,7 @@ def build_ft_manager(
     except RuntimeError as e:
         if "failed to connect" not in str(e):
             raise
-        address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        address = _lighthouse(cfg)
         raise ConfigError(
             f"[fault_tolerance] lighthouse = {address!r}: no lighthouse answered within "
             f"connect_timeout_ms = {cfg.connect_timeout_ms}; start it first "
@@ -217,14 +228,28 @@ def build_ft_manager(
         ) from None
 
 
-def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
-    """Make `manager` serve `states` to healing peers and load theirs when healing.
+@dataclasses.dataclass
+class Heals:
+    """How often this replica group healed: loaded a live peer's state (`serve_state`).
+
+    A step during which the count grows ran its forward (and, under DiLoCo, its inner step)
+    on the weights from before the heal, at an earlier step: what it measured there is not
+    the step's whose number the group takes from its peer.
+    """
+
+    count: int = 0
+
+
+def serve_state(manager: Manager, states: dict[str, Stateful]) -> Heals:
+    """Make `manager` serve `states` to healing peers and load theirs when healing; returns
+    the count of those heals.
 
     The state is built when a peer asks for it, never cached: tensors by reference and
     scalars (lr, step) as they are at that moment. Call it once the LR schedulers exist.
     Each rank of a replica group serves its own shards (DTensors, as they are) to the rank
     of the same group rank in a healing group, which holds the same shards of the same mesh.
     """
+    heals = Heals()
 
     def state_dict() -> dict[str, Any]:
         return {name: _picklable(obj.state_dict()) for name, obj in states.items()}
@@ -232,9 +257,11 @@ def serve_state(manager: Manager, states: dict[str, Stateful]) -> None:
     def load_state_dict(state: dict[str, Any]) -> None:
         for name, obj in states.items():
             obj.load_state_dict(state[name])
+        heals.count += 1
         logger.info("healed from a peer replica group")
 
     manager.register_state_dict_fn("train", load_state_dict, state_dict)
+    return heals
 
 
 def _picklable(state: Any) -> Any:

@@ -24,6 +24,7 @@ from components.checkpoint.seed import open_seed
 from components.comm import enable_flight_recorder, init_timeout, train_timeout_after_first_step
 from components.ema_builder import build_ema
 from components.ft import (
+    Heals,
     build_ft_manager,
     build_gate,
     build_outer,
@@ -73,6 +74,8 @@ class Job:
     accumulation_steps: int
     n_params: int
     ft_manager: Manager | None = None
+    heals: Heals | None = None
+    """How often this torchft replica group healed from a live peer (None without torchft)."""
     store: dist.TCPStore | None = None
     """The replica group's store when this process started it (torchft serves peers from it)."""
     run_lock: RunLocks | None = None
@@ -291,8 +294,9 @@ def _build_locked(
         "dataloader": dataloader,
         "train_state": train_state,
     }
+    heals = None
     if ft_manager is not None:
-        serve_state(ft_manager, dict(states))  # what a healing peer receives
+        heals = serve_state(ft_manager, dict(states))  # what a healing peer receives
         states["ft_manager"] = ft_manager
     checkpoint = CheckpointManager(cfg.checkpoint, dump_folder, states, cfg.training.steps)
     return Job(
@@ -315,6 +319,7 @@ def _build_locked(
         accumulation_steps=accum,
         n_params=n_params,
         ft_manager=ft_manager,
+        heals=heals,
         store=store,
         run_lock=run_lock,
         eval_batch=eval_batch,

@@ -6,11 +6,15 @@ in a row (`[training] max_consecutive_skips`) stop the run with exit code 1. A s
 reached any rank stops every rank after the same step, agreed in the all-reduce that averages
 the loss (or before step 1, in one of its own). A lost gate (`GateLost`) saves the last
 committed state and stops with exit code 1. What every rank agrees on is said once, by rank 0.
+A torchft replica group that heals from a live peer during a step takes the peer's step
+number; the loss it computed before the heal is not that step's, and its row says so
+(`row_loss`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,7 @@ class LoopPolicy:
         self._retry: Batches | None = None  # an uncommitted step's micro-batches, to run again
         self._batches: Batches = []
         self._skipped_in_a_row: list[int] = []
+        self._heals_before = 0  # the replica group's heals when this attempt's forward began
         self._stopped_early = False
         # What every rank agrees on is said once, by rank 0.
         quiet = (logger.debug, logger.debug)
@@ -75,8 +80,33 @@ class LoopPolicy:
         """This step's micro-batches (inputs, labels): the uncommitted step's again, or the
         next ones."""
         job = self.job
+        self._heals_before = job.heals.count if job.heals is not None else 0
         self._batches = self._retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
         return self._batches
+
+    def row_loss(
+        self, loss: torch.Tensor, extra: dict[str, Any]
+    ) -> tuple[float | None, str | None]:
+        """The loss for this step's metrics row, and a note on the row where it has none.
+
+        A torchft replica group that healed from a live peer during the step (inside
+        `step()`: it now holds the peer's state and step number) ran the step's forward on
+        its weights from before the heal, at an earlier step: that loss is not this step's,
+        so the row has none. Under DiLoCo the heal comes after the inner step, whose gradient
+        norm is dropped from `extra` too; under the every-step gate it comes before the
+        gradients are averaged and measured, so the norm is this step's own.
+        """
+        heals = self.job.heals
+        if heals is None or heals.count == self._heals_before:
+            return loss.item(), None
+        dropped = "loss"
+        if self.cfg.fault_tolerance.semi_sync_method == "diloco" and "grad_norm" in extra:
+            del extra["grad_norm"]
+            dropped = "loss or grad_norm"
+        return None, (
+            f"healed from a peer replica group in this step: no {dropped}, its forward ran on "
+            "the weights from before the heal"
+        )
 
     def gate_lost(self, error: GateLost) -> None:
         """Save the last committed step (nothing changed since) and say why the run stops."""

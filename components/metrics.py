@@ -79,6 +79,14 @@ def _strict_json(record: dict[str, Any]) -> str:
     return json.dumps(finite, allow_nan=False)
 
 
+def _shown(key: str, value: Any) -> str:
+    """`value` as the log line shows it: 4 significant digits, "-" for none."""
+    if value is None:  # (a healed group's loss: the row's note says why)
+        return "-"
+    # (checksums are compared across runs and groups: every digit)
+    return f"{value:.4g}" if isinstance(value, float) and key != "param_checksum" else f"{value}"
+
+
 def _row_step(line: str) -> int | None:
     """The step of a `metrics.jsonl` row; None for a line cut short by a kill."""
     try:
@@ -173,15 +181,17 @@ class MetricsLogger:
     def log(
         self,
         step: int,
-        loss: float,
+        loss: float | None,
         step_time: float,
         tokens: int,
         *,
         lrs: Mapping[str, float] | None = None,
+        note: str | None = None,
         **extra: Any,
     ) -> None:
         """Record one optimizer step (`tokens` counted over all ranks); `lrs` by group name,
-        the first shown in the log line."""
+        the first shown in the log line. `loss` None: the step has no loss of its own
+        (null in the row), `note` says why (a `note` field, last in the log line)."""
         self._step_times.append(step_time)
         if self.enabled and self._file is None:
             # The first step this run trains: from step 0, an earlier run's rows are kept
@@ -213,6 +223,7 @@ class MetricsLogger:
             "peak_memory_gib": peak_memory_gib(self.device),
             "eta_s": sum(recent) / len(recent) * (self.total_steps - step),
             **named,
+            **({"note": note} if note else {}),
         }
         self._write_line(step, record, lr_label=next(iter(lrs), None) if lrs else None)
         self._file.write(_strict_json(record) + "\n")
@@ -225,13 +236,12 @@ class MetricsLogger:
     @staticmethod
     def _write_line(step: int, record: dict[str, Any], lr_label: str | None) -> None:
         fields = "  ".join(
-            f"{f'lr[{lr_label}]' if k == 'lr' and lr_label else k} "
-            # (checksums are compared across runs and groups: every digit)
-            + (f"{v:.4g}" if isinstance(v, float) and k != "param_checksum" else f"{v}")
+            f"{f'lr[{lr_label}]' if k == 'lr' and lr_label else k} {_shown(k, v)}"
             for k, v in record.items()
-            if k not in ("step", "time") and not k.startswith("lr/")
+            if k not in ("step", "time", "note") and not k.startswith("lr/")
         )
-        logger.info("step %5d  %s", step, fields)
+        note = f"  ({record['note']})" if "note" in record else ""
+        logger.info("step %5d  %s%s", step, fields, note)
 
     def close(self) -> None:
         if self._file is not None:

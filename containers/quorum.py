@@ -5,14 +5,23 @@ Groups average their gradients, so one with another lr, clip or schedule would c
 others, and healing cannot catch groups that start together: at each new quorum every group
 all-gathers its settings, and one that differs from the first training group leaves before
 it loads a peer's state or commits anything.
+
+What a message says about a missing quorum is what the lighthouse itself reports (its
+`/status` page, `lighthouse_status`): that it waits for `min_replicas` groups, or that it does
+not answer.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import html
+import http.client
 import json
 import logging
+import os
+import re
 import threading
+import urllib.request
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,15 +33,70 @@ from containers.parts import GateLost
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["SettingsAgreement", "SettingsMismatch", "wait_quorum"]
+__all__ = ["SettingsAgreement", "SettingsMismatch", "lighthouse_status", "wait_quorum"]
 
 logger = logging.getLogger(__name__)
 
+_STATUS_TIMEOUT_S = 2.0
+"""How long a message waits for the lighthouse's status page (only when a quorum is late)."""
+_WAITS_FOR = re.compile(r"only have (\d+) participants, need min_replicas (\d+)")
 
-def wait_quorum(manager: Manager, start: bool = False) -> None:
+
+def _address(address: str | None) -> str | None:
+    """The lighthouse's address: `address`, else `TORCHFT_LIGHTHOUSE` (as torchft reads it)."""
+    return address or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+
+
+def lighthouse_status(address: str | None, timeout: float = _STATUS_TIMEOUT_S) -> str | None:
+    """What the torchft lighthouse at `address` (None: `TORCHFT_LIGHTHOUSE`) says of its
+    next quorum, e.g. "New quorum not ready, only have 1 participants, need min_replicas 2
+    [...]" (its `/status` page); None where nothing answers within `timeout` seconds.
+
+    A message about a missing quorum quotes it, so that it names the cause seen (a
+    lighthouse waiting for `min_replicas` groups is up, not gone).
+    """
+    address = _address(address)
+    if address is None:
+        return None
+    url = address.rstrip("/") + "/status"
+    if "://" not in url:
+        url = "http://" + url
+    # (no proxy: torchft's own connections to the lighthouse take none)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            page = response.read(1 << 16).decode("utf-8", "replace")
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+    found = re.search(r"Next quorum status:\s*([^<\n]+)", page)
+    if found is None:
+        return "no quorum status on its /status page (is it a torchft lighthouse?)"
+    return html.unescape(found.group(1)).strip()
+
+
+def _lighthouse_says(address: str | None) -> str:
+    """Why a quorum is missing, as the lighthouse at `address` reports it (or that it does
+    not answer), with what to do: the clause a warning or `GateLost` ends with."""
+    where = _address(address) or "(address unknown)"
+    status = lighthouse_status(address)
+    if status is None:
+        return f"the lighthouse at {where} does not answer: it is gone or unreachable"
+    waits = _WAITS_FOR.search(status)
+    if waits is None:
+        return f'the lighthouse at {where} is up and says: "{status}"'
+    joined, need = int(waits.group(1)), int(waits.group(2))
+    return (
+        f"the lighthouse at {where} is up and waits for min_replicas {need} replica groups, "
+        f'{joined} joined (it says: "{status}"); start another replica group, or restart '
+        f"the lighthouse with --min_replicas {max(joined, 1)}"
+    )
+
+
+def wait_quorum(manager: Manager, start: bool = False, lighthouse: str | None = None) -> None:
     """Wait for `manager`'s quorum (`start`: start it too, for a synchronous-quorum manager).
 
-    Warns once after the connect timeout and keeps waiting (a lighthouse may restart).
+    Warns once after the connect timeout and keeps waiting (a lighthouse may restart); the
+    warning and the error quote the lighthouse at `lighthouse` (None: `TORCHFT_LIGHTHOUSE`).
 
     Raises:
         GateLost: no quorum within torchft's timeout; nothing of the step changed yet.
@@ -42,9 +106,10 @@ def wait_quorum(manager: Manager, start: bool = False) -> None:
 
     def warn() -> None:
         logger.warning(
-            "torchft: no quorum of replica groups after %g s (the lighthouse unreachable, or "
-            "groups still joining); waiting up to the quorum timeout%s",
+            "torchft: no quorum of replica groups after %g s; %s; waiting up to the quorum "
+            "timeout%s",
             connect.total_seconds(),
+            _lighthouse_says(lighthouse),
             f" ({quorum.total_seconds():g} s)" if quorum is not None else "",
         )
 
@@ -66,10 +131,10 @@ def wait_quorum(manager: Manager, start: bool = False) -> None:
         manager.wait_quorum()
     except Exception as e:
         within = f" within {quorum.total_seconds():g} s" if quorum is not None else ""
-        # torchft's own text is a gRPC status dump; its type says enough.
+        # torchft's own text is a gRPC status dump; its type and the lighthouse say enough.
         raise GateLost(
             f"torchft found no quorum of replica groups{within} ({type(e).__name__}): "
-            "the lighthouse is gone or unreachable"
+            f"{_lighthouse_says(lighthouse)}"
         ) from None
     finally:
         if timer is not None:
@@ -86,10 +151,15 @@ class SettingsAgreement:
     Args:
         name: the group's name in messages (e.g. "replica_1").
         settings: key -> value (JSON-serializable) that every group must share.
+        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), asked whether
+            the groups left after a refusal are enough for its `min_replicas`.
     """
 
-    def __init__(self, name: str, settings: Mapping[str, Any]) -> None:
+    def __init__(
+        self, name: str, settings: Mapping[str, Any], lighthouse: str | None = None
+    ) -> None:
         self.name = name
+        self.lighthouse = lighthouse
         # As a peer receives them, so that equal settings compare equal.
         self.settings = json.loads(json.dumps(dict(settings)))
         self._agreed_quorum: object = None
@@ -137,14 +207,41 @@ class SettingsAgreement:
                 f"average their (pseudo-)gradients, so they must train the same math: start "
                 f"it with {ref['name']}'s values"
             )
+        left = len(groups) - len(refused)
         if getattr(manager, "_group_rank", 0) == 0:
+            after = self._without(manager, left, ref["name"])
             for group in refused:
                 logger.warning(
-                    "replica group %s refused (its config differs in %s); training on without it",
+                    "replica group %s refused (its config differs in %s); %s",
                     group["name"],
                     _differences(group["settings"], self.settings, self.name),
+                    after,
                 )
-        return len(groups) - len(refused)
+        return left
+
+    def _without(self, manager: Manager, left: int, ref: str) -> str:
+        """What the `left` groups do once the others are refused: train on, unless the
+        lighthouse says it needs more groups for a quorum (its `min_replicas`)."""
+        status = lighthouse_status(self.lighthouse)
+        if status is None:
+            where = _address(self.lighthouse) or "(address unknown)"
+            return (
+                f"training on without it once the lighthouse at {where} (not answering now) "
+                "forms a quorum of the groups left"
+            )
+        waits = _WAITS_FOR.search(status)
+        need = int(waits.group(2)) if waits is not None else 0
+        if left >= need:  # (a status that names no min_replicas has enough groups joined)
+            return "training on without it"
+        quorum = getattr(manager, "_quorum_timeout", None)
+        within = f" up to the quorum timeout, {quorum.total_seconds():g} s" if quorum else ""
+        groups = f"{left} replica group is" if left == 1 else f"{left} replica groups are"
+        return (
+            f"the lighthouse needs min_replicas {need} replica groups for a quorum and "
+            f"{groups} left: no quorum until another joins (waiting{within}, then "
+            f"stopping); start one with {ref}'s config, or restart the lighthouse with "
+            f"--min_replicas {left}"
+        )
 
 
 def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any], our_name: str) -> str:

@@ -35,15 +35,23 @@ class TorchFTGate(Gate):
         agree_on: settings (key -> JSON-serializable value) every replica group must share,
             compared at each new quorum (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.
+        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
+            account of a missing quorum the messages quote.
     """
 
     refusal = "not committed by torchft"
 
     def __init__(
-        self, manager: Manager, *, agree_on: Mapping[str, Any] | None = None, name: str = ""
+        self,
+        manager: Manager,
+        *,
+        agree_on: Mapping[str, Any] | None = None,
+        name: str = "",
+        lighthouse: str | None = None,
     ) -> None:
         self.manager = manager
-        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
+        self.lighthouse = lighthouse
+        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on, lighthouse)
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
@@ -63,7 +71,7 @@ class TorchFTGate(Gate):
         """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
-        wait_quorum(self.manager)
+        wait_quorum(self.manager, lighthouse=self.lighthouse)
         if self.manager.errored() is not None:
             return  # the step commits nowhere (e.g. the quorum's process group did not start)
         if self.agreement is not None and (left := self.agreement.check(self.manager)):

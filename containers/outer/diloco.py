@@ -70,6 +70,8 @@ class DiLoCo(Outer):
         agree_on: settings every replica group must share, compared at each new quorum
             (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.
+        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
+            account of a missing quorum the messages quote.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class DiLoCo(Outer):
         fragment_update_alpha: float = 0.0,
         agree_on: Mapping[str, Any] | None = None,
         name: str = "",
+        lighthouse: str | None = None,
     ) -> None:
         if sync_steps < 1:
             raise ValueError(f"sync_steps = {sync_steps}: use 1 or more inner steps per sync")
@@ -113,7 +116,8 @@ class DiLoCo(Outer):
         self.num_fragments = num_fragments
         self.delay = fragment_sync_delay
         self.alpha = fragment_update_alpha
-        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on)
+        self.lighthouse = lighthouse
+        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on, lighthouse)
         self.manager = manager
         self.sync_steps = sync_steps
         self.outer_cls = outer_cls
@@ -194,7 +198,7 @@ class DiLoCo(Outer):
         self.manager.allow_state_dict_read()
         self._in_quorum, self._served = True, False
         try:
-            wait_quorum(self.manager, start=True)
+            wait_quorum(self.manager, start=True, lighthouse=self.lighthouse)
         finally:
             self._in_quorum = False
         # (after a heal, the schedule is the peer's)

@@ -366,8 +366,12 @@ def test_a_replica_group_without_a_live_peer_resumes_from_disk(tmp_path):
 
 def _errors(log: str) -> list[str]:
     """The lines of a group's log that say why it stopped, and any traceback's."""
-    said = ("error:", "ERROR stopped at", "Traceback")
-    return [line for line in log.splitlines() if any(s in line for s in said)]
+    said = ("error:", "Traceback")
+    return [
+        line
+        for line in log.splitlines()
+        if any(s in line for s in said) or (" ERROR " in line and "stopped at" in line)
+    ]
 
 
 def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_live_one_trains_on(
@@ -387,7 +391,93 @@ def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_liv
     assert not job.metrics(1) and not list((tmp_path / "replica_1").glob("checkpoint/step-*"))
     assert sorted(job.metrics(0)) == list(range(1, 11))
     assert job.log("replica_0").count("replica group replica_1 refused") == 1
+    assert job.log("replica_0").count("; training on without it") == 1  # and it did
     assert not _errors(job.log("replica_0"))
+
+
+def test_a_survivor_whose_peer_was_refused_names_the_lighthouse_waiting_for_min_replicas(
+    tmp_path,
+):
+    """A lighthouse that needs 2 replica groups; group 1 starts with another lr and is
+    refused at the first quorum. Group 0 does not claim to train on without it: it says the
+    lighthouse needs min_replicas 2 with 1 group left. Its next quorum warns after the 2 s
+    connect timeout and fails after the 6 s quorum timeout, both quoting the lighthouse,
+    which is up: waiting for min_replicas 2 with 1 joined, and what to do; never a
+    lighthouse "gone or unreachable"."""
+    timeouts = ["--fault_tolerance.quorum_timeout_ms", "6000"]
+    timeouts += ["--fault_tolerance.connect_timeout_ms", "2000"]
+    job = FTJob(tmp_path, 10, timeouts, min_replicas=2)
+    try:
+        job.start_replica(0)
+        job.args += ["--optimizer.lr", "1e-3"]
+        job.start_replica(1)
+        codes = [job.wait_exit(f"replica_{r}", 60) for r in (0, 1)]
+    finally:
+        job.close()
+    assert codes == [1, 2], job.tails()
+    log = job.log("replica_0")
+    [refused] = [line for line in log.splitlines() if "replica group replica_1 refused" in line]
+    assert "training on without it" not in refused, refused
+    assert (
+        "[optimizer] lr = 0.001 (replica_0: 0.003)); the lighthouse needs min_replicas 2 "
+        "replica groups for a quorum and 1 replica group is left: no quorum until another "
+        "joins (waiting up to the quorum timeout, 6 s, then stopping); start one with "
+        "replica_0's config, or restart the lighthouse with --min_replicas 1"
+    ) in refused, refused
+    lighthouse = (
+        f"the lighthouse at http://127.0.0.1:{job.port} is up and waits for min_replicas 2 "
+        'replica groups, 1 joined (it says: "New quorum not ready, only have 1 participants, '
+        "need min_replicas 2 ["
+    )
+    advice = "start another replica group, or restart the lighthouse with --min_replicas 1"
+    [line] = _errors(log)
+    assert "stopped at step 1 of 10: torchft found no quorum of replica groups " in line
+    assert f"within 6 s (TimeoutError): {lighthouse}" in line and advice in line, line
+    [warned] = [x for x in log.splitlines() if "no quorum of replica groups after 2 s" in x]
+    assert lighthouse in warned and advice in warned, warned
+    assert "gone or unreachable" not in log
+
+
+@pytest.mark.parametrize("mode", ["every_step", "diloco"])
+def test_a_healed_groups_row_holds_no_loss_of_an_earlier_step(tmp_path, mode):
+    """A lighthouse that needs both groups; group 1 is held at step 6 and killed, group 0
+    waits for a quorum (every step: at step 6; DiLoCo, 4 inner steps a sync: at its sync
+    after step 8); group 1 restarts with nothing on disk and heals from group 0 during its
+    own first step (every step) or at its first sync, after step 4 (DiLoCo), and takes
+    group 0's step number. Its forward (and DiLoCo's inner step) ran on its weights from
+    before the heal: the row of the step it heals in has no loss (and under DiLoCo no
+    grad_norm) and a note saying why, where it had its pre-heal loss under that step's
+    number; every other row holds its own step's loss."""
+    args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
+    job = FTJob(tmp_path, 10, args if mode == "diloco" else [], min_replicas=2)
+    hold = tmp_path / "hold"
+    hold.touch()
+    try:
+        job.start_replica(0)
+        job.start_replica(1, ("-m", "tests.harness.faults", "hold", "6", str(hold)))
+        job.wait_for("group 1 at step 5", lambda: _last(job, 1) >= 5)
+        job.kill("replica_1")
+        restarted_at = len(job.log("replica_1"))
+        job.start_replica(1)
+        codes = [job.wait_exit(f"replica_{r}", 60) for r in (0, 1)]
+    finally:
+        job.close()
+    assert codes == [0, 0], job.tails()
+    after = job.log("replica_1")[restarted_at:]
+    assert after.count("healed from a peer replica group\n") == 1, after
+    survivor, healed = job.metrics(0), job.metrics(1)
+    rows = {s: row for s, row in healed.items() if s > 5}  # the restarted run's
+    [step] = [s for s, row in rows.items() if "note" in row]
+    assert step == (8 if mode == "diloco" else 6), sorted(rows)
+    row, note = rows[step], "healed from a peer replica group in this step: no loss"
+    assert row["loss"] is None and row["note"].startswith(note), row
+    assert f"step {step:5d}  loss -  lr" in after and f"({note}" in after, after
+    if mode == "diloco":  # its own inner step's gradient, before the heal
+        assert "grad_norm" not in row and "or grad_norm" in row["note"], row
+    else:  # the average it applied (its own share zero while healing): the step's own
+        assert row["grad_norm"] == survivor[step]["grad_norm"], (row, survivor[step])
+    assert row["param_checksum"] == survivor[step]["param_checksum"]
+    assert all(isinstance(rows[s]["loss"], float) for s in rows if s != step), rows
 
 
 def test_a_rank_late_to_the_commit_within_the_quorum_timeout_is_waited_for(tmp_path):
@@ -451,8 +541,10 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
         [line] = _errors(after)
         assert f"stopped at step {reached} of 400: torchft found no quorum" in line, line
         warned = after[: after.index(line)]
-        assert "WARNING torchft: no quorum of replica groups after 2 s" in warned, after
+        assert f"WARNING [group {r}] torchft: no quorum of replica groups after 2 s" in warned
         assert "within 6 s" in line and "saved in" in line, line
+        address = f"http://127.0.0.1:{job.port}"
+        assert f"the lighthouse at {address} does not answer: it is gone or unreachable" in line
         assert (tmp_path / f"replica_{r}" / "checkpoint" / f"step-{reached}").is_dir()
     survivor, other = job.metrics(0), job.metrics(1)
     common = sorted(set(survivor) & set(other))
