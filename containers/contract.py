@@ -1,10 +1,7 @@
-"""The parts of torch's `Optimizer` contract a container over inner optimizers keeps by hand.
-
-- `defaults_of`: every hyperparameter of the optimizer class, as torch's `defaults` holds them
-  (schedulers such as OneCycleLR and CyclicLR look for `betas` or `momentum` there).
-- `with_step_hooks`: a step between the step hooks in torch's order, torch's global hooks
-  included, each seeing the container once per step, never its inner optimizers.
-- `StateView`: every inner optimizer's per-parameter state as one read-only mapping.
+"""The parts of torch's `Optimizer` contract a container over inner optimizers keeps by hand:
+every hyperparameter in `defaults` (schedulers look for `betas` or `momentum` there), step
+hooks (torch's global ones included) that see the container once per step, never its inner
+optimizers, and one read-only view of every inner optimizer's state.
 """
 
 from __future__ import annotations
@@ -69,9 +66,6 @@ def inner_steps() -> Iterator[None]:
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,
     )
-    if not any(tables):
-        yield
-        return
     saved = [dict(t) for t in tables]
     for t in tables:
         t.clear()

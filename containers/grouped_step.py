@@ -1,22 +1,12 @@
 """Step the Adam/AdamW groups of many inner optimizers in one fused (or foreach) call.
 
-One inner optimizer per model part would make one `opt.step()` per part: per-step Python
-overhead and a kernel call each. `step_together` buckets groups with the same kernel and
-hyperparameters (`_KEY`), collects each through its optimizer's own `_init_group` (torch's
-lazy state init), and makes one functional `adam` call per bucket. Fused and foreach kernels
-compute each tensor from its own gradient, state and step alone, so the result is bitwise
-each optimizer stepping alone.
-
-An optimizer takes its own `step()` when anything could tell the difference: its own or a
-global step hook, a `step` patched on the instance (except torch's LR scheduler wrapper,
-whose note is made here), a `GradScaler`'s `grad_scale`/`found_inf`, a subclass, a group
-without an explicit fused/foreach choice, a tensor lr, or `differentiable`. Buckets are
-rebuilt every step from the live group dicts, so schedulers, user writes and loads are seen.
-
-Why private `_init_group`: one optimizer with a group per part would not make one kernel call
-either (`Adam.step` calls `adam` per group) and would change what `__iter__`/`__len__` give
-code that walks one optimizer per part. `_init_group` is where torch creates Adam's lazy
-state (a test holds this bitwise over torch's `optim_db`); a rename fails loudly.
+One inner optimizer per model part would cost a `step()` and a kernel call per part.
+`step_together` buckets groups with the same kernel and hyperparameters, collects each through
+its optimizer's own `_init_group` (torch's lazy state init; private, so a rename fails loudly)
+and makes one functional call per bucket: bitwise each optimizer stepping alone, since these
+kernels compute each tensor from its own gradient, state and step. An optimizer whose step
+could tell the difference steps alone. Buckets are rebuilt from the live groups every step,
+so schedulers, user writes and loads are seen.
 """
 
 from __future__ import annotations
@@ -67,13 +57,12 @@ def _mergeable(key: tuple[Any, ...]) -> bool:
     )
 
 
-def _groupable(opt: Optimizer) -> bool:
-    """Whether nothing but the update itself happens in `opt.step()`."""
+def _plain(opt: Optimizer) -> bool:
+    """Whether `opt` is a (lean) Adam or AdamW without step hooks or a caller's `GradScaler`."""
     return (
         type(opt) in ADAMS
         and not opt._optimizer_step_pre_hooks
         and not opt._optimizer_step_post_hooks
-        and _own_step(opt)
         and getattr(opt, "grad_scale", None) is None
         and getattr(opt, "found_inf", None) is None
     )
@@ -97,15 +86,7 @@ def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
     """
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         return False
-    return all(
-        type(opt) in ADAMS
-        and not opt._optimizer_step_pre_hooks
-        and not opt._optimizer_step_post_hooks
-        and getattr(opt, "grad_scale", None) is None
-        and getattr(opt, "found_inf", None) is None
-        and all(g["fused"] for g in opt.param_groups)
-        for opt in optimizers
-    )
+    return all(_plain(opt) and all(g["fused"] for g in opt.param_groups) for opt in optimizers)
 
 
 @torch.no_grad()
@@ -124,7 +105,7 @@ def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | Non
         groups = opt.param_groups
         keys = (
             [(*_KEY(g), g.get("moment_dtype"), g.get("compiled")) for g in groups]
-            if _groupable(opt)
+            if _plain(opt) and _own_step(opt)  # nothing but the update happens in its step()
             else None
         )
         if keys is None or not all(map(_mergeable, keys)):
@@ -153,21 +134,10 @@ def _step_bucket(
     groups: list[tuple[Optimizer, dict[str, Any]]], found_inf: torch.Tensor | None = None
 ) -> None:
     """One functional `adam` (or `lean_adam`) call over `groups` (all of the same bucket)."""
-    params: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    exp_avgs: list[torch.Tensor] = []
-    exp_avg_sqs: list[torch.Tensor] = []
-    max_exp_avg_sqs: list[torch.Tensor] = []
-    steps: list[torch.Tensor] = []
+    # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps: as torch's step collects them
+    lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
     has_complex = False
     for opt, group in groups:
-        # Torch's own collection: lazy state init exactly as its step does it.
-        has_complex |= opt._init_group(  # type: ignore[attr-defined]
-            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
-        )
-    if not params:
-        return
-    step_group(
-        groups[0][1], params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        has_complex=has_complex, found_inf=found_inf,
-    )  # fmt: skip
+        has_complex |= opt._init_group(group, *lists)  # type: ignore[attr-defined]
+    if lists[0]:
+        step_group(groups[0][1], *lists, has_complex=has_complex, found_inf=found_inf)

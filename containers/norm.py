@@ -1,13 +1,11 @@
 """The global L2 norm of the gradients over the job's mesh, each element counted once; and
 the non-finite checks a step without a clip takes instead (`all_finite`, `nonfinite_flag`).
 
-Mesh dims are ("pp", "dp_replicate", "dp_shard", "tp"). Within a pipeline stage, a DTensor's
-local shard is held by `world / pp / S` ranks (S: product of the sizes of the dims it is
-sharded on); a plain tensor by all `world / pp`; an FSDP1 slice (`shards`) by `world / pp`
-over its shard group's size. Each rank sums its shards' squares divided by their copy count,
-and one all-reduce over the world sums shards, replicas and stages. Dividing rather than
-electing an owner keeps every rank's gradients in the sum, so a non-finite gradient anywhere
-makes the norm non-finite on every rank.
+Each rank sums its pieces' squares divided by how many ranks of its pipeline stage hold the
+same piece (a DTensor shard: `world / pp / S`, S the product of the dims it is sharded on; a
+plain tensor: all `world / pp`; an FSDP1 slice: `world / pp` over its shard group), and one
+all-reduce sums shards, replicas and stages. Dividing rather than electing an owner keeps
+every rank's gradients in the sum, so a non-finite one anywhere is non-finite everywhere.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ class GlobalNorm:
         self.shards = dict(shards or {})
         sharded = bool(self.shards) or any(isinstance(p, DTensor) for p in params)
         self.collective = world > 1 and (mesh is not None or sharded)
-        device = next((p.device for p in params), None)
-        self.device = device if device is not None else torch.device("cpu")
+        self.device = next((p.device for p in params), torch.device("cpu"))
         for p in params:
             if isinstance(p, DTensor) and self.ranks_per_stage % _shards(p):
                 raise ValueError(
@@ -117,8 +114,7 @@ class GlobalNorm:
     ) -> torch.Tensor:
         """The global norm (fp32 scalar) of this rank's `grads`; every rank must call it.
 
-        Non-finite if any gradient on any rank is, or if fp32 squares overflowed (elements
-        beyond ~1.8e19).
+        Non-finite if any gradient on any rank is, or if fp32 squares overflowed.
 
         Args:
             params: the parameters of `grads`, in order (needed for `shards`).
@@ -135,10 +131,7 @@ class GlobalNorm:
         dtype = torch.float64 if exact else torch.float32
         total = torch.zeros((), dtype=dtype, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            if exact:
-                sq = exact_sum_of_squares(tensors, self.device)
-            else:
-                sq = sum_of_squares(tensors, self.device)
+            sq = (exact_sum_of_squares if exact else sum_of_squares)(tensors, self.device)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -191,16 +184,11 @@ def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) 
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 sums of squares of pieces of low-precision tensors (summing to the tensors').
-
-    Each piece is copied into the fp32 scratch buffer and measured by `dot` with itself:
-    faster than `vector_norm`, without an fp32 copy of each tensor or a kernel per tensor.
-    """
+    """fp32 sums of squares of pieces of low-precision tensors, each piece widened into the
+    scratch buffer and measured by `dot` with itself (faster than `vector_norm`)."""
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
-    if not tensors:
-        return norms
     # Cut to the kept buffer's size: a larger buffer would be allocated (and page-faulted
     # on CPU) every step.
     kept = scratch_numel(tensors[0].device)
@@ -223,14 +211,9 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
 def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
 ) -> bool:
-    """Whether every element of `tensors` is finite, agreed across `groups`.
-
-    One read, no write: an fp32 sum is non-finite iff an element is or it overflowed; only
-    then an fp64 sum tells the two apart. A sum is cheaper than a norm (no multiply).
-
-    Args:
-        groups: process groups to agree over (default: every dim of the DTensors' mesh).
-    """
+    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
+    dim of the DTensors' mesh). An fp32 sum (one read, no multiply) is non-finite iff an
+    element is or it overflowed; only then an fp64 sum tells the two apart."""
     return _finite(*_local_pieces(tensors, groups))
 
 
@@ -267,14 +250,11 @@ def nonfinite_flag(
     groups: Sequence[dist.ProcessGroup | None] | None = None,
     on_host: bool | None = None,
 ) -> torch.Tensor:
-    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`.
-
-    An fp32 scalar on their device: the `found_inf` torch's fused Adam kernels read. On CUDA
-    no host sync: torch's AMP check (scale 1, values unchanged) sets it from one multi-tensor
-    kernel (bf16, which it refuses, by an fp64 sum of squares), agreed by a device collective.
-    Elsewhere that check writes every tensor back and a sync is free, so `all_finite` decides
-    (`on_host`; None: everywhere but CUDA).
-    """
+    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`: the fp32
+    `found_inf` torch's fused Adam kernels read, on their device. On CUDA without a host sync:
+    torch's AMP check (scale 1) in one multi-tensor kernel (bf16: an fp64 sum of squares) and a
+    device collective. Elsewhere that check writes every tensor back and a sync is free, so
+    `all_finite` decides (`on_host`; None: everywhere but CUDA)."""
     pieces, groups, device = _local_pieces(tensors, groups)
     if on_host is None:
         on_host = device.type != "cuda"
@@ -301,7 +281,7 @@ def _local_pieces(
     for t in tensors:  # runs every step over every gradient: kept lean
         if isinstance(t, DTensor):
             mesh, t = t.device_mesh, t.to_local()
-        pieces.append(t.coalesce().values() if t.is_sparse else t)
+        pieces.append(dense(t))
     if groups is None:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else []
     device = pieces[0].device if pieces else torch.device(mesh.device_type if mesh else "cpu")

@@ -2,10 +2,9 @@
 settings that shape their math (`SettingsAgreement`); shared by `TorchFTGate` and `DiLoCo`.
 
 Groups average their gradients, so one with another lr, clip or schedule would corrupt the
-others' training, and healing cannot catch groups that start together. So at each new quorum,
-before the average, every group all-gathers its settings; the reference is the first group
-that trains in the quorum (not a healing or joining one), and a group that differs leaves
-before it loads a peer's state or commits anything.
+others, and healing cannot catch groups that start together: at each new quorum every group
+all-gathers its settings, and one that differs from the first training group leaves before
+it loads a peer's state or commits anything.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ logger = logging.getLogger(__name__)
 def wait_quorum(manager: Manager, start: bool = False) -> None:
     """Wait for `manager`'s quorum (`start`: start it too, for a synchronous-quorum manager).
 
-    Warns once after the connect timeout and keeps waiting (a restarted lighthouse is carried
-    on with).
+    Warns once after the connect timeout and keeps waiting (a lighthouse may restart).
 
     Raises:
         GateLost: no quorum within torchft's timeout; nothing of the step changed yet.
@@ -99,9 +97,8 @@ class SettingsAgreement:
     def check(self, manager: Manager) -> int | None:
         """Compare with every group of `manager`'s current quorum (once per quorum).
 
-        Returns None when all agree (or this quorum agreed already), else the number of
-        groups left once those that differ are refused (no collective on this quorum's
-        process group runs this step then).
+        Returns None when all agree, else the number of groups left once those that differ
+        are refused (then no collective on this quorum's process group runs this step).
 
         Raises:
             SettingsMismatch: this group's settings differ from the reference group's.

@@ -17,12 +17,11 @@ __all__ = [
 ]
 
 SCRATCH_NUMEL = 1 << 20
-"""Elements of the fp32 scratch buffer kept per device (4 MiB): low-precision gradients are
-converted into it a piece at a time, by the norm and by the mixed-precision step."""
+"""Elements of the fp32 scratch buffer kept per device (4 MiB), which low-precision tensors
+are widened into a piece at a time."""
 
 CUDA_SCRATCH_NUMEL = 1 << 24
-"""The same on CUDA (64 MiB): larger, since there each chunk costs kernel launches rather
-than cache misses."""
+"""The same on CUDA (64 MiB), where a chunk costs kernel launches rather than cache misses."""
 
 _scratch: dict[torch.device, torch.Tensor] = {}
 
@@ -33,11 +32,8 @@ def scratch_numel(device: torch.device) -> int:
 
 
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of `numel` elements on `device`, valid until the next call.
-
-    Up to `scratch_numel(device)` it is one buffer kept between calls (a fresh one would be
-    page-faulted in every step); larger ones are allocated each time.
-    """
+    """An fp32 buffer of `numel` elements on `device`, valid until the next call: up to
+    `scratch_numel(device)` one kept buffer (a fresh one would be page-faulted in every step)."""
     kept = scratch_numel(device)
     if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)

@@ -20,6 +20,9 @@ SRC decides the direction (one process, CPU only, no process group):
 
 Name DST `<dump_folder>/checkpoint/step-N` and train.py resumes it at any world size, or
 seed a run from it with `[checkpoint] initial_load_path`.
+
+A SRC it cannot use (unreadable, damaged, of another layout) or a DST it cannot write ends in
+one line saying what is wrong, exit 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from components.checkpoint.files import describe, unreadable
 from components.checkpoint.seed import MASTERS, load_seed, open_seed, to_torchtitan, uncompiled
 from components.job import Job, build_job
 from components.train_spec import get_train_spec
@@ -67,7 +72,10 @@ def _read_all(path: Path) -> dict[str, Any]:
         else None  # a pickled value: DCP replaces it
         for k, m in saved.items()
     }
-    dcp.load(flat, checkpoint_id=path, no_dist=True)
+    try:
+        dcp.load(flat, checkpoint_id=path, no_dist=True)
+    except CheckpointException as e:
+        raise ConfigError(f"SRC = '{path}' is damaged: {unreadable(e)}") from None
     return flat
 
 
@@ -75,8 +83,11 @@ def _write(state: dict[str, Any], dst: Path) -> None:
     """DCP-save `state` to `dst.tmp`, then rename it to `dst` (a crash leaves no `dst`)."""
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save(state, checkpoint_id=tmp, no_dist=True)
-    os.replace(tmp, dst)
+    try:
+        dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        os.replace(tmp, dst)
+    except (OSError, CheckpointException) as e:
+        raise ConfigError(f"DST = '{dst}' cannot be written ({describe(e)})") from None
     logger.info("wrote %s", dst)
 
 
@@ -169,28 +180,78 @@ def _optimizer_flat(src: Path, osd: dict[str, Any], shapes: dict[str, torch.Size
     return flat
 
 
+_EXPECTED = (
+    "expected a dict with 'model' (a model state_dict) and 'optimizer' (torch's "
+    "Optimizer.state_dict()), as torch.save wrote them"
+)
+
+
+def _optimizer_form(osd: Any) -> bool:
+    """Whether `osd` has the form of torch's `Optimizer.state_dict()`: groups listing integer
+    parameter ids, and per-parameter state by those ids."""
+    groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
+        return False
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return False
+    ids = [i for g in groups for i in g["params"]]
+    if not all(isinstance(i, int) for i in ids):
+        return False
+    known = set(ids)
+    return all(i in known and isinstance(s, dict) for i, s in osd["state"].items())
+
+
+def _read_torch_file(src: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model and optimizer state dicts of a `torch.save` file, their form checked.
+
+    Raises:
+        ConfigError: torch.load cannot read it, or it holds something else.
+    """
+    try:
+        saved = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as e:  # random bytes, another format: torch raises any of several types
+        raise ConfigError(
+            f"{src}: torch.load(weights_only=True) cannot read it ({type(e).__name__}); {_EXPECTED}"
+        ) from None
+    if not isinstance(saved, dict) or not {"model", "optimizer"} <= saved.keys():
+        found = sorted(saved, key=str) if isinstance(saved, dict) else type(saved).__name__
+        raise ConfigError(f"{src}: holds {found}; {_EXPECTED}")
+    model, osd = saved["model"], saved["optimizer"]
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
+    ):
+        raise ConfigError(f"{src}: its 'model' is not a state_dict of named tensors; {_EXPECTED}")
+    if not _optimizer_form(osd):
+        found = describe_keys(map(str, osd)) if isinstance(osd, dict) else type(osd).__name__
+        raise ConfigError(
+            f"{src}: its 'optimizer' (holding {found}) is not torch's Optimizer.state_dict() "
+            f"('state' by parameter id, 'param_groups' listing those ids); {_EXPECTED}"
+        )
+    return model, osd
+
+
 def torch_file_to_ours(src: Path, dst: Path, config_args: list[str], dump: str, step: int) -> None:
     """Write a `torch.save` file {"model", "optimizer"} in our layout at `dst`."""
-    saved = torch.load(src, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or not {"model", "optimizer"} <= saved.keys():
-        found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        raise ConfigError(
-            f"{src}: holds {found}; expected a dict with 'model' (a model state_dict) and "
-            "'optimizer' (torch's Optimizer.state_dict()), as torch.save wrote them"
-        )
+    model_sd, osd = _read_torch_file(src)
     job = _job(config_args, dump)
     with torch.device("meta"):  # names and shapes only
         model = get_train_spec(job.cfg.model.name).build_model_fn(job.cfg.model)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    weights = {uncompiled(k): v for k, v in saved["model"].items()}
-    ours = {k for part in job.model_parts for k in part.state_dict()}
-    if weights.keys() != ours:
+    weights = {uncompiled(k): v for k, v in model_sd.items()}
+    ours = {k: v.shape for part in job.model_parts for k, v in part.state_dict().items()}
+    reshaped = [
+        f"{k}: file {tuple(v.shape)}, config {tuple(ours[k])}"
+        for k, v in weights.items()
+        if k in ours and v.shape != ours[k]
+    ]
+    if weights.keys() != ours.keys() or reshaped:
         raise ConfigError(
             f"{src}: its model does not match the config's (another model or flavor?): "
-            f"missing keys {describe_keys(ours - weights.keys())}; unexpected keys "
-            f"{describe_keys(weights.keys() - ours)}"
+            f"missing keys {describe_keys(ours.keys() - weights.keys())}; unexpected keys "
+            f"{describe_keys(weights.keys() - ours.keys())}; shape mismatches "
+            f"{describe_keys(reshaped)}"
         )
-    flat = _optimizer_flat(src, saved["optimizer"], shapes)
+    flat = _optimizer_flat(src, osd, shapes)
     # The container's own entries (mixed precision: fp32 masters, which are the weights, and
     # its loss scaler) come from the weights and from this job.
     masters = MASTERS.removeprefix("optimizer.")
@@ -201,7 +262,10 @@ def torch_file_to_ours(src: Path, dst: Path, config_args: list[str], dump: str, 
             flat.setdefault(key, value)
     for part in job.model_parts:
         part.load_state_dict({k: weights[k] for k in part.state_dict()})
-    job.optimizers.load_state_dict(flat)
+    try:  # AdamW's state for SGD: said in the container's words
+        job.optimizers.load_state_dict(flat)
+    except ValueError as e:
+        raise ConfigError(f"{src}: {e}") from None
     job.lr_schedulers.load_state_dict({"step": step})
     job.train_state.step = step
     _write(job.checkpoint.states, dst)

@@ -1,14 +1,20 @@
 """List what a DCP checkpoint folder holds, grouped by kind, from its metadata.
 
-    python -m scripts.inspect STEP_FOLDER [--all]
+    python -m scripts.inspect STEP_FOLDER [--all] [--quick]
 
 One process, no process group, nothing of the model built: the keys come from DCP's
-`.metadata` (`FileSystemReader(path).read_metadata()`), with shapes, dtypes and bytes; the
-small non-tensor values (step, lr, loss scale, data position) are read from the folder. Groups:
-model weights (each key; `--all` lists every key of every group), optimizer state by state
-name, param-group settings by key with their distinct values, other optimizer entries
-(master weights, loss scaler), then train state, LR schedule, data loader and the rest. Our
-layout and torchtitan's (weights at the top level) both read.
+`.metadata`, read by the trainer's own check of a folder (`components.checkpoint.files.verify`),
+with shapes, dtypes and bytes; the small non-tensor values (step, lr, loss scale, data
+position) are read from the folder. Groups: model weights (each key; `--all` lists every key of
+every group), optimizer state by state name, param-group settings by key with their distinct
+values, other optimizer entries (master weights, loss scaler), then train state, LR schedule,
+data loader, torchft's manager (a fault-tolerant run's) and the rest. Our layout and
+torchtitan's (weights at the top level) both read.
+
+A folder that train.py refuses as damaged (the `.metadata` unreadable, a file it names missing
+or truncated, a tensor holding inf or NaN: the trainer's own checks, `verify` and
+`first_nonfinite`), or whose saved values cannot be read, is one line naming what, exit 2.
+The inf/NaN check reads every tensor once; `--quick` skips it.
 """
 
 from __future__ import annotations
@@ -25,11 +31,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from components.checkpoint.files import Damaged, unreadable, verify
+from components.checkpoint.finite import first_nonfinite
+from components.checkpoint.seed import Layout, detect_layout
 
 __all__ = ["describe", "main"]
 
 _SECTIONS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+_FT = "ft_manager"  # where a fault-tolerant run saves torchft's manager (its step count)
 
 
 @dataclass
@@ -54,11 +66,15 @@ def _dtype(meta: TensorStorageMetadata) -> str:
     return str(meta.properties.dtype).removeprefix("torch.")
 
 
-def _kind(key: str) -> tuple[str, str]:
-    """(group, the key's part that names it within the group)."""
+def _kind(key: str, layout: Layout | None, tensor: bool) -> tuple[str, str]:
+    """(group, the key's part that names it within the group) of a key of a `layout` folder."""
     head, _, rest = key.partition(".")
+    if head == _FT:
+        return "torchft's manager", rest
     if head not in _SECTIONS:
-        return "model (top level: torchtitan's layout)", key
+        if layout == "torchtitan" and tensor:
+            return "model (top level: torchtitan's layout)", key
+        return "other (of neither our layout nor torchtitan's)", key
     if head == "optimizer":
         sub, _, name = rest.partition(".")  # state, param_groups, master_weights, ...
         return f"optimizer {sub}", name
@@ -67,7 +83,7 @@ def _kind(key: str) -> tuple[str, str]:
 
 def _order(group: str) -> tuple[int, str]:
     known = ["model", "optimizer state", "optimizer param_groups", "optimizer"]
-    known += ["train_state", "lr_scheduler", "dataloader"]
+    known += ["train_state", "lr_scheduler", "dataloader", "torchft"]
     return next(i for i, k in enumerate([*known, ""]) if group.startswith(k)), group
 
 
@@ -109,20 +125,33 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else f"<{type(value).__name__}, {len(text)} chars>"
 
 
-def describe(path: str, every_key: bool = False) -> str:
-    """The listing that `python -m scripts.inspect path` prints."""
-    metadata = FileSystemReader(path).read_metadata()
+def describe(path: str, every_key: bool = False, finite_check: bool = True) -> str:
+    """The listing that `python -m scripts.inspect path` prints; `finite_check` reads every
+    floating-point tensor for inf or NaN first, as train.py does before it loads.
+
+    Raises:
+        Damaged: what makes train.py refuse the folder, or its values unreadable.
+    """
+    metadata = verify(Path(path))
+    saved = metadata.state_dict_metadata
+    layout = detect_layout(saved)
     groups: dict[str, _Group] = defaultdict(_Group)
     scalars = []
-    for key, meta in metadata.state_dict_metadata.items():
-        name, short = _kind(key)
-        if isinstance(meta, TensorStorageMetadata):
+    for key, meta in saved.items():
+        tensor = isinstance(meta, TensorStorageMetadata)
+        name, short = _kind(key, layout, tensor)
+        if tensor:
             groups[name].tensors.append((short, meta))
         elif isinstance(meta, BytesStorageMetadata):
             scalars.append(key)
-    values = _read_values(path, scalars)
+    try:
+        values = _read_values(path, scalars)
+    except CheckpointException as e:
+        raise unreadable(e) from None
+    if finite_check and (bad := first_nonfinite(Path(path), metadata)) is not None:
+        raise Damaged(bad, "holds inf or NaN, which train.py refuses to load")
     for key in scalars:
-        name, short = _kind(key)
+        name, short = _kind(key, layout, tensor=False)
         groups[name].values[short] = values[key]
     step = next((values[k] for k in ("train_state.step", "lr_scheduler.step") if k in values), None)
     if step is None:
@@ -130,8 +159,7 @@ def describe(path: str, every_key: bool = False) -> str:
     files = [f for f in Path(path).iterdir() if f.suffix == ".distcp"]
     total = sum(f.stat().st_size for f in files)
     lines = [
-        f"{path}: step {step}; {len(metadata.state_dict_metadata)} keys, {_size(total)} in "
-        f"{len(files)} .distcp files"
+        f"{path}: step {step}; {len(saved)} keys, {_size(total)} in {len(files)} .distcp files"
     ]
     for name in sorted(groups, key=_order):
         group = groups[name]
@@ -166,6 +194,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.inspect", description=__doc__)
     parser.add_argument("folder", help="a checkpoint folder (the one holding .metadata)")
     parser.add_argument("--all", action="store_true", help="list every key of every group")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip reading every tensor for inf or NaN (train.py checks it before loading)",
+    )
     args = parser.parse_args(argv)
     if not (Path(args.folder) / ".metadata").is_file():
         print(
@@ -174,7 +207,11 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    print(describe(args.folder, args.all))
+    try:
+        print(describe(args.folder, args.all, finite_check=not args.quick))
+    except Damaged as damage:
+        print(f"error: {args.folder} is damaged: {damage}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from config import load_job_config
-from tests.harness.dist import REPO, launch
+from tests.harness.dist import launch, run_script
 
 ARGS = [
     *("--job.config_file", "config/debug.toml", "--model.flavor", "tiny"),
@@ -36,17 +33,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _tool(name: str, *args: str, cwd) -> str:
-    """`python -m scripts.<name>` from another directory, with the checkout on PYTHONPATH (the
-    installed distribution holds the library only)."""
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    out = subprocess.run(
-        [sys.executable, "-m", f"scripts.{name}", *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """What `python -m scripts.<name>` prints, run from another directory; it must exit 0."""
+    out = run_script(name, *args, cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -94,3 +82,30 @@ def test_plot_and_inspect_read_the_run(run, tmp_path):
     ):
         assert line in listing, listing
     assert "  exp_avg_sq  " in listing and "  output.weight  " in listing, listing
+
+
+def test_plot_labels_runs_by_the_config_keys_that_differ_between_them(tmp_path):
+    from config import to_toml
+    from scripts.plot import labels
+
+    runs = {
+        "fp32": [],
+        "bf16": ["--optimizer.moment_dtype", "bfloat16"],
+        "bf16_again": ["--optimizer.moment_dtype", "bfloat16"],
+        "lr": ["--optimizer.lr", "0.001"],
+    }
+    for name, args in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        dump = ["--job.dump_folder", str(folder)]  # differs, but says where, not what
+        (folder / "config.toml").write_text(to_toml(load_job_config([*ARGS, *dump, *args])))
+    (tmp_path / "none").mkdir()  # no config.toml: its folder
+    folders = [tmp_path / name for name in [*runs, "none"]]
+    default_lr = load_job_config([]).optimizer.lr
+    assert labels(folders) == [
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=float32",
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=bfloat16 ({folders[1]})",
+        f"optimizer.lr={default_lr}, optimizer.moment_dtype=bfloat16 ({folders[2]})",
+        "optimizer.lr=0.001, optimizer.moment_dtype=float32",
+        str(folders[4]),
+    ]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -35,9 +36,11 @@ __all__ = [
     "checkpoint_steps",
     "clear_stale",
     "damaged_checkpoint_error",
+    "describe",
     "load_refusal",
     "refuse_strangers",
     "resume_instead",
+    "unreadable",
     "verify",
 ]
 
@@ -164,6 +167,22 @@ def verify(path: Path) -> Metadata:
         if size < end:
             raise Damaged(name, f"is truncated: {size} bytes, the .metadata needs {end}")
     return metadata
+
+
+def describe(error: BaseException) -> str:
+    """`error` in a few words for a one-line message: `rank 1: OSError: [Errno 28] ...`
+    (the first failed rank's first line, where DCP gathered a traceback per rank)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (failure, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {describe(failure)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def unreadable(error: CheckpointException) -> Damaged:
+    """A failed DCP load of a folder that `verify` passed, as its damage: files of the right
+    sizes that do not hold what was saved (overwritten in place)."""
+    return Damaged("", f"holds values that cannot be read ({describe(error)})")
 
 
 def _intact(path: Path) -> bool:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from components.checkpoint.files import Damaged, resume_instead, verify
+from components.checkpoint.files import Damaged, describe, resume_instead, verify
 from config import ConfigError
 
 __all__ = ["all_finite", "collective_device", "first_nonfinite", "nonfinite_checkpoint_error"]
@@ -63,7 +63,12 @@ def first_nonfinite(
 ) -> str | None:
     """The first flat key (in the checkpoint's order) of `path` whose saved tensor holds inf
     or NaN, or None; only `keys` if given. A collective: every rank calls it and reads its
-    share of the bytes."""
+    share of the bytes.
+
+    Raises:
+        Damaged: on every rank, where any rank's share cannot be read (files of the right
+            sizes overwritten in place).
+    """
     order, reads, sizes = [], [], []
     for key, meta in metadata.state_dict_metadata.items():
         if (
@@ -86,12 +91,22 @@ def first_nonfinite(
         start += size
     reader = dcp.FileSystemReader(path)
     reader.set_up_storage_reader(metadata, is_coordinator=rank == 0)
-    check = _Check(metadata)
-    reader.read_data(LoadPlan(mine), check).wait()
-    first = torch.tensor(min(map(order.index, check.bad), default=len(order)))
+    check, failure = _Check(metadata), None
+    try:
+        reader.read_data(LoadPlan(mine), check).wait()
+    except Exception as e:  # any unreadable byte: said as damage, agreed below
+        failure = e
+    # MIN of [first bad key, -failed]: the earliest key, and whether any rank failed.
+    found = torch.tensor(
+        [min(map(order.index, check.bad), default=len(order)), -(failure is not None)]
+    )
     if spread:
-        first = first.to(collective_device())
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        found = found.to(collective_device())
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    first, failed = (int(v) for v in found.tolist())
+    if failed:
+        where = f"rank {rank}: {describe(failure)}" if failure is not None else "on another rank"
+        raise Damaged("", f"holds values that cannot be read ({where})")
     return order[first] if first < len(order) else None
 
 
@@ -101,12 +116,11 @@ def nonfinite_checkpoint_error(step: int, key: str, found: dict[int, Path]) -> C
     path, best = found[step], None
     for other in sorted((s for s in found if s != step), reverse=True):
         try:
-            metadata = verify(found[other])
+            if first_nonfinite(found[other], verify(found[other])) is None:
+                best = other
+                break
         except Damaged:
             continue
-        if first_nonfinite(found[other], metadata) is None:
-            best = other
-            break
     message = (
         f"[checkpoint] {path} holds inf or NaN (first in {key}): a save never writes them, so "
         f"it was damaged or written elsewhere; nothing was loaded or changed. Move {path.name} "

@@ -44,6 +44,7 @@ from components.checkpoint.files import (
     checkpoint_steps,
     clear_stale,
     damaged_checkpoint_error,
+    describe,
     forgetting_on_failure,
     load_refusal,
     refuse_strangers,
@@ -55,7 +56,6 @@ from components.checkpoint.save import (
     SaveFailed,
     any_rank,
     audit,
-    describe,
     folder_bytes,
     kept_steps,
     save_failed,
@@ -230,7 +230,11 @@ class CheckpointManager:
         # (masters kept as remainders are not made fp32 for either).
         with load_planner(self.states) as planner, forgetting_on_failure(self.states):
             check_matches(self.states, path, metadata)
-            if (key := first_nonfinite(path, metadata)) is not None:
+            try:
+                key = first_nonfinite(path, metadata)
+            except Damaged as damage:
+                raise damaged_checkpoint_error(step, damage, found) from None
+            if key is not None:
                 raise nonfinite_checkpoint_error(step, key, found)
             newer = [s for s in found if s > step]
             if newer and not read_only:

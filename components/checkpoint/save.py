@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint.files import checkpoint_steps
+from components.checkpoint.files import checkpoint_steps, describe
 from components.checkpoint.finite import all_finite, collective_device
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "SaveFailed",
     "any_rank",
     "audit",
-    "describe",
     "folder_bytes",
     "kept_steps",
     "save_failed",
@@ -145,16 +144,6 @@ def out_of_space(error: BaseException, needed: int = 0, free: int | None = None)
         return True
     short = any("unexpected pos" in str(e) for e in causes)
     return short and free is not None and free < needed
-
-
-def describe(error: BaseException) -> str:
-    """`error` in a few words for a one-line message: `rank 1: OSError: [Errno 28] ...`
-    (the first failed rank's first line, where DCP gathered a traceback per rank)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (failure, _) = min(error.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {describe(failure)}"
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def kept_steps(folder: Path) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -31,6 +32,7 @@ from components.checkpoint.files import (
     dtype_changes,
     forgetting_on_failure,
     saved_dtype,
+    unreadable,
     verify,
 )
 from components.checkpoint.finite import first_nonfinite
@@ -70,16 +72,16 @@ def from_torchtitan(key: str) -> str:
     return _RENAMED_BACK.get(key, key)
 
 
+def _weight(key: str, meta: Any) -> bool:
+    """Whether a saved entry is a model weight in torchtitan's layout: a top-level tensor."""
+    return isinstance(meta, TensorStorageMetadata) and key.split(".", 1)[0] not in SECTIONS
+
+
 def detect_layout(saved: Mapping[str, Any]) -> Layout | None:
     """Which layout wrote a checkpoint, from its metadata keys (None: neither)."""
     if "lr_scheduler.step" in saved:  # only ours has it; every save of ours has it
         return "ours"
-    weights = [
-        k
-        for k, v in saved.items()
-        if isinstance(v, TensorStorageMetadata) and k.split(".", 1)[0] not in SECTIONS
-    ]
-    return "torchtitan" if weights else None
+    return "torchtitan" if any(_weight(k, v) for k, v in saved.items()) else None
 
 
 @dataclass
@@ -135,6 +137,14 @@ def open_seed(path_text: str, model_only: bool, what: str = _KEY) -> Seed:
     spell = (lambda k: k) if layout == "ours" else from_torchtitan
     index = {spell(uncompiled(k)): k for k in saved}
     if not model_only and not any(k.startswith("optimizer.state.") for k in index):
+        others = [k for k, v in saved.items() if not _weight(k, v)]
+        if layout == "torchtitan" and others:  # torchtitan's model-only save has weights alone
+            raise ConfigError(
+                f"{where}: not a checkpoint of this project nor of torchtitan: it holds no "
+                "optimizer state, and not model weights alone as torchtitan's model-only save "
+                f"does (also {describe_keys(others)}); point it at a checkpoint saved during "
+                "training by either"
+            )
         # Refused, not warned: a run that asked for the optimizer state and silently got
         # fresh moments, step 0 and a restarted LR warmup is another run than the one meant.
         wanted = (
@@ -233,7 +243,11 @@ def load_seed(seed: Seed, states: Mapping[str, Stateful], model_only: bool) -> i
                 fill[key] = source
         unused = _check(seed, flat, fill, model_only)
         metadata = dcp.FileSystemReader(seed.path).read_metadata()
-        if (bad := first_nonfinite(seed.path, metadata, set(fill.values()))) is not None:
+        try:
+            bad = first_nonfinite(seed.path, metadata, set(fill.values()))
+        except Damaged as damage:
+            raise ConfigError(f"{seed.what} = '{seed.path}' is damaged: {damage}") from None
+        if bad is not None:
             raise ConfigError(
                 f"{seed.what} = '{seed.path}' holds inf or NaN (first in {bad}); nothing was "
                 "loaded or changed: point it at another checkpoint"
@@ -266,7 +280,10 @@ def _load(seed: Seed, flat: dict[str, Any], fill: Mapping[str, str]) -> None:
         dtype = getattr(getattr(seed.saved[source], "properties", None), "dtype", None)
         keys.sort(key=lambda k: getattr(flat[k], "dtype", None) != dtype)
     request = {source: flat[keys[0]] for source, keys in readers.items()}
-    dcp.load(request, checkpoint_id=seed.path)
+    try:
+        dcp.load(request, checkpoint_id=seed.path)
+    except CheckpointException as e:
+        raise ConfigError(f"{seed.what} = '{seed.path}' is damaged: {unreadable(e)}") from None
     for source, keys in readers.items():
         value = request[source]
         for key in keys:

@@ -29,10 +29,9 @@ __all__ = ["FTOptimizersContainer", "TorchFTGate"]
 
 
 class TorchFTGate(Gate):
-    """The gate of a torchft replica group.
+    """The gate of a torchft replica group, whose `torchft.Manager` is `manager`.
 
     Args:
-        manager: the replica group's `torchft.Manager`.
         agree_on: settings (key -> JSON-serializable value) every replica group must share,
             compared at each new quorum (`SettingsAgreement`); None: not compared.
         name: this group's name in those messages.
@@ -81,11 +80,9 @@ class TorchFTGate(Gate):
         flat = torch.cat([local(p.grad).reshape(-1) for p in live])
         self.manager.allreduce(flat).wait()
         # The gradients become views of the flat buffer (no copy back).
-        offset = 0
-        for p in live:
-            n = local(p.grad).numel()
-            p.grad = shaped_like(flat[offset : offset + n], p.grad)
-            offset += n
+        sizes = [local(p.grad).numel() for p in live]
+        for p, view in zip(live, flat.split(sizes)):
+            p.grad = shaped_like(view, p.grad)
 
     def _alone(self) -> bool:
         """Whether this is the quorum's only replica group (no healing one), so the average
@@ -105,17 +102,8 @@ class TorchFTGate(Gate):
 
 
 class FTOptimizersContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `TorchFTGate`: commit-or-skip steps under torchft.
-
-    Args:
-        model_parts: modules whose trainable parameters are optimized.
-        optimizer_cls: optimizer for parameters no rule assigns to another class.
-        optimizer_kwargs: constructor kwargs of `optimizer_cls`.
-        ft_manager: the replica group's `torchft.Manager`.
-        param_groups: rules that form param groups by FQN.
-        precision: what the inner optimizers step (default: the fp32 parameters).
-        max_norm: clip the global gradient norm (after the average) to this; None: off.
-        mesh: the job's named DeviceMesh for the global norm (`OptimizersContainer`).
+    """An `OptimizersContainer` with the `TorchFTGate` of `ft_manager` (the replica group's
+    `torchft.Manager`): commit-or-skip steps under torchft. The norm is taken after the average.
     """
 
     def __init__(

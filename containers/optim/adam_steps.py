@@ -1,12 +1,10 @@
 """Update paths of an Adam/AdamW param group, picked by `containers.optim.paths.adam_path`.
 
-fp32 moments step through torch's functional `adam`. bf16 moments (`lean_adam`) are widened
-a cache-sized chunk at a time into fp32 scratch, stepped by torch's fused kernel and rounded
-back to nearest: bitwise torch's fused step on the widened moments, then rounding. Where the
-fused kernel takes bf16 moments itself (`paths.BF16_FUSED_DEVICES`) they step as they are,
-bitwise torch's `AdamW(fused=True)` with bf16 state (fp64 bias corrections: may differ from
-the widened step by an ulp). 8-bit codes go through `step_coded`, `compiled` groups through
-one inductor graph (`compiled_adam`).
+fp32 moments step through torch's functional `adam`. bf16 moments (`lean_adam`) step as they
+are where torch's fused kernel takes them (`paths.BF16_FUSED_DEVICES`: bitwise torch's
+`AdamW(fused=True)` with bf16 state, an ulp from the widened step), else widened a chunk at a
+time into fp32 scratch and rounded back (bitwise torch's fused step on the widened moments).
+8-bit codes go through `step_coded`, `compiled` groups through one inductor graph.
 """
 
 from __future__ import annotations
@@ -93,58 +91,57 @@ def lean_adam(
     changes nothing (moments round-trip exactly through fp32) and restores the step counts."""
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
     settings = dict(
-        **hyper, amsgrad=amsgrad, maximize=maximize, grad_scale=None, found_inf=found_inf
-    )
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+        maximize=maximize, grad_scale=None, found_inf=found_inf,
+    )  # fmt: skip
     n_moments = 3 if amsgrad else 2
     budget = scratch_numel(local(params[0]).device) if params else 0
     chunk = budget // n_moments
     moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][:n_moments]
-    batch: list[tuple[torch.Tensor, ...]] = []  # (param, grad, step, *moments) pieces
+
+    def run(pieces: list[tuple[torch.Tensor, ...]]) -> None:
+        """The kernel over (param, grad, step, *moments) pieces."""
+        p, g, s, *ms = (list(column) for column in zip(*pieces))
+        kernel(p, g, ms[0], ms[1], ms[2] if amsgrad else [], s, **settings)
+
+    batch: list[tuple[torch.Tensor, ...]] = []  # pieces to widen, at most `chunk` elements
     filled = 0
 
     def flush() -> None:
+        """Step `batch` on fp32 copies of its moments, one scratch region per moment."""
         nonlocal filled
         if not batch:
             return
         buffer = scratch(batch[0][0].device, budget)
-        wide = []
-        for m in range(n_moments):
-            offset, views = m * chunk, []
-            for piece in batch:
-                views.append(buffer[offset : offset + piece[0].numel()])
-                offset += piece[0].numel()
-            torch._foreach_copy_(views, [piece[3 + m] for piece in batch])
-            wide.append(views)
-        p, g, s = ([piece[i] for piece in batch] for i in range(3))
-        kernel(p, g, wide[0], wide[1], wide[2] if amsgrad else [], s, **settings)
-        for m in range(n_moments):
-            torch._foreach_copy_([piece[3 + m] for piece in batch], wide[m])
+        sizes = [piece[0].numel() for piece in batch]
+        wide = [list(buffer[m * chunk : m * chunk + filled].split(sizes)) for m in range(n_moments)]
+        narrow = [[piece[3 + m] for piece in batch] for m in range(n_moments)]
+        for w, n in zip(wide, narrow):
+            torch._foreach_copy_(w, n)
+        run([(*piece[:3], *ws) for piece, *ws in zip(batch, *wide)])
+        for w, n in zip(wide, narrow):
+            torch._foreach_copy_(n, w)
         batch.clear()
         filled = 0
 
-    # (param, grad, step, *moments) that torch's kernel steps as they are, by parameter dtype
-    direct: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
+    direct: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}  # stepped as they are
     for i, param in enumerate(params):
         p, g = local(param), local(grads[i])
         ms = [local(moment[i]) for moment in moments]
         if not widen or p.dtype == ms[0].dtype:
             direct.setdefault(p.dtype, []).append((p, g, steps[i], *ms))
             continue
-        n, begin = p.numel(), 0
         flat = [t.view(-1) for t in (p, g, *ms)]
-        for start in range(begin, n, chunk):
-            stop = min(start + chunk, n)
-            if filled + stop - start > chunk:
+        for start in range(0, p.numel(), chunk):
+            pieces = [t[start : start + chunk] for t in flat]
+            if filled + pieces[0].numel() > chunk:
                 flush()
-            pieces = [t[start:stop] for t in flat]
             batch.append((pieces[0], pieces[1], steps[i], *pieces[2:]))
-            filled += stop - start
+            filled += pieces[0].numel()
     flush()
-    for pieces in direct.values():  # torch's kernel over the moments themselves: no scratch
-        p, g, s, *ms = ([piece[k] for piece in pieces] for k in range(3 + n_moments))
-        kernel(p, g, ms[0], ms[1], ms[2] if amsgrad else [], s, **settings)
+    for pieces in direct.values():
+        run(pieces)
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 
@@ -164,14 +161,11 @@ def step_compiled(
     Tensors must be contiguous (`LeanAdam` refuses others when the group is built)."""
     torch._foreach_add_(steps, 1)
     pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-    flat = [i for i, p in enumerate(pieces[0]) if p.numel()]
-    if flat:
-        pick = lambda k: [pieces[k][i] for i in flat]  # noqa: E731
-        rest = {k: v for k, v in settings.items() if k != "amsgrad"}
-        compiled_adam(
-            pick(1), None, pick(0), pick(2), pick(3), torch.stack([steps[i] for i in flat]),
-            found_inf=found_inf, **{**rest, "lr": float(rest["lr"])},
-        )  # fmt: skip
+    live = [i for i, p in enumerate(pieces[0]) if p.numel()]
+    if live:
+        p, g, m, v = ([ts[i] for i in live] for ts in pieces)
+        counts = torch.stack([steps[i] for i in live])
+        compiled_adam(g, None, p, m, v, counts, **_graph_settings(settings, found_inf))
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 
@@ -189,39 +183,47 @@ def step_coded(
 ) -> None:
     """An "8bit" group's update: coded moments via `coded_adam` (or `compiled_coded_adam`),
     the bf16 moments of small parameters via `lean_adam` (or `step_compiled`)."""
-    is_coded = [isinstance(m, dict) for m in exp_avgs]
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
-    plain, codes = ([[t for t, c in zip(ts, is_coded) if c is want] for ts in lists]
-                    for want in (False, True))  # fmt: skip
+    codes, plain = _split(lists, [isinstance(m, dict) for m in exp_avgs])
     if plain[0] and compiled:
         step_compiled(*plain, found_inf, settings)
     elif plain[0]:
         lean_adam(*plain[:4], [], plain[4], found_inf=found_inf, **settings)
     if not codes[0]:
         return
-    torch._foreach_add_(codes[4], 1)
+    coded_steps = codes[4]
+    torch._foreach_add_(coded_steps, 1)
     ps, gs = [local(p) for p in codes[0]], [local(g) for g in codes[1]]
-    coded_tensors = [
-        [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+    moments = [
+        [local(t) for t in (m["code"], m["scale"], v["code"], v["scale"])]
         for m, v in zip(codes[2], codes[3])
     ]
-    graph = [
-        i for i, (p, g, c) in enumerate(zip(ps, gs, coded_tensors))
-        if compiled and p.numel() and takes_codes(p, g, c)
-    ]  # fmt: skip
-    if graph:
-        hyper = {k: v for k, v in settings.items() if k != "amsgrad"}
-        compiled_coded_adam(
-            [gs[i] for i in graph], [ps[i] for i in graph], [coded_tensors[i] for i in graph],
-            torch.stack([codes[4][i] for i in graph]), found_inf=found_inf,
-            **hyper | {"lr": float(hyper["lr"])},
-        )  # fmt: skip
-    rest = sorted(set(range(len(ps))) - set(graph))
-    if rest:
-        decoupled = settings["decoupled_weight_decay"]
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    in_graph = [
+        compiled and p.numel() > 0 and takes_codes(p, g, c) for p, g, c in zip(ps, gs, moments)
+    ]
+    graph, rest = _split((ps, gs, moments, coded_steps), in_graph)
+    if graph[0]:
+        p, g, c, s = graph
+        compiled_coded_adam(g, p, c, torch.stack(s), **_graph_settings(settings, found_inf))
+    if rest[0]:
+        kernel = torch._fused_adamw_ if settings["decoupled_weight_decay"] else torch._fused_adam_
         hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
-        coded_adam(*([ts[i] for i in rest] for ts in codes), kernel=kernel,
-                   settings={**hyper, "grad_scale": None, "found_inf": found_inf})  # fmt: skip
+        coded_adam(
+            *rest, kernel=kernel, settings={**hyper, "grad_scale": None, "found_inf": found_inf}
+        )
     if found_inf is not None:
-        torch._foreach_sub_(codes[4], [found_inf] * len(codes[4]))
+        torch._foreach_sub_(coded_steps, [found_inf] * len(coded_steps))
+
+
+def _split(lists: tuple[list[Any], ...], flags: list[bool]) -> tuple[list[list], list[list]]:
+    """Each of `lists` cut in two: its entries where `flags` hold, and the others."""
+    return (
+        [[t for t, f in zip(ts, flags) if f] for ts in lists],
+        [[t for t, f in zip(ts, flags) if not f] for ts in lists],
+    )
+
+
+def _graph_settings(settings: dict[str, Any], found_inf: torch.Tensor | None) -> dict[str, Any]:
+    """`settings` as the compiled graphs take them: no `amsgrad`, a float lr, the skip flag."""
+    rest = {k: v for k, v in settings.items() if k != "amsgrad"}
+    return {**rest, "lr": float(rest["lr"]), "found_inf": found_inf}

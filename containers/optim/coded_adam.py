@@ -1,14 +1,11 @@
 """Adam's moments in 8-bit codes (`moment_dtype = "8bit"`): 2.25 bytes a parameter.
 
-Each coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq =
-{"code": uint8, "scale": fp32}` (`moment_codes`, one scale per block of 32 in a row).
-Parameters under 2-D (a 1-D shard may cut any block), rows of 4 or fewer elements (scales
-cost more than bf16 saves) and shards that cut a row inside a block keep bf16 moments. Scales
-of a sharded parameter are a DTensor placed like it, so DCP reshards codes and scales exactly.
-
-A step decodes a run of rows into fp32 scratch, runs torch's fused kernel and encodes back:
-bitwise torch's fused step on the decoded moments. Re-encoding decoded values gives the same
-codes, so a step skipped by `found_inf` changes nothing.
+A coded parameter keeps `exp_avg = {"code": int8, "scale": fp32}` and `exp_avg_sq = {"code":
+uint8, "scale": fp32}` (`moment_codes`); a sharded one's scales are a DTensor placed like it,
+so DCP reshards both exactly. Parameters under 2-D (a 1-D shard may cut any block), rows of 4
+or fewer elements (scales would cost more than bf16 saves) and shards that cut a row inside a
+block keep bf16 moments. A step decodes rows into fp32 scratch, runs torch's fused kernel and
+encodes back: bitwise torch's step on the decoded moments; a skipped step changes nothing.
 """
 
 from __future__ import annotations
@@ -64,10 +61,6 @@ def coded(p: torch.Tensor) -> bool:
     return p.dim() >= 2 and p.shape[-1] > 4 and cut_inside(p) is None
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
 def cut_inside(p: torch.Tensor) -> int | None:
     """The first column where a shard of `p` (any rank) cuts a row inside a block, or None."""
     if not isinstance(p, DTensor) or p.dim() < 2:
@@ -117,7 +110,7 @@ def _scales(p: torch.Tensor) -> torch.Tensor:
     shape = scale_shape(p.shape)
     return DTensor.from_local(
         s, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
+        stride=torch.empty(shape, device="meta").stride(),
     )  # fmt: skip
 
 
@@ -214,8 +207,7 @@ def in_form_of(
 def coded_adam(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
-    exp_avgs: list[dict[str, torch.Tensor]],
-    exp_avg_sqs: list[dict[str, torch.Tensor]],
+    codes: list[list[torch.Tensor]],
     steps: list[torch.Tensor],
     *,
     kernel: Callable[..., None],
@@ -223,24 +215,21 @@ def coded_adam(
 ) -> None:
     """Torch's fused `kernel` over coded moments, a run of rows at a time.
 
-    `steps` already hold this update's count (the caller advances and restores them)."""
-    for i, param in enumerate(params):
-        p, g = local(param), local(grads[i])
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        codes = [local(m["code"]), local(m["scale"]), local(v["code"]), local(v["scale"])]
+    Local tensors; `codes` per parameter: m code, m scale, v code, v top. `steps` already hold
+    this update's count (the caller advances and restores them)."""
+    for p, g, moments, step in zip(params, grads, codes, steps):
         if not p.numel():
             continue
-        contiguous = all(t.is_contiguous() for t in (p, g, *codes))
-        if not contiguous:
-            _step_rows(kernel, settings, p, g, codes, steps[i])
+        if not all(t.is_contiguous() for t in (p, g, *moments)):
+            _step_rows(kernel, settings, p, g, moments, step)
             continue
         last = p.shape[-1]
         rows = p.numel() // last
         per = max(1, scratch_numel(p.device) // (2 * last))
-        flat = [t.view(rows, -1) for t in (p, g, *codes)]
+        flat = [t.view(rows, -1) for t in (p, g, *moments)]
         for start in range(0, rows, per):
-            _step_rows(kernel, settings, *(t[start : start + per] for t in flat[:2]),
-                       [t[start : start + per] for t in flat[2:]], steps[i])  # fmt: skip
+            run = [t[start : start + per] for t in flat]
+            _step_rows(kernel, settings, run[0], run[1], run[2:], step)
 
 
 def _step_rows(

@@ -1,15 +1,10 @@
-"""Adam/AdamW as one inductor graph over a group's tensors.
+"""Adam/AdamW as one inductor graph over a group's tensors, each in its own dtype.
 
-Torch's fused kernels need moments in the parameters' dtype, so lean state (bf16 moments, or
-bf16 parameters plus remainders) would step through fp32 copies. Here each gradient,
-parameter and moment is read and written once in its own dtype, the arithmetic in fp32. No
-host sync: hyperparameters reach the device in one non-blocking copy, bias corrections come
-from the device step counts (in fp64, as torch's), and a skip is a device flag (`found_inf`).
-Results are a few fp32 ulp from torch's fused kernel (another rounding order), not bitwise.
-On CPU this path is for tests: inductor's mixed fp32/bf16 loops are slow there.
-
-Inductor's size/stride asserts are off (dynamo's guards check them). Tensors enter as flat
-views so that dynamo does not specialize on parameter shapes (fewer graphs).
+Torch's fused kernels need moments in the parameters' dtype, so lean state would step through
+fp32 copies; here each tensor is read and written once, the arithmetic in fp32, with no host
+sync (hyperparameters reach the device in one non-blocking copy, a skip is the device flag
+`found_inf`). Results are a few fp32 ulp from torch's fused kernel (another rounding order).
+Tensors enter as flat views so dynamo does not specialize on shapes; on CPU, for tests only.
 """
 
 from __future__ import annotations
@@ -51,16 +46,15 @@ def compiled_adam(
     """One Adam/AdamW update of contiguous local tensors.
 
     Args:
-        steps: one step count per tensor, already advanced.
         params: low-precision parameters written from the masters (None: `masters` are the
             parameters).
+        steps: one step count per tensor, already advanced.
         remainders: `masters` are the int16 remainders completing bf16 `params`.
         settings: as `_on_device` takes them (`factor` multiplies the gradients; a set
             `found_inf` skips).
     """
     hyper, corrections = _on_device(steps, **settings)
-    # Flat views, never Parameters (dynamo makes their shapes static): graphs are shared
-    # across shapes.
+    # Flat views, never Parameters (dynamo makes their shapes static).
     flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731
     with _recompiles():
         _compiled()(
@@ -109,8 +103,7 @@ def compiled_coded_adam(
 
 
 def _static_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` with its row length (BLOCK or 1) static, so inductor can reduce a block in place
-    (it would be symbolic under `dynamic=True`)."""
+    """`t` with its row length (BLOCK or 1) static, so inductor reduces a block in place."""
     torch._dynamo.mark_static(t, 1)
     return t
 
@@ -250,9 +243,10 @@ def _compiled() -> Callable[..., None]:
 
 @functools.cache
 def _compiled_coded() -> Callable[..., None]:
-    """`_coded_adam` compiled on first use."""
+    """`_coded_adam`, compiled on first use."""
     return _compile(_coded_adam)
 
 
 def _compile(fn: Callable[..., None]) -> Callable[..., None]:
+    """`fn` as one graph; inductor's size asserts off (dynamo's guards check the sizes)."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"size_asserts": False})

@@ -16,12 +16,7 @@ from torch.optim import Optimizer
 
 from containers.optim.coded_adam import CODED, coded, decode_moment, encode_moment
 
-__all__ = [
-    "MOMENT_DTYPES",
-    "check_moment_dtype",
-    "load_keeping_dtypes",
-    "moment_dtype_of",
-]
+__all__ = ["MOMENT_DTYPES", "check_moment_dtype", "load_keeping_dtypes", "moment_dtype_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +33,18 @@ def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
 def check_moment_dtype(group: dict[str, Any], owner: str = "", codes: bool = False) -> None:
     """Raise ValueError unless `moment_dtype` is in `MOMENT_DTYPES` (or "8bit" if `codes`)."""
     name = group.get("moment_dtype", "float32")
-    if codes and name == CODED:
+    known = [*sorted(MOMENT_DTYPES), *([CODED] if codes else [])]
+    if name in known:
         return
     if name == CODED:
         raise ValueError(
             f"{owner} moment_dtype = {name!r}: 8-bit codes are Adam's and AdamW's moments; "
             "use 'bfloat16' (2 bytes a value) for this optimizer's state"
         )
-    if name not in MOMENT_DTYPES:
-        known = [*sorted(MOMENT_DTYPES), *([CODED] if codes else [])]
-        raise ValueError(
-            f"moment_dtype = {name!r}: expected one of {known} (how the optimizer's "
-            "elementwise state is kept)"
-        )
+    raise ValueError(
+        f"moment_dtype = {name!r}: expected one of {known} (how the optimizer's "
+        "elementwise state is kept)"
+    )
 
 
 def load_keeping_dtypes(
@@ -62,16 +56,15 @@ def load_keeping_dtypes(
     """Torch's `load` without the state entries `names`, which are then set one tensor at a
     time in each group's own `moment_dtype` (encoding or decoding codes as needed)."""
     own = [g.get("moment_dtype", "float32") for g in opt.param_groups]
-    kept = {k: {n: v for n, v in st.items() if n in names} for k, st in state_dict["state"].items()}
-    rest = {
-        k: {n: v for n, v in st.items() if n not in names} for k, st in state_dict["state"].items()
-    }
+    state = state_dict["state"]
     # Convert before changing anything, so a failed conversion leaves `opt` as it was.
     moments = {}
     for group, name, then in zip(opt.param_groups, own, state_dict["param_groups"]):
         for p, k in zip(group["params"], then["params"]):
-            for n, v in kept.get(k, {}).items():
-                moments[p, n] = _kept_as(name, n, v, p)
+            for n, v in state.get(k, {}).items():
+                if n in names:
+                    moments[p, n] = _kept_as(name, n, v, p)
+    rest = {k: {n: v for n, v in st.items() if n not in names} for k, st in state.items()}
     load({**state_dict, "state": rest})
     for group, name in zip(opt.param_groups, own):
         group["moment_dtype"] = name

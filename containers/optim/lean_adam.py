@@ -1,16 +1,15 @@
 """`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in bfloat16 or 8-bit codes.
 
 Moments take 8 bytes a parameter in fp32, 4 in bf16, 2.25 in codes (`coded_adam`). Torch's
-fused and foreach kernels reject bf16 moments beside fp32 parameters on CPU, and its load
-casts state to the parameters' dtype; here each group steps through its `adam_steps` path
-and a load keeps each group's `moment_dtype` (see `containers.optim.lean`).
-
-A "float32" group steps exactly as torch's class. A lean group always uses the fused kernel
-(an unset `fused` becomes True, so `step` is hosted where that kernel wants it).
+kernels reject bf16 moments beside fp32 parameters on CPU and its load casts state to the
+parameters' dtype, so each group steps through its `adam_steps` path and a load keeps each
+group's `moment_dtype`. A "float32" group steps exactly as torch's class; a lean one always
+uses the fused kernel (an unset `fused` becomes True, which also decides where `step` lives).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -60,18 +59,14 @@ class _Lean:
                 f"{name}: moment_dtype = '8bit' with amsgrad = True: the codes are of exp_avg "
                 "and exp_avg_sq; set amsgrad = False or moment_dtype = 'bfloat16'"
             )
-        if param_group["moment_dtype"] == CODED:
-            params = param_group["params"]
-            if not isinstance(params, (torch.Tensor, set)):  # a generator: read it once
-                param_group["params"] = params = list(params)
-            for p in [params] if isinstance(params, torch.Tensor) else params:
-                say_cuts(p)
-        lean = param_group["moment_dtype"] != "float32" or param_group["compiled"]
-        if lean:
-            _refuse_strided(param_group, name)
-        if lean and param_group.get("fused") is None:
-            # The kernel that steps it, and where `step` is hosted.
-            param_group["fused"] = True
+        if param_group["moment_dtype"] != "float32" or param_group["compiled"]:
+            params = _read_once(param_group)
+            if param_group["moment_dtype"] == CODED:
+                for p in params:
+                    say_cuts(p)
+            _refuse_strided(params, param_group, name)
+            if param_group.get("fused") is None:
+                param_group["fused"] = True
         super().add_param_group(param_group)  # type: ignore[misc]
 
     def _init_group(
@@ -91,21 +86,17 @@ class _Lean:
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
                 continue
-            fused_step = group["capturable"] or group["fused"]
-            self.state[p] = {  # type: ignore[attr-defined]
-                # As torch hosts `step` (see its note [special device hosting for step]).
-                "step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
-                if fused_step
-                else torch.tensor(0.0, dtype=_get_scalar_dtype()),
-                **(
-                    new_moments(p)
-                    if group["moment_dtype"] == CODED
-                    else {
-                        name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                        for name in MOMENTS[: 3 if group["amsgrad"] else 2]
-                    }
-                ),
-            }
+            # As torch hosts `step` (see its note [special device hosting for step]).
+            if group["capturable"] or group["fused"]:
+                step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
+            else:
+                step = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            if group["moment_dtype"] == CODED:
+                moments = new_moments(p)
+            else:
+                names = MOMENTS[: 3 if group["amsgrad"] else 2]
+                moments = {n: torch.zeros_like(p, dtype=dtype) for n in names}
+            self.state[p] = {"step": step, **moments}  # type: ignore[attr-defined]
         lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         return super()._init_group(group, *lists)  # type: ignore[misc]
 
@@ -132,12 +123,19 @@ class _Lean:
             group["compiled"] = own
 
 
-def _refuse_strided(group: dict[str, Any], name: str) -> None:
-    """Refuse non-contiguous parameters: lean and compiled groups step flat views."""
+def _read_once(group: dict[str, Any]) -> Collection[torch.Tensor]:
+    """`group`'s parameters, a generator read into a list in `group` (torch reads it later)."""
     params = group["params"]
-    if not isinstance(params, (torch.Tensor, list, tuple, set)):  # a generator: read it once
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if not isinstance(params, (list, tuple, set)):
         group["params"] = params = list(params)
-    for p in [params] if isinstance(params, torch.Tensor) else params:
+    return params
+
+
+def _refuse_strided(params: Collection[torch.Tensor], group: dict[str, Any], name: str) -> None:
+    """Refuse non-contiguous parameters: lean and compiled groups step flat views."""
+    for p in params:
         if not p.is_contiguous():
             raise ValueError(
                 f"{name}: moment_dtype = {group['moment_dtype']!r}, compiled = "

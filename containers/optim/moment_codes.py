@@ -129,7 +129,7 @@ def signed_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Write the values of int8 `code` with block scales `scale` into `out`."""
-    _decode(code, scale, out, torch.int8, lambda c, s: signed_values(c, s))
+    _decode(code, scale, out, torch.int8, signed_values)
 
 
 @torch.no_grad()

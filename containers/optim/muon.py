@@ -208,11 +208,8 @@ class ShardedMuon(torch.optim.Muon):
             ortho = self._orthogonalize(params, updates, group)
             lr, decay = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho):
-                piece = local(p)
-                piece.mul_(1 - lr * decay)
-                piece.add_(
-                    o, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-                )
+                alpha = -torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                local(p).mul_(1 - lr * decay).add_(o, alpha=alpha)
         return loss
 
     def _orthogonalize(
@@ -267,15 +264,12 @@ class ShardedMuon(torch.optim.Muon):
         to_owners = [_flat([updates[m] for m in ms], like, like.dtype) for ms in ex.owned]
         sizes = [sum(ex.numel(m, r) for m in mine) for r in range(world)]
         received = _all_to_all(to_owners, ex.group, sizes, split)
-        offsets = [0] * world
+        from_rank = [received[r].split([ex.numel(m, r) for m in mine]) for r in range(world)]
         results = []
-        for m in mine:
+        for j, m in enumerate(mine):
             full = like.new_empty(ex.shapes[m])
             for r, (rows, cols) in enumerate(ex.blocks[m]):
-                n = ex.numel(m, r)
-                block = received[r][offsets[r] : offsets[r] + n].view(len(rows), len(cols))
-                full[ex.index[m][r]] = block
-                offsets[r] += n
+                full[ex.index[m][r]] = from_rank[r][j].view(len(rows), len(cols))
             results.append(newton_schulz(full, *ns))
         to_holders = [
             _flat([o[ex.index[m][r]] for o, m in zip(results, mine)], like, ns[3])
@@ -285,11 +279,9 @@ class ShardedMuon(torch.optim.Muon):
         returned = _all_to_all(to_holders, ex.group, sizes, split)
         out: list[torch.Tensor] = [like] * len(updates)
         for r, ms in enumerate(ex.owned):
-            offset = 0
-            for m in ms:
+            for m, block in zip(ms, returned[r].split([ex.numel(m, me) for m in ms])):
                 rows, cols = ex.blocks[m][me]
-                out[m] = returned[r][offset : offset + ex.numel(m, me)].view(len(rows), len(cols))
-                offset += ex.numel(m, me)
+                out[m] = block.view(len(rows), len(cols))
         return out
 
 

@@ -15,14 +15,7 @@ from torch.optim import Optimizer
 
 from containers.tensors import local
 
-__all__ = [
-    "BF16_FUSED_DEVICES",
-    "PATHS",
-    "adam_path",
-    "flat_group",
-    "path_lines",
-    "update_path",
-]
+__all__ = ["BF16_FUSED_DEVICES", "PATHS", "adam_path", "flat_group", "path_lines", "update_path"]
 
 BF16_FUSED_DEVICES = frozenset({"cuda"})
 """Devices whose fused Adam/AdamW takes bf16 moments beside fp32 parameters; elsewhere bf16

@@ -81,14 +81,9 @@ def refuse_other_layout(
     fqns: Mapping[torch.Tensor, str],
     keys: Collection[str],
 ) -> None:
-    """Raise ValueError if flat `keys` hold another optimizer's state for these parameters.
-
-    The writer is told by its state names (Adam and AdamW share theirs, SGD's differ).
-
-    Args:
-        layout: per optimizer, each parameter's state (live or initial).
-        keys: the flat keys of the state dict or checkpoint.
-    """
+    """Raise `OtherOptimizerState` if flat `keys` hold another optimizer's state for these
+    parameters, told by its state names (Adam and AdamW share theirs, SGD's differ);
+    `layout` as `plan_load` takes it."""
     fqns_saved = _group_fqns(keys)
     saved = state_names(keys, set(fqns.values()))
     for opt, states in zip(optimizers, layout):
@@ -139,12 +134,9 @@ def plan_load(
     for states in layout:
         for p, st in states.items():
             flatten_into(expected, f"{STATE}.{fqns[p]}", st)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for key in group:
-                    if key != "params" and key not in UNSAVED_KEYS:
-                        expected[f"{PG}.{fqns[p]}.{key}"] = None
+    for group in (g for opt in optimizers for g in opt.param_groups):
+        keys = [k for k in group if k != "params" and k not in UNSAVED_KEYS]
+        expected.update({f"{PG}.{fqns[p]}.{k}": None for p in group["params"] for k in keys})
     if not isinstance(flat.get(STATE), dict):
         refuse_other_layout(optimizers, layout, fqns, flat.keys())
     # Group settings come from this container: only which parameters they cover must match
@@ -153,15 +145,14 @@ def plan_load(
     missing = {k for k in expected.keys() - flat.keys() if _group_fqns([k]) <= ours - theirs}
     unexpected = {k for k in flat.keys() - expected.keys() if _group_fqns([k]) <= theirs - ours}
     if missing or unexpected:
-        hint = ""
-        if isinstance(flat.get(STATE), dict):
-            hint = (
-                " (this looks like an unflattened torch optimizer state dict; pass the "
-                "flat FQN-keyed format of state_dict())"
-            )
+        unflattened = isinstance(flat.get(STATE), dict)
+        hint = (
+            " (this looks like an unflattened torch optimizer state dict; pass the "
+            "flat FQN-keyed format of state_dict())"
+        )
         raise ValueError(
             "optimizer state dict does not match this container"
-            f"{hint}: missing keys {describe_keys(missing)}; "
+            f"{hint if unflattened else ''}: missing keys {describe_keys(missing)}; "
             f"unexpected keys {describe_keys(unexpected)}"
         )
     bad = []
@@ -182,7 +173,6 @@ def plan_load(
     for opt, states in zip(optimizers, layout):
         osd_state: dict[int, Any] = {}
         groups = []
-        index = 0
         for group in opt.param_groups:
             loaded = _loaded_settings(group, fqns, flat)
             loaded["params"] = []
@@ -194,9 +184,8 @@ def plan_load(
                     placeholder = key in zeros if key in sliced else _all_zero(state.get(name))
                     if name in state and placeholder:
                         del state[name]
-                osd_state[index] = state
-                loaded["params"].append(index)
-                index += 1
+                loaded["params"].append(len(osd_state))
+                osd_state[len(osd_state)] = state
             groups.append(loaded)
         plans.append({"state": osd_state, "param_groups": groups})
     return plans

@@ -1,16 +1,12 @@
 """FSDP1 model parts: `FullyShardedDataParallel(use_orig_params=True)` in the flat DCP format.
 
-With `use_orig_params=True` FSDP1 hands the optimizer each parameter as a 1-D view of the part
-inside this rank's padded slice of the flat parameter (possibly empty, cut anywhere): a
-rank-local layout no other run could load.
-
-`FlatShards` saves what FSDP2 writes, as torch's FSDP1 optimizer state dict does: per-element
-entries are all-gathered over the shard group (one collective per flat parameter and state
-name) into full-shape DTensors placed `Shard(0)` (HSDP: `(Replicate(), Shard(0))`); scalars
-come from a rank holding elements of the parameter (an empty slice never steps). A load cuts
-each rank's range back out. Checkpoints thus move between FSDP1 and FSDP2 at any world size.
-
-Only elementwise optimizers can step such slices; others are refused (`refuse_optimizers`).
+FSDP1 hands the optimizer each parameter as a 1-D view of its part in this rank's padded
+slice of the flat parameter (possibly empty, cut anywhere): a layout no other run could load.
+`FlatShards` saves what FSDP2 writes instead, as torch's FSDP1 state dict does: per-element
+entries all-gathered over the shard group into full-shape DTensors placed `Shard(0)` (HSDP:
+`(Replicate(), Shard(0))`), scalars from a rank holding elements of the parameter; a load
+cuts each rank's range back out. So checkpoints move between FSDP1 and FSDP2 at any world
+size. Only elementwise optimizers can step such slices (`refuse_optimizers`).
 """
 
 from __future__ import annotations
@@ -77,12 +73,6 @@ class _Piece:
     """The lowest group rank holding elements of the parameter: its scalars are the truth."""
 
 
-def _fsdp_modules(part: nn.Module) -> Iterable[FullyShardedDataParallel]:
-    for module in part.modules():
-        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
-            yield module
-
-
 def _unit(module: FullyShardedDataParallel) -> _Unit:
     strategy = module.sharding_strategy
     if strategy not in _STRATEGIES:
@@ -124,23 +114,23 @@ class FlatShards:
 
     def __init__(self, model_parts: Sequence[nn.Module]) -> None:
         self.pieces: dict[torch.Tensor, _Piece] = {}
-        for part in model_parts:
-            for module in _fsdp_modules(part):
-                unit = _unit(module)
-                flat = module._handle.flat_param
-                for i, (param, info) in enumerate(zip(flat._params, flat._shard_param_infos)):
-                    shape = flat._shapes[i]
-                    total = shape.numel()
-                    owner = unit.begins[i] // unit.shard_numel if total else 0
-                    self.pieces[param] = _Piece(
-                        unit=unit,
-                        shape=shape,
-                        offset=info.offset_in_shard if info.in_shard else 0,
-                        start=info.intra_param_start_idx if info.in_shard else 0,
-                        numel=info.numel_in_shard if info.in_shard else 0,
-                        begin=unit.begins[i],
-                        owner=owner,
-                    )
+        modules = (m for part in model_parts for m in part.modules())
+        for module in modules:
+            if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
+                continue
+            unit = _unit(module)
+            flat = module._handle.flat_param
+            for i, (param, info) in enumerate(zip(flat._params, flat._shard_param_infos)):
+                held = info.in_shard
+                self.pieces[param] = _Piece(
+                    unit=unit,
+                    shape=flat._shapes[i],
+                    offset=info.offset_in_shard if held else 0,
+                    start=info.intra_param_start_idx if held else 0,
+                    numel=info.numel_in_shard if held else 0,
+                    begin=unit.begins[i],
+                    owner=unit.begins[i] // unit.shard_numel if flat._shapes[i].numel() else 0,
+                )
         self._by_fqn: dict[str, _Piece] = {}
 
     def __bool__(self) -> bool:
@@ -166,14 +156,12 @@ class FlatShards:
                 return piece, ".".join([kind, *parts[cut:]])
         return None
 
-    # -- save: local slices -> full-shape DTensors -------------------------------------------
-
     @torch.no_grad()
     def export(self, flat: dict[str, Any]) -> dict[str, Any]:
         """`flat` with FSDP1 entries as FSDP2 writes them; every rank must call it."""
-        elements: dict[tuple[int, str, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
-        scalars: dict[tuple[int, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
-        units: dict[int, _Unit] = {}
+        # Entries by flat parameter (units compare by identity), state name and dtype.
+        elements: dict[tuple[_Unit, str, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
+        scalars: dict[tuple[_Unit, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
         for key, value in flat.items():
             found = self._piece_of(key)
             if found is None:
@@ -181,11 +169,10 @@ class FlatShards:
             piece, kind = found
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{key} = {value!r}: FSDP1 state must be tensors")
-            units[id(piece.unit)] = piece.unit
             if value.dim() == 0:
-                scalars.setdefault((id(piece.unit), value.dtype), []).append((key, piece, value))
+                scalars.setdefault((piece.unit, value.dtype), []).append((key, piece, value))
             elif value.dim() == 1 and value.numel() == piece.numel:
-                group_key = (id(piece.unit), kind, value.dtype)
+                group_key = (piece.unit, kind, value.dtype)
                 elements.setdefault(group_key, []).append((key, piece, value))
             else:
                 raise ValueError(
@@ -194,8 +181,7 @@ class FlatShards:
                     "not elementwise cannot step FSDP1 parameters; use FSDP2"
                 )
         out = dict(flat)
-        for (uid, _, dtype), entries in elements.items():
-            unit = units[uid]
+        for (unit, _, dtype), entries in elements.items():
             mine = torch.zeros(unit.shard_numel, dtype=dtype, device=entries[0][2].device)
             for _, piece, value in entries:
                 mine[piece.offset : piece.offset + piece.numel] = value
@@ -205,8 +191,7 @@ class FlatShards:
                 end = piece.begin + piece.shape.numel()
                 whole = every[piece.begin : end].view(piece.shape).clone()
                 out[key] = distribute_tensor(whole, unit.mesh, unit.placements, src_data_rank=None)
-        for (uid, _), entries in scalars.items():
-            unit = units[uid]
+        for (unit, _), entries in scalars.items():
             me = dist.get_rank(unit.group)
             values = torch.stack(
                 [v if piece.owner == me else torch.zeros_like(v) for _, piece, v in entries]
@@ -217,16 +202,10 @@ class FlatShards:
                 out[key] = value.clone()
         return out
 
-    # -- load: full-shape tensors -> local slices --------------------------------------------
-
     @torch.no_grad()
     def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
-        """`flat` with full-shape FSDP1 entries cut to this rank's slice.
-
-        Returns:
-            The new dict, the keys cut, and those whose whole tensor is all zeros (a
-            placeholder the slice alone cannot tell).
-        """
+        """`flat` with full-shape FSDP1 entries cut to this rank's slice, the keys cut, and those
+        whose whole tensor is all zeros (a placeholder the slice alone cannot tell)."""
         out = dict(flat)
         sliced, zeros = set(), set()
         for key, value in flat.items():

@@ -1,16 +1,11 @@
 """The state an optimizer gives a parameter before its first step, derived without stepping it.
 
-A container's state dict is DCP's load template, so it must hold every optimizer's exact
-start state for parameters that have not stepped yet:
-
-- `_init_group` on a throwaway optimizer of the same class and settings, over aliases of the
-  parameters, gives torch's own start values (e.g. ASGD's `eta` = lr, Adagrad's
-  `initial_accumulator_value`) without stepping anything real.
-- A throwaway step on meta stand-ins reveals keys the first update creates instead (SGD's
-  `momentum_buffer`). Zeros stand in for them, listed in `Derived.created`; a load drops them
-  while still zero, so the next step is torch's first (`plan_load`).
-- Optimizers without `_init_group` (third-party, SparseAdam) get the meta step's layout with
-  zeros and step 0.
+A container's state dict is DCP's load template, so it holds every optimizer's exact start
+state even for parameters that have not stepped: torch's own `_init_group` on a throwaway
+optimizer gives the values (ASGD's `eta`, Adagrad's accumulator); a throwaway step on meta
+stand-ins finds keys the first update creates (SGD's `momentum_buffer`), which get zero
+placeholders that a load drops while still zero (`Derived.created`, `flat.plan_load`).
+Optimizers without `_init_group` get the meta step's layout with zeros.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from torch.optim import Optimizer
 
 from containers.tensors import local
 
-__all__ = ["Derived", "derive", "initial_states"]
+__all__ = ["Derived", "derive"]
 
 # Settings that meta tensors cannot run with (kernel flags; maximize negates a sparse
 # gradient, which has no meta kernel); none of them changes which state exists.
@@ -44,51 +39,33 @@ State = dict[str, Any]
 
 @dataclass
 class Derived:
-    """What `derive` found for each parameter asked.
-
-    Attributes:
-        states: the start state (see `initial_states`).
-        created: top-level state names that the first update creates, for which `states` holds
-            zero placeholders (SGD's `momentum_buffer`).
-    """
+    """What `derive` found for each parameter asked: its start state, and the top-level state
+    names its first update creates, for which `states` holds zero placeholders."""
 
     states: dict[torch.Tensor, State]
     created: dict[torch.Tensor, frozenset[str]]
 
 
-def _shadow(opt: Optimizer, groups: list[dict[str, Any]], meta: bool) -> Optimizer:
-    """A throwaway optimizer of `opt`'s class over `groups` (meta: kernel flags off)."""
-    # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay).
-    accepted = inspect.signature(type(opt)).parameters
-    defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
-    if meta:
-        defaults.update({k: v for k, v in _SHADOW_OFF.items() if k in defaults})
-    return type(opt)(groups, **defaults)
-
-
-def _groups(
+def _shadow(
     opt: Optimizer, stand_ins: Mapping[torch.Tensor, torch.Tensor], meta: bool
-) -> list[dict[str, Any]]:
-    """`opt`'s groups over the stand-ins of their wanted parameters, settings kept."""
+) -> Optimizer:
+    """A throwaway optimizer of `opt`'s class and settings over the stand-ins of `opt`'s
+    parameters (meta: kernel flags off, lr 0 so a tensor lr's device does not matter)."""
+    off = _SHADOW_OFF if meta else {}
     groups = []
     for group in opt.param_groups:
         params = [stand_ins[p] for p in group["params"] if p in stand_ins]
         if params:
             settings = {k: v for k, v in group.items() if k != "params"}
-            if meta:
-                settings.update({k: v for k, v in _SHADOW_OFF.items() if k in settings})
-                if "lr" in settings:
-                    settings["lr"] = 0.0  # a tensor lr would sit on another device
+            settings.update({k: v for k, v in off.items() if k in settings})
+            if meta and "lr" in settings:
+                settings["lr"] = 0.0
             groups.append({**settings, "params": params})
-    return groups
-
-
-def _zero_grad(p: torch.Tensor) -> torch.Tensor:
-    """A zero gradient shaped like `p` that owns no parameter-sized memory."""
-    piece = local(p)
-    return _placed_as(
-        p, torch.zeros((), dtype=piece.dtype, device=piece.device).expand(piece.shape)
-    )
+    # `defaults` may hold keys the constructor does not take (AdamW's decoupled_weight_decay).
+    accepted = inspect.signature(type(opt)).parameters
+    defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+    defaults.update({k: v for k, v in off.items() if k in defaults})
+    return type(opt)(groups, **defaults)
 
 
 def _placed_as(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
@@ -100,35 +77,25 @@ def _placed_as(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     return piece
 
 
-def _init_group_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.Tensor, State]:
-    """Torch's own start state: `_init_group` on a throwaway over aliases of `params`."""
-    stand_ins = {}
-    for p in params:
-        alias = p.detach()  # the same storage: states that copy the parameter see its values
-        alias.grad = _zero_grad(p)
-        stand_ins[p] = alias
-    return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=False), meta=False), stand_ins)
-
-
-def _meta_init_group_states(
-    opt: Optimizer, params: list[torch.Tensor]
+def _init_group_states(
+    opt: Optimizer, params: list[torch.Tensor], materialize: bool
 ) -> dict[torch.Tensor, State]:
-    """`_init_group` on meta stand-ins: names, shapes and dtypes, no values.
+    """Torch's own start state: `_init_group` on a throwaway over stand-ins of `params`.
 
-    Sharded stand-ins are DTensors placed as the parameter, so state not shaped like it
-    (block scales) takes the whole tensor's shape, as saved.
+    `materialize`: aliases of the parameters (states that copy one see its values), with
+    zero gradients that own no memory. Else meta stand-ins placed as the parameters, so state
+    not shaped like them (block scales) takes the whole tensor's shape, as saved.
     """
     stand_ins = {}
     for p in params:
-        meta = _placed_as(p, torch.empty_like(local(p).detach(), device="meta"))
-        meta.grad = _placed_as(p, torch.empty_like(local(meta)))
-        stand_ins[p] = meta
-    return _run_init_group(_shadow(opt, _groups(opt, stand_ins, meta=True), meta=True), stand_ins)
-
-
-def _run_init_group(
-    shadow: Optimizer, stand_ins: Mapping[torch.Tensor, torch.Tensor]
-) -> dict[torch.Tensor, State]:
+        if materialize:
+            stand_in = p.detach()
+            stand_in.grad = _placed_as(p, local(p).new_zeros(()).expand(local(p).shape))
+        else:
+            stand_in = _placed_as(p, torch.empty_like(local(p).detach(), device="meta"))
+            stand_in.grad = _placed_as(p, torch.empty_like(local(stand_in)))
+        stand_ins[p] = stand_in
+    shadow = _shadow(opt, stand_ins, meta=not materialize)
     init = shadow._init_group  # type: ignore[attr-defined]
     lists = len(inspect.signature(init).parameters) - 1  # the lists it fills, after `group`
     for group in shadow.param_groups:
@@ -148,7 +115,7 @@ def _meta_step_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.
                     meta = torch.empty_like(local(p).detach(), device="meta")
                     meta.grad = _meta_grad(meta, sparse)
                     stand_ins[p] = meta
-                shadow = _shadow(opt, _groups(opt, stand_ins, meta=True), meta=True)
+                shadow = _shadow(opt, stand_ins, meta=True)
                 shadow.step()
         except Exception as e:
             error = error or e
@@ -167,22 +134,17 @@ def _meta_grad(meta: torch.Tensor, sparse: bool) -> torch.Tensor:
 
 
 def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Derived:
-    """The start state `opt` would give `params` and the names its first update creates.
-
-    Args:
-        opt: the optimizer that owns `params`.
-        params: parameters of `opt` (their live state, if any, is ignored).
-        materialize: allocate the state (DTensors for sharded parameters) for a state dict;
-            otherwise return tensors that only carry shape and dtype, for validation.
-    """
+    """The start state `opt` would give `params` (their live state ignored) and the names its
+    first update creates. `materialize`: allocate the state (DTensors for sharded parameters)
+    for a state dict; else tensors that carry only shape and dtype, for validation."""
     if not params:
         return Derived({}, {})
     exact: dict[torch.Tensor, State] | None = None
     if hasattr(opt, "_init_group"):
         try:
-            exact = (_init_group_states if materialize else _meta_init_group_states)(opt, params)
+            exact = _init_group_states(opt, params, materialize)
         except (TypeError, RuntimeError, ValueError):
-            exact = None  # a private API of another shape: fall back to the meta step
+            pass  # a private API of another shape: fall back to the meta step
     try:
         stepped = _meta_step_states(opt, params)
     except Exception as e:
@@ -214,23 +176,14 @@ def _as_template(p: torch.Tensor, value: Any, materialize: bool, real: bool) -> 
         return type(value)(0)
     if not isinstance(value, torch.Tensor):
         return value
-    full_shape = local(value).shape == local(p).shape and value.dim() > 0
+    if value.dim() == 0:
+        return torch.zeros((), dtype=value.dtype)
+    full_shape = local(value).shape == local(p).shape
     if not materialize:
-        if value.dim() == 0:
-            return torch.zeros((), dtype=value.dtype)
         if full_shape and value.dtype == p.dtype:
             return p.detach()  # shape and placements of the parameter, no new memory
         shape = p.shape if full_shape else value.shape
         return torch.empty(shape, dtype=value.dtype, device="meta")
-    if value.dim() == 0:
-        return torch.zeros((), dtype=value.dtype)
     if full_shape:
         return torch.zeros_like(p, dtype=value.dtype)
     return torch.zeros(value.shape, dtype=value.dtype, device=local(p).device)
-
-
-def initial_states(
-    opt: Optimizer, params: list[torch.Tensor], materialize: bool
-) -> dict[torch.Tensor, State]:
-    """The state `opt` would give `params` before their first step (`derive`'s `states`)."""
-    return derive(opt, params, materialize).states

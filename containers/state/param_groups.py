@@ -63,26 +63,23 @@ _HIDDEN_MATRICES = r"layers\..*\.(attention|feed_forward)\..*weight"
 
 def matrix_only(cls: type[Optimizer]) -> bool:
     """Whether `cls` updates only 2-D parameters (Muon orthogonalizes each update matrix)."""
-    muon = getattr(torch.optim, "Muon", None)
-    return muon is not None and issubclass(cls, muon)
+    return issubclass(cls, torch.optim.Muon)
 
 
 def _refuse_non_matrices(
     not_2d: dict[int, list[tuple[str, torch.Tensor]]],
     rules: Sequence[ParamGroupRule],
-    default_cls: type[Optimizer],
+    classes: Sequence[type[Optimizer]],
 ) -> None:
     """Raise one error naming every non-2-D parameter a matrix-only optimizer was given."""
     if not not_2d:
         return
     where = []
     for i, found in sorted(not_2d.items()):
-        rule = rules[i - 1] if i else None
-        cls = (rule and rule.optimizer_cls) or default_cls
-        group = f"param group {rule.pattern!r}" if rule else "the default group (no pattern)"
+        group = f"param group {rules[i - 1].pattern!r}" if i else "the default group (no pattern)"
         shown = ", ".join(f"{fqn!r} {tuple(p.shape)}" for fqn, p in found[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-        where.append(f"{cls.__name__} of {group} got {shown}{more}")
+        where.append(f"{classes[i].__name__} of {group} got {shown}{more}")
     raise ValueError(
         f"{'; '.join(where)}: it takes only 2-D parameters (it orthogonalizes each update "
         "matrix); match only the hidden matrices to it and give the rest another optimizer, "
@@ -104,8 +101,8 @@ def assign(
     rule matches some parameter, and matrix-only optimizers (Muon) get only 2-D parameters.
     """
     compiled = _compile(rules)
-    matrices_only = [matrix_only(default_cls)]
-    matrices_only += [matrix_only(r.optimizer_cls or default_cls) for r in rules]
+    # By bucket: 0 is the default group, i > 0 rule i - 1's group.
+    classes = [default_cls, *(r.optimizer_cls or default_cls for r in rules)]
     not_2d: dict[int, list[tuple[str, torch.Tensor]]] = {}
     used = [False] * len(rules)
     assigned = []
@@ -121,7 +118,7 @@ def assign(
             if hits:
                 used[hits[0]] = True
             bucket = hits[0] + 1 if hits else 0
-            if matrices_only[bucket] and p.dim() != 2:
+            if matrix_only(classes[bucket]) and p.dim() != 2:
                 not_2d.setdefault(bucket, []).append((fqn, p))
             buckets[bucket].append(p)
         groups: GroupSpecs = {}
@@ -129,14 +126,14 @@ def assign(
             if not params:
                 continue
             rule = rules[i - 1] if i else None
-            cls = (rule and rule.optimizer_cls) or default_cls
+            cls = classes[i]
             base = dict((rule and rule.optimizer_kwargs) or default_kwargs)
             # (rules sharing a class of their own share the first one's constructor kwargs)
             constructor = dict(default_kwargs) if cls is default_cls else base
             kwargs = {**base, **(rule.overrides if rule else {})}
             groups.setdefault(cls, (constructor, []))[1].append((params, kwargs))
         assigned.append(groups)
-    _refuse_non_matrices(not_2d, rules, default_cls)
+    _refuse_non_matrices(not_2d, rules, classes)
     unused = [r.pattern for r, u in zip(rules, used) if not u]
     if unused:
         raise ValueError(

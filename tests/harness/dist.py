@@ -180,6 +180,20 @@ def start(
     )
 
 
+def run_script(name: str, *args: str, cwd: Any) -> subprocess.CompletedProcess:
+    """`python -m scripts.<name> args` from another directory `cwd`, with the checkout on
+    PYTHONPATH (the installed distribution holds the library only); output captured."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", f"scripts.{name}", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def finish(proc: subprocess.Popen, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Wait for `proc` (from `start`); on timeout kill its process tree and raise."""
     try:

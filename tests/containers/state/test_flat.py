@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from containers.state.flat import describe_keys, flatten_into, unflatten
-from containers.state.initial import derive, initial_states
+from containers.state.initial import derive
 from tests.harness.dist import run_ranks
 
 # -- describe_keys ---------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_unflatten_reads_what_it_is_given_and_misses_loudly():
         unflatten(flat, "s", like)
 
 
-# -- initial_states against torch's own optimizers ---------------------------------------------
+# -- derive against torch's own optimizers -----------------------------------------------------
 
 
 def _params(two_d: bool = False, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -203,7 +203,7 @@ def test_initial_state_has_the_names_shapes_dtypes_of_one_real_step_and_torchs_v
     opt, params = _fresh(cls, kwargs, kw)
     before = {p: dict(opt.state[p]) for p in params if p in opt.state}  # Adagrad's eager state
     values = [p.detach().clone() for p in params]
-    init = initial_states(opt, params, materialize=True)
+    init = derive(opt, params, materialize=True).states
     # Derived without touching the optimizer: no state added, lr and parameters as they were.
     assert {p: dict(opt.state[p]) for p in params if p in opt.state} == before
     assert all(g["lr"] == 0.1 for g in opt.param_groups)
@@ -275,14 +275,14 @@ def test_initial_state_that_meta_tensors_cannot_reveal_is_a_clear_error():
         match=r"^cannot derive the initial state of _ReadsValues on meta tensors \(.*\.item\(\)"
         r".*\); step the optimizer once before taking its state dict$",
     ):
-        initial_states(opt, params, materialize=True)
+        derive(opt, params, materialize=True)
     assert not opt.state and all(p.grad is None for p in params)
 
 
 def test_initial_state_follows_each_params_group_and_covers_only_the_params_asked():
     a, b, c = _params()
     opt = optim.Adam([{"params": [a, b], "amsgrad": True}, {"params": [c]}], lr=0.1)
-    init = initial_states(opt, [b, c], materialize=True)
+    init = derive(opt, [b, c], materialize=True).states
     assert list(init) == [b, c]
     _step(opt, [a, b, c], seed=0)
     assert _layout(init[b]) == _layout(opt.state[b])
@@ -292,7 +292,7 @@ def test_initial_state_follows_each_params_group_and_covers_only_the_params_aske
 
 def test_initial_state_of_nested_factored_state_matches_a_real_step():
     opt, params = _factored_after_steps(0, dtype=torch.bfloat16)
-    init = initial_states(opt, params, materialize=True)
+    init = derive(opt, params, materialize=True).states
     _step(opt, params, seed=0)
     for p in params:
         assert _layout(init[p]) == _layout(opt.state[p])
@@ -326,11 +326,11 @@ def _assert_lazy(init: dict[torch.Tensor, dict[str, Any]], real: dict) -> None:
 def test_lazy_initial_state_allocates_no_full_size_tensors():
     for cls, kwargs in [(optim.AdamW, {}), (optim.Adam, {"amsgrad": True})]:
         opt, params = _fresh(cls, kwargs, {})
-        lazy = initial_states(opt, params, materialize=False)
+        lazy = derive(opt, params, materialize=False).states
         _step(opt, params, seed=0)
         _assert_lazy(lazy, opt.state)
     opt, params = _factored_after_steps(0)
-    lazy = initial_states(opt, params, materialize=False)
+    lazy = derive(opt, params, materialize=False).states
     assert all(lazy[p]["factors"]["row"].device.type == "meta" for p in params)
     assert all(lazy[p]["factors"]["row"].dtype == torch.float32 for p in params)
     _step(opt, params, seed=0)
@@ -339,7 +339,7 @@ def test_lazy_initial_state_allocates_no_full_size_tensors():
 
 def test_lazy_full_shape_entry_carries_the_state_dtype():
     opt, params = _factored_after_steps(0, dtype=torch.bfloat16)
-    lazy = initial_states(opt, params[:1], materialize=False)
+    lazy = derive(opt, params[:1], materialize=False).states
     assert lazy[params[0]]["momentum"].dtype == torch.float32
 
 
@@ -361,8 +361,8 @@ def _sharded_initial_states() -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     opt = optim.AdamW(model.parameters(), lr=0.1)
     params = list(model.parameters())
-    init = initial_states(opt, params, materialize=True)
-    lazy = initial_states(opt, params, materialize=False)
+    init = derive(opt, params, materialize=True).states
+    lazy = derive(opt, params, materialize=False).states
     out: dict[str, Any] = {"params": {}, "init": {}, "lazy": {}, "real": {}, "zero": True}
     for name, p in model.named_parameters():
         out["params"][name] = _describe(p)
