@@ -108,3 +108,16 @@ def test_part_kinds_do_not_import_each_other_and_the_floor_imports_no_part():
                 assert other not in PART_KINDS or other == kind, f"{module} imports {m}"
             if kind in ("state", "optim") or module in ("containers.parts", "containers.norm"):
                 assert other not in PART_KINDS, f"{module} imports {m}"
+
+
+def test_the_distribution_lists_every_package_of_the_library():
+    """A package missing from pyproject.toml's list is missing from a non-editable install."""
+    from scripts.plot import tomllib  # (tomli before Python 3.11)
+
+    repo = Path(REPO)
+    listed = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = {
+        ".".join(init.parent.relative_to(repo).parts)
+        for init in (repo / "containers").rglob("__init__.py")
+    }
+    assert sorted(listed) == sorted(found)
