@@ -50,6 +50,7 @@ def _policy(*args: str, signal_name: str | None = None) -> tuple[LoopPolicy, Any
         checkpoint=_Checkpoint(),
         lr_schedulers=_Schedules(),
         loss_ranks=1,
+        heals=None,  # no torchft: nothing heals
     )
     stop = SimpleNamespace(signal=signal.Signals[signal_name] if signal_name else None)
     stop.requested = signal_name is not None

@@ -139,9 +139,11 @@ class FTJob:
         if codes != [0, 0]:
             raise RuntimeError(f"replica groups exited {codes}:{self.tails()}")
 
-    def join_late(self, at: int, extra: list[str]) -> tuple[int, int]:
+    def join_late(self, at: int, extra: list[str], released_at: int = 0) -> tuple[int, int]:
         """Group 0 runs and is held at step `at` (once it committed step `at` - 1) until group
-        1, started with `extra` arguments, has begun training; then both run to the end.
+        1, started with `extra` arguments, has begun training (logged step `released_at`, if
+        above 0: under DiLoCo, the step before its first sync, so both meet at that quorum
+        within the lighthouse's join timeout); then both run to the end.
         Returns their exit codes (the job closed)."""
         hold = self.folder / "hold"
         hold.touch()
@@ -153,7 +155,11 @@ class FTJob:
             self.args += extra
             self.start_replica(1)
             self.wait_for(
-                "group 1", lambda: "micro-batches/step, from step 0" in self.log("replica_1")
+                "group 1",
+                lambda: (
+                    "micro-batches/step, from step 0" in self.log("replica_1")
+                    and max(self.metrics(1), default=0) >= released_at
+                ),
             )
             hold.unlink()
             return self.wait_exit("replica_0"), self.wait_exit("replica_1")
