@@ -19,6 +19,7 @@ from config import FaultTolerance as FaultToleranceConfig
 from config import Optimizer as OptimizerConfig
 from containers import DiLoCo, TorchFTGate
 from containers.parts import Gate, Outer
+from containers.quorum import lighthouse_address
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -75,7 +76,10 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
         return None
     ft = cfg.fault_tolerance
     return TorchFTGate(
-        manager, agree_on=math_settings(cfg), name=_group_name(ft), lighthouse=_lighthouse(ft)
+        manager,
+        agree_on=math_settings(cfg),
+        name=_group_name(ft),
+        lighthouse=lighthouse_address(ft.lighthouse),
     )
 
 
@@ -93,7 +97,7 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
         num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
         fragment_update_alpha=ft.fragment_update_alpha,
         agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
-        lighthouse=_lighthouse(ft),
+        lighthouse=lighthouse_address(ft.lighthouse),
     )  # fmt: skip
 
 
@@ -138,12 +142,6 @@ def check_outer(cfg: JobConfig, build_model: ModelBuilder) -> None:
 def _group_name(cfg: FaultToleranceConfig) -> str:
     """This replica group's name: its torchft replica id, and in a refused group's message."""
     return f"replica_{cfg.replica_id}"
-
-
-def _lighthouse(cfg: FaultToleranceConfig) -> str | None:
-    """The lighthouse's address, as torchft's manager takes it (the config's, else
-    `TORCHFT_LIGHTHOUSE`); None where neither is set."""
-    return cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
 def manager_port(cfg: FaultToleranceConfig) -> int:
@@ -220,7 +218,7 @@ def build_ft_manager(
     except RuntimeError as e:
         if "failed to connect" not in str(e):
             raise
-        address = _lighthouse(cfg)
+        address = lighthouse_address(cfg.lighthouse)
         raise ConfigError(
             f"[fault_tolerance] lighthouse = {address!r}: no lighthouse answered within "
             f"connect_timeout_ms = {cfg.connect_timeout_ms}; start it first "

@@ -33,7 +33,13 @@ from containers.parts import GateLost
 if TYPE_CHECKING:
     from torchft import Manager
 
-__all__ = ["SettingsAgreement", "SettingsMismatch", "lighthouse_status", "wait_quorum"]
+__all__ = [
+    "SettingsAgreement",
+    "SettingsMismatch",
+    "lighthouse_address",
+    "lighthouse_status",
+    "wait_quorum",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ _STATUS_TIMEOUT_S = 2.0
 _WAITS_FOR = re.compile(r"only have (\d+) participants, need min_replicas (\d+)")
 
 
-def _address(address: str | None) -> str | None:
+def lighthouse_address(address: str | None) -> str | None:
     """The lighthouse's address: `address`, else `TORCHFT_LIGHTHOUSE` (as torchft reads it)."""
     return address or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
@@ -55,7 +61,7 @@ def lighthouse_status(address: str | None, timeout: float = _STATUS_TIMEOUT_S) -
     A message about a missing quorum quotes it, so that it names the cause seen (a
     lighthouse waiting for `min_replicas` groups is up, not gone).
     """
-    address = _address(address)
+    address = lighthouse_address(address)
     if address is None:
         return None
     url = address.rstrip("/") + "/status"
@@ -77,7 +83,7 @@ def lighthouse_status(address: str | None, timeout: float = _STATUS_TIMEOUT_S) -
 def _lighthouse_says(address: str | None) -> str:
     """Why a quorum is missing, as the lighthouse at `address` reports it (or that it does
     not answer), with what to do: the clause a warning or `GateLost` ends with."""
-    where = _address(address) or "(address unknown)"
+    where = lighthouse_address(address) or "(address unknown)"
     status = lighthouse_status(address)
     if status is None:
         return f"the lighthouse at {where} does not answer: it is gone or unreachable"
@@ -224,7 +230,7 @@ class SettingsAgreement:
         lighthouse says it needs more groups for a quorum (its `min_replicas`)."""
         status = lighthouse_status(self.lighthouse)
         if status is None:
-            where = _address(self.lighthouse) or "(address unknown)"
+            where = lighthouse_address(self.lighthouse) or "(address unknown)"
             return (
                 f"training on without it once the lighthouse at {where} (not answering now) "
                 "forms a quorum of the groups left"
