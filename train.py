@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
         lrs = group_lrs(optimizers, lr_names)  # read after step(): healing may have set them
         loop.count(report)  # the step counted: committed (lr schedule steps) or skipped
         loss, stop_flag = loop.share(loss_sum)  # one collective: loss, a signal on any rank
-        extra = report.metrics()
+        extra = report.metrics() | (optimizers.metrics() if report.committed else {})
         row_loss, note = loop.row_loss(loss, extra)  # none after a heal inside the step
         if cfg.metrics.log_param_checksum:
             extra["param_checksum"] = param_checksum(params)

@@ -252,12 +252,15 @@ def _build_locked(
         model, cfg.model, mesh, stages, shard_impl=cfg.parallelism.data_parallel_shard_impl,
         **extra,
     )  # fmt: skip
+    outer = [part for part in (build_outer(cfg, ft_manager),) if part is not None]
+    if spec.build_outer_parts_fn is not None:
+        outer += spec.build_outer_parts_fn(model_parts, cfg.model, mesh)
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,
         precision=precision,
         gate=build_gate(cfg, ft_manager),
-        outer=build_outer(cfg, ft_manager),
+        outer=outer,
         max_norm=cfg.training.max_norm,
         mesh=mesh,
         gradient_accumulation_steps=backward_passes(

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import config
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from components.optimizer import OptimizersBuilder, build_optimizers
-from containers import OptimizersContainer
+from containers import OptimizersContainer, Outer
 
 __all__ = [
     "ConfigValidator",
@@ -34,6 +34,7 @@ __all__ = [
     "LossFn",
     "ModelBuilder",
     "OptimizersBuilder",
+    "OuterPartsBuilder",
     "Parallelizer",
     "TrainSpec",
     "get_train_spec",
@@ -102,6 +103,15 @@ class LRSchedulersBuilder(Protocol):
     ) -> LRSchedulersContainer: ...
 
 
+class OuterPartsBuilder(Protocol):
+    """`(model_parts, cfg: [model], mesh) -> the family's post-step parts of the container`
+    (`containers.Outer`, e.g. MoE load balancing: `containers.LoadBalance`), after DiLoCo's."""
+
+    def __call__(
+        self, model_parts: Sequence[nn.Module], cfg: config.Model, mesh: DeviceMesh | None, /
+    ) -> list[Outer]: ...
+
+
 class ConfigValidator(Protocol):
     """`(cfg: the whole job config) -> None`, raising `config.ConfigError` (one line naming
     the key, the value and the fix) for what the family cannot run.
@@ -127,6 +137,7 @@ class TrainSpec:
     build_dataloader_fn: DataloaderBuilder
     build_lr_schedulers_fn: LRSchedulersBuilder = build_lr_schedulers
     build_optimizers_fn: OptimizersBuilder = build_optimizers
+    build_outer_parts_fn: OuterPartsBuilder | None = None
     validate_config_fn: ConfigValidator | None = None
 
 

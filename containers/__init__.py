@@ -8,7 +8,7 @@ from containers.container import OptimizersContainer, Unit
 from containers.ema import ShadowWeights
 from containers.gate import FTOptimizersContainer, TorchFTGate
 from containers.optim import LeanAdam, LeanAdamW, LeanSGD, ShardedMuon
-from containers.outer import DiLoCo
+from containers.outer import DiLoCo, LoadBalance
 from containers.parts import Gate, GateLost, Outer, Precision, StepReport, Timing
 from containers.precision import (
     LossScaler,
@@ -30,6 +30,7 @@ __all__ = [
     "LeanAdam",
     "LeanAdamW",
     "LeanSGD",
+    "LoadBalance",
     "LossScaler",
     "MasterWeights",
     "MixedPrecisionOptimizersContainer",

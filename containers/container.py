@@ -81,7 +81,7 @@ class OptimizersContainer(Optimizer, Stateful):
         gate: whether a step commits (default: always).
         timing: when units apply (default: after backward, in `step()`).
         outer: what follows each committed step, with state of its own (e.g.
-            `containers.DiLoCo`); None: nothing.
+            `containers.DiLoCo`, `containers.LoadBalance`), in order; None: nothing.
         max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
             None (default) does not clip.
         skip_nonfinite: skip a step whose loss or gradients hold inf or NaN; one host sync
@@ -102,7 +102,7 @@ class OptimizersContainer(Optimizer, Stateful):
         precision: Precision | None = None,
         gate: Gate | None = None,
         timing: Timing | None = None,
-        outer: Outer | None = None,
+        outer: Outer | Sequence[Outer] | None = None,
         max_norm: float | None = None,
         skip_nonfinite: bool = True,
         mesh: DeviceMesh | None = None,
@@ -118,7 +118,9 @@ class OptimizersContainer(Optimizer, Stateful):
         self.precision = precision if precision is not None else Precision()
         self.gate = gate if gate is not None else Gate()
         self.timing = timing if timing is not None else Timing()
-        self.outer = outer
+        self.outer: list[Outer] = (
+            [] if outer is None else [outer] if _is_part(outer) else list(outer)
+        )
         self.max_norm = max_norm
         # A scaled loss finds its overflows by skipping non-finite steps.
         self.skip_nonfinite = skip_nonfinite or "loss_scaling" in self.precision.features
@@ -180,12 +182,12 @@ class OptimizersContainer(Optimizer, Stateful):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self.timing.attach(self)
-        if outer is not None:
-            outer.attach(self)
+        for part in self.outer:
+            part.attach(self)
         self.ema = ema
         if ema is not None:
             ema.attach([p for g in self.param_groups for p in g["params"]])
-        parts = [part for part in (self.precision.state, outer, ema) if part is not None]
+        parts = [p for p in (self.precision.state, *self.outer, ema) if p is not None]
         self._state = ContainerState(
             self, self.optimizers, self._fqns, parts, ema is not None, self.flat_shards
         )
@@ -193,8 +195,8 @@ class OptimizersContainer(Optimizer, Stateful):
     def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
         """The `containers.rules` features of this composition, named as refusals name them."""
         named = {**self.precision.features, **self.gate.features, **self.timing.features}
-        if self.outer is not None:
-            named.update(self.outer.features)
+        for part in self.outer:
+            named.update(part.features)
         if self.max_norm:
             named["clip"] = f"max_norm = {self.max_norm}"
         if ema is not None:
@@ -266,7 +268,7 @@ class OptimizersContainer(Optimizer, Stateful):
         )
         inner = ", ".join(f"{what} x{n}" if n > 1 else what for what, n in groups.items())
         parts = [f"precision {self.precision!r}", f"gate {self.gate!r}", f"{self.timing!r}"]
-        parts += [f"outer {self.outer!r}"] if self.outer is not None else []
+        parts += [f"outer {part!r}" for part in self.outer]
         parts += [f"ema {self.ema!r}"] if self.ema is not None else []
         return f"{type(self).__name__}([{inner}]; {'; '.join(parts)})"
 
@@ -305,6 +307,9 @@ class OptimizersContainer(Optimizer, Stateful):
             if self.timing.in_backward:
                 self._with_hooks(lambda: self.timing.finish(self))
                 self.last_report = report = self.timing.report(self)
+                if report.committed:
+                    for part in self.outer:
+                        part.after_apply()
                 if self.ema is not None and (report.committed or report.partial):
                     self.ema.count()  # (each unit updated it as it applied)
             else:
@@ -344,8 +349,8 @@ class OptimizersContainer(Optimizer, Stateful):
         if not finite:
             return self.decision.nonfinite(value)
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
-        if self.outer is not None:
-            self.outer.after_apply()
+        for part in self.outer:
+            part.after_apply()
         if self.ema is not None:
             self.ema.update()
             self.ema.count()
@@ -369,7 +374,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return (
             not hooks
             and self.ema is None
-            and self.outer is None
+            and not self.outer
             and self.decision.kernels_may_skip(optimizers)
         )
 
@@ -390,11 +395,15 @@ class OptimizersContainer(Optimizer, Stateful):
             self, self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks, apply
         )
 
+    def metrics(self) -> dict[str, float]:
+        """The outer parts' numbers for the step's metrics row (e.g. `load_imbalance`)."""
+        return {k: v for part in self.outer for k, v in part.metrics().items()}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         with record_function(self._zero_grad_profile_name):
             self.gate.on_zero_grad()
-            if self.outer is not None:
-                self.outer.on_zero_grad()
+            for part in self.outer:
+                part.on_zero_grad()
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=set_to_none)
             self.precision.zero_grad(set_to_none)
@@ -433,3 +442,7 @@ class OptimizersContainer(Optimizer, Stateful):
         model_param = {id(s): p for u in self.units for p, s in zip(u.params, u.stepped)}
         with self.ema.swapped_into([model_param[id(s)] for s in self.ema.params]):
             yield
+
+
+def _is_part(outer: Outer | Sequence[Outer]) -> bool:
+    return not isinstance(outer, list | tuple)

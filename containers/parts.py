@@ -5,8 +5,8 @@
 - **gate** (`Gate`): whether a step commits (torchft), and the gradient average before it.
 - **timing** (`Timing`): when units apply: in `step()`, or inside backward
   (`containers.timing.in_backward`).
-- **outer** (`Outer`, optional): what follows a committed step, with state of its own
-  (DiLoCo, `containers.outer`).
+- **outer** (`Outer`, any number): what follows a committed step, with state of its own
+  (DiLoCo, MoE load balancing: `containers.outer`).
 
 Each part declares its `features`; the container refuses compositions `containers.rules` lists.
 """
@@ -224,7 +224,8 @@ class Gate:
 
 
 class Outer(PartState, Protocol):
-    """A post-step part with state of its own that may write the stepped weights (DiLoCo).
+    """A post-step part with state of its own: DiLoCo (may write the stepped weights),
+    `LoadBalance` (moves MoE routing biases).
 
     With one, non-finite skips are decided on the host: it must know whether a step applied.
     """
@@ -244,6 +245,10 @@ class Outer(PartState, Protocol):
 
     def after_apply(self) -> None:
         """A committed step has applied."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for the step's metrics row, by name."""
         ...
 
 

@@ -71,7 +71,7 @@ class OptimizersBuilder(Protocol):
         *,
         precision: Precision | None = None,
         gate: Gate | None = None,
-        outer: Outer | None = None,
+        outer: Sequence[Outer] = (),
         max_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
         mesh: DeviceMesh | None = None,
@@ -191,7 +191,7 @@ def build_optimizers(
     *,
     precision: Precision | None = None,
     gate: Gate | None = None,
-    outer: Outer | None = None,
+    outer: Sequence[Outer] = (),
     max_norm: float | None = None,
     gradient_accumulation_steps: int = 1,
     mesh: DeviceMesh | None = None,
@@ -201,16 +201,17 @@ def build_optimizers(
     """Compose the container that `cfg` asks for over `model_parts`.
 
     The parts: `precision` (default: `build_precision(cfg)`), `gate` (a `TorchFTGate` when
-    the job averages gradients under torchft), `outer` (a `DiLoCo` when it runs DiLoCo), the
-    timing (in backward when `cfg.early_step_in_backward` or
-    `container = "in_backward"`), and `max_norm` (`[training] max_norm`; None: no norm).
+    the job averages gradients under torchft), `outer` (a `DiLoCo` when it runs DiLoCo; the
+    model family's own, e.g. MoE load balancing), the timing (in backward when
+    `cfg.early_step_in_backward` or `container = "in_backward"`), and `max_norm` (`[training]
+    max_norm`; None: no norm).
 
     Args:
         model_parts: the model parts to optimize.
         cfg: the `[optimizer]` section.
         precision: the precision part the model was cast with.
         gate: whether steps commit (None: always).
-        outer: what follows each committed step (None: nothing).
+        outer: what follows each committed step, in order.
         max_norm: clip the global gradient norm in `step()`; 0 only measures it.
         gradient_accumulation_steps: micro-batches per step (the in-backward timing counts).
         mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); the global
@@ -259,7 +260,7 @@ def _build_default(
     precision: Precision,
     gate: Gate | None,
     timing: Timing | None,
-    outer: Outer | None,
+    outer: Sequence[Outer],
     max_norm: float | None,
     mesh: DeviceMesh | None,
     ema: ShadowWeights | None,
@@ -291,10 +292,10 @@ def _build_fault_tolerant(
     optimizer_kwargs: dict[str, Any],
     *,
     gate: Gate | None,
-    outer: Outer | None,
+    outer: Sequence[Outer],
     **parts: Any,
 ) -> OptimizersContainer:
-    if not isinstance(gate, TorchFTGate) and not isinstance(outer, DiLoCo):
+    if not isinstance(gate, TorchFTGate) and not any(isinstance(o, DiLoCo) for o in outer):
         raise ConfigError(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "
             "[fault_tolerance] enable = true (the job builder then makes one)"

@@ -181,6 +181,10 @@ class DiLoCo(Outer):
                 return f
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """None per step: the outer steps are logged as they land."""
+        return {}
+
     def after_apply(self) -> None:
         self.inner_steps += 1
         if self.due(self.inner_steps + self.delay) is not None:

@@ -22,7 +22,7 @@ from containers.container import OptimizersContainer, Unit
 from containers.contract import inner_steps
 from containers.ema import ShadowWeights
 from containers.norm import all_finite, nonfinite_flag
-from containers.parts import Named, Precision, StepReport, Timing
+from containers.parts import Named, Outer, Precision, StepReport, Timing
 from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
@@ -198,6 +198,8 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             last one.
         precision: e.g. `containers.MasterWeights` with loss scaling 'none'.
         gate: refused if it cannot decide per unit (torchft).
+        outer: post-step parts (`containers.LoadBalance`; DiLoCo is refused), after a step
+            whose units all applied.
         mesh: the job's named DeviceMesh, as for `OptimizersContainer` (inside backward no
             global norm is measured).
     """
@@ -212,6 +214,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         gradient_accumulation_steps: int = 1,
         precision: Precision | None = None,
         gate: Gate | None = None,
+        outer: Outer | Sequence[Outer] | None = None,
         mesh: DeviceMesh | None = None,
         ema: ShadowWeights | None = None,
     ) -> None:
@@ -223,6 +226,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             precision=precision,
             gate=gate,
             timing=InBackward(gradient_accumulation_steps),
+            outer=outer,
             mesh=mesh,
             ema=ema,
         )
