@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -21,7 +22,13 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from config import ShardImpl
 from config import Training as TrainingConfig
 
-__all__ = ["data_parallel_mesh", "mixed_precision_policy", "replicate_rest", "shard_parts"]
+__all__ = [
+    "data_parallel_mesh",
+    "mixed_precision_policy",
+    "replicate_rest",
+    "shard_parts",
+    "stage_group",
+]
 
 
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -134,3 +141,15 @@ def shard_parts(
             fully_shard(unit, mesh=mesh, mp_policy=unit_policy)
         fully_shard(part, mesh=mesh, mp_policy=policy)
     return parts
+
+
+def stage_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """The process group of the ranks of this rank's pipeline stage (those with its pp index),
+    e.g. to sum what every rank of a stage saw; None: the world (no pipeline, or one process).
+
+    Every rank creates every stage's group, in the same order, as `new_group` requires.
+    """
+    if mesh is None or mesh["pp"].size() == 1:
+        return None
+    groups = [dist.new_group(ranks.flatten().tolist()) for ranks in mesh.mesh]
+    return groups[mesh.get_local_rank("pp")]

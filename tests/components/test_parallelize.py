@@ -16,7 +16,7 @@ from components.job import build_job
 from components.models.llama.model import FLAVORS, Transformer, split_model
 from components.models.llama.parallelize import parallelize
 from components.parallel_dims import ParallelDims
-from components.parallelize import mixed_precision_policy, shard_parts
+from components.parallelize import mixed_precision_policy, shard_parts, stage_group
 from config import Model as ModelConfig
 from config import Training, load_job_config
 from tests.harness.dist import run_ranks
@@ -191,3 +191,19 @@ def test_the_policy_computes_in_bf16_from_the_config_and_keeps_the_rotary_table_
     for seen in run_ranks(2, _llama_policy_on_ranks, str(tmp_path)):
         assert seen["block"] == (torch.bfloat16, torch.float32, torch.bfloat16)
         assert seen["grads"] == {torch.float32}
+
+
+def _stage_sums() -> dict:
+    mesh = ParallelDims(2, 1, 2, 1).build_mesh("cpu")  # pp 2 x dp_shard 2
+    group = stage_group(mesh)
+    seen = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(seen, group=group)
+    return {"pp": mesh.get_local_rank("pp"), "sum": seen.item(), "alone": stage_group(None)}
+
+
+def test_stage_group_sums_over_the_ranks_of_one_pipeline_stage_only():
+    results = run_ranks(4, _stage_sums)
+    # Row-major mesh (pp, dp_replicate, dp_shard, tp): ranks 0, 1 hold stage 0; 2, 3 stage 1.
+    assert [r["pp"] for r in results] == [0, 0, 1, 1]
+    assert [r["sum"] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert all(r["alone"] is None for r in results)
