@@ -9,15 +9,18 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from components.optimizer import OPTIMIZERS, resolve_optimizer
+from components.parallelize import stage_group
 from config import DILOCO_KEYS, ConfigError, JobConfig
 from config import FaultTolerance as FaultToleranceConfig
 from config import Optimizer as OptimizerConfig
-from containers import DiLoCo, TorchFTGate
+from containers import DiLoCo, LoadBalance, TorchFTGate
 from containers.parts import Gate, Outer
 from containers.quorum import lighthouse_address
 
@@ -30,6 +33,7 @@ __all__ = [
     "Heals",
     "build_ft_manager",
     "build_gate",
+    "build_load_balance",
     "build_outer",
     "check_ft_config",
     "check_outer",
@@ -99,6 +103,28 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
         agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
         lighthouse=lighthouse_address(ft.lighthouse),
     )  # fmt: skip
+
+
+def build_load_balance(
+    cfg: JobConfig,
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    mesh: DeviceMesh | None,
+    manager: Manager | None,
+) -> LoadBalance:
+    """The container's MoE load balancing of `layers` (`[model] load_balance_coeff`).
+
+    A step's counts add up over the ranks of each pipeline stage and, under torchft's
+    every-step gate, over the replica groups of the step's quorum (a healing group adds
+    zeros), so every rank and group moves its biases alike. Under DiLoCo each group balances
+    on its own tokens between syncs, as its weights drift on their own.
+    """
+    across = None
+    if manager is not None and cfg.fault_tolerance.semi_sync_method == "none":
+
+        def across(counts: torch.Tensor) -> None:
+            manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
+
+    return LoadBalance(layers, cfg.model.load_balance_coeff, stage_group(mesh), across)
 
 
 def _outer_optimizer(cfg: JobConfig) -> tuple[type[Optimizer], dict[str, Any]]:

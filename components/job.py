@@ -27,6 +27,7 @@ from components.ft import (
     Heals,
     build_ft_manager,
     build_gate,
+    build_load_balance,
     build_outer,
     check_ft_config,
     check_outer,
@@ -253,8 +254,10 @@ def _build_locked(
         **extra,
     )  # fmt: skip
     outer = [part for part in (build_outer(cfg, ft_manager),) if part is not None]
-    if spec.build_outer_parts_fn is not None:
-        outer += spec.build_outer_parts_fn(model_parts, cfg.model, mesh)
+    if spec.balanced_layers_fn is not None:
+        outer.append(
+            build_load_balance(cfg, spec.balanced_layers_fn(model_parts), mesh, ft_manager)
+        )
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,

@@ -23,9 +23,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import config
 from components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from components.optimizer import OptimizersBuilder, build_optimizers
-from containers import OptimizersContainer, Outer
+from containers import OptimizersContainer
 
 __all__ = [
+    "BalancedLayersFinder",
     "ConfigValidator",
     "Dataloader",
     "DataloaderBuilder",
@@ -34,7 +35,6 @@ __all__ = [
     "LossFn",
     "ModelBuilder",
     "OptimizersBuilder",
-    "OuterPartsBuilder",
     "Parallelizer",
     "TrainSpec",
     "get_train_spec",
@@ -103,13 +103,15 @@ class LRSchedulersBuilder(Protocol):
     ) -> LRSchedulersContainer: ...
 
 
-class OuterPartsBuilder(Protocol):
-    """`(model_parts, cfg: [model], mesh) -> the family's post-step parts of the container`
-    (`containers.Outer`, e.g. MoE load balancing: `containers.LoadBalance`), after DiLoCo's."""
+class BalancedLayersFinder(Protocol):
+    """`(model_parts) -> {MoE layer FQN: (expert bias, token counts)}`: the buffers of the
+    family's aux-loss-free load balancing (`containers.LoadBalance`, which the job builds with
+    `[model] load_balance_coeff`): each layer adds its bias to the routing scores for the
+    top-k selection and adds each forward's selections per expert to its counts."""
 
     def __call__(
-        self, model_parts: Sequence[nn.Module], cfg: config.Model, mesh: DeviceMesh | None, /
-    ) -> list[Outer]: ...
+        self, model_parts: Sequence[nn.Module], /
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class ConfigValidator(Protocol):
@@ -137,7 +139,8 @@ class TrainSpec:
     build_dataloader_fn: DataloaderBuilder
     build_lr_schedulers_fn: LRSchedulersBuilder = build_lr_schedulers
     build_optimizers_fn: OptimizersBuilder = build_optimizers
-    build_outer_parts_fn: OuterPartsBuilder | None = None
+    balanced_layers_fn: BalancedLayersFinder | None = None
+    """A mixture of experts' load-balanced layers; None: the family has none."""
     validate_config_fn: ConfigValidator | None = None
 
 

@@ -3,7 +3,8 @@ part of the container.
 
 Each MoE layer adds a per-expert bias to its routing scores for the top-k selection only, and
 its forward adds the token selections each expert received to a count. After a committed step
-the counts are summed over every rank of the stage (`group`) and each bias moves by
+the counts are summed over every rank of the stage (`group`) and of every replica group that
+trains in step with this one (`across`), and each bias moves by
 `coeff * sign(mean load - load of expert e)`, as torchtitan does in an optimizer step pre-hook.
 A step that does not apply leaves the biases as they were, and its counts are dropped when the
 next step begins (`on_zero_grad`), so an uncommitted or non-finite step changes nothing.
@@ -16,7 +17,7 @@ the load imbalance (max over mean tokens per expert).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,8 @@ class LoadBalance(Outer):
         coeff: how far a bias moves per step; 0 only counts (the imbalance is still reported).
         group: the ranks whose counts add up to the step's (those of this pipeline stage);
             None: the world.
+        across: sums a tensor in place over the replica groups that train together (torchft's
+            every-step gate), after `group`; None: one replica group.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class LoadBalance(Outer):
         layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         coeff: float,
         group: dist.ProcessGroup | None = None,
+        across: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if not coeff >= 0:
             raise ValueError(f"coeff = {coeff}: use 0 (no balancing) or a positive step")
@@ -58,6 +62,7 @@ class LoadBalance(Outer):
         self.counts = [count for _, count in layers.values()]
         self.coeff = coeff
         self.group = group
+        self.across = across
         sizes = {t.numel() for t in self.biases + self.counts}
         if len(sizes) > 1:
             raise ValueError(
@@ -91,6 +96,8 @@ class LoadBalance(Outer):
         counts = torch.stack(self.counts)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
+        if self.across is not None:
+            self.across(counts)
         if self.coeff:
             moves = torch.sign(counts.mean(dim=1, keepdim=True) - counts) * self.coeff
             for bias, move in zip(self.biases, moves):
