@@ -123,7 +123,7 @@ def measure_memory(argv: list[str]) -> None:
     params = job.parameters()
     grads = [p.grad for p in params if p.grad is not None]
     sums = getattr(job.optimizers.precision, "sums", None)  # fp32 gradient sums, if any
-    grads += list(sums.sums.values()) if sums is not None else []
+    grads += [m.grad for m in sums.master.values()] if sums is not None else []
     count = {"params": params, "grads": grads}
     job.optimizers.step()  # creates the optimizer state
 

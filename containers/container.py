@@ -42,7 +42,7 @@ from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.optim.paths import path_lines
-from containers.parts import Gate, Outer, Precision, StepReport, Timing
+from containers.parts import Gate, Outer, Precision, StepReport, Timing, step_report
 from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
@@ -163,6 +163,9 @@ class OptimizersContainer(Optimizer, Stateful):
                 self.optimizers.append(opt)
             self.units.append(unit)
         self._params = [p for unit in self.units for p in unit.params]  # read on every step
+        self._model_grads = [
+            p for u in self.units for p, s in zip(u.params, u.stepped) if p is not s
+        ]
         if not self.optimizers:
             raise ValueError("model_parts have no trainable parameters; nothing to optimize")
         device = self._params[0].device
@@ -342,10 +345,9 @@ class OptimizersContainer(Optimizer, Stateful):
         refusal = self.decision.refusal(self.optimizers) if finite else None
         self.precision.decided(applied=finite and refusal is None, overflow=not finite)
         if refusal is not None:
-            return StepReport(
-                committed=False, skipped=refusal, nonfinite=True, grad_norm=value,
-                **self.precision.report(),
-            )  # fmt: skip
+            return step_report(
+                self.precision, committed=False, skipped=refusal, nonfinite=True, grad_norm=value
+            )
         if not finite:
             return self.decision.nonfinite(value)
         self._with_hooks(lambda: self.precision.apply(self.optimizers, norm, self.max_norm))
@@ -354,7 +356,7 @@ class OptimizersContainer(Optimizer, Stateful):
         if self.ema is not None:
             self.ema.update()
             self.ema.count()
-        return StepReport(grad_norm=value, **self.precision.report())
+        return step_report(self.precision, grad_norm=value)
 
     def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
         """Apply with the skip left to the kernels (`found`) and clipped by `norm` (None: no
@@ -363,7 +365,7 @@ class OptimizersContainer(Optimizer, Stateful):
             lambda: self.precision.apply(self.optimizers, norm, self.max_norm, found_inf=found)
         )
         self._found_inf, self._norm = found, norm
-        return StepReport(**self.precision.report())
+        return step_report(self.precision)
 
     def leaves_skip_to_kernels(
         self, optimizers: Sequence[Optimizer], per_unit: bool = False
@@ -406,7 +408,11 @@ class OptimizersContainer(Optimizer, Stateful):
                 part.on_zero_grad()
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=set_to_none)
-            self.precision.zero_grad(set_to_none)
+            for p in self._model_grads:  # the model's, beside the masters the optimizers own
+                if p.grad is not None and set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
             self.timing.on_zero_grad()
 
     # -- state (`containers.state.container_state`) ---------------------------------------------

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from containers.grouped_step import kernel_skips
 from containers.norm import GlobalNorm
-from containers.parts import Precision, StepReport
+from containers.parts import Precision, StepReport, step_report
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -43,16 +44,19 @@ class Decision:
     ) -> None:
         self.precision = precision
         self.may_refuse = "overflow_refusal" in precision.features
+        self.host_skip = "host_skip" in precision.features
         self.global_norm = global_norm
         self.device = device
         self.local_norm = local_norm
 
     def kernels_may_skip(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether the precision and device let `optimizers`' kernels take the non-finite skip."""
+        """Whether the precision and device let `optimizers`' kernels take the non-finite skip
+        (`kernel_skips`; a precision's apply reads the flag itself where its own cannot)."""
         return (
             self.device.type in KERNEL_SKIP_DEVICES
             and not self.may_refuse
-            and self.precision.skips_in_kernel(optimizers)
+            and not self.host_skip
+            and kernel_skips(optimizers)
         )
 
     def read(
@@ -66,13 +70,13 @@ class Decision:
 
     def nonfinite(self, value: float | None) -> StepReport:
         """The report of a step skipped for a non-finite loss or gradients."""
-        return StepReport(
+        return step_report(
+            self.precision,
             committed=False,
             skipped="non-finite loss or gradients"
             + (f" (global norm {value})" if value is not None else ""),
             nonfinite=True,
             grad_norm=value,
-            **self.precision.report(),
         )
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from containers.grouped_step import kernel_skips, step_together
+from containers.grouped_step import step_together
 from containers.norm import GlobalNorm, clip_grads
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ __all__ = [
     "StepReport",
     "Timing",
     "params_with_grad",
+    "step_report",
 ]
 
 Named = list[tuple[str, torch.Tensor]]
@@ -76,6 +77,11 @@ class StepReport:
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
 
 
+def step_report(precision: Precision, **fields: Any) -> StepReport:
+    """A `StepReport` of `fields` with `precision`'s loss scale and backoff."""
+    return StepReport(loss_scale=precision.loss_scale, backing_off=precision.backing_off, **fields)
+
+
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
     """The parameters of `optimizers` that have a gradient."""
     return [
@@ -87,15 +93,22 @@ class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
     Hooks by phase: build (`stepped`, `built`); step (`scale_loss`, `before_step`,
-    `grad_norm`, `refusal`, `decided`, `skips_in_kernel`, `apply`, `zero_grad`, `report`);
-    checkpoint (`state`). Declared in `features`: "masters" (the inner optimizers step fp32
-    masters), "overflow_refusal" (`refusal` may answer: the container agrees on it across
-    ranks) and the `containers.rules` features. `MasterWeights` (`containers.precision`) is
-    the other implementation.
+    `grad_norm`, `refusal`, `decided`, `apply`); checkpoint (`state`). Declared in
+    `features`: "masters" (the inner optimizers step fp32 masters), "overflow_refusal"
+    (`refusal` may answer: the container agrees on it across ranks), "host_skip" (a skip
+    must be decided on the host, never left to the kernels) and the `containers.rules`
+    features. `MasterWeights` (`containers.precision`) is the other implementation. The
+    container clears the model's gradients beside the stepped tensors' on `zero_grad`.
     """
 
     state: PartState | None = None
     """This precision's checkpoint entries beside the optimizer state, if it has any."""
+
+    loss_scale: float | None = None
+    """The loss scale the next backward uses, where the loss is scaled (`StepReport`)."""
+
+    backing_off = False
+    """The last step overflowed while a dynamic loss scale was above its floor."""
 
     @property
     def features(self) -> Mapping[str, str]:
@@ -135,11 +148,6 @@ class Precision:
     def decided(self, applied: bool, overflow: bool | None = None) -> None:
         """Told whether the step applied and whether it overflowed (default: not applied)."""
 
-    def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether `apply(optimizers, found_inf=flag)` can leave the skip to the kernels
-        (then no host sync decides it first)."""
-        return kernel_skips(optimizers)
-
     @torch.no_grad()
     def apply(
         self,
@@ -150,18 +158,11 @@ class Precision:
     ) -> None:
         """Clip to `max_norm` by `grad_norm`, then step `optimizers` (`step_together`).
 
-        Where `found_inf` (a device flag; only if `skips_in_kernel`) is set, nothing changes.
+        Where `found_inf` (a device flag, only where `kernel_skips`) is set, nothing changes.
         """
         if grad_norm is not None:
             clip_grads(params_with_grad(optimizers), grad_norm, max_norm)
         step_together(optimizers, found_inf)
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        """Clear gradients the inner optimizers do not own (the model's, beside masters)."""
-
-    def report(self) -> dict[str, Any]:
-        """StepReport fields this precision measures."""
-        return {}
 
     def __repr__(self) -> str:
         return "fp32"
@@ -280,4 +281,4 @@ class Timing:
 
     def report(self, container: OptimizersContainer) -> StepReport:
         """In `step()`, after `finish`: what the step's units did."""
-        return StepReport(**container.precision.report())
+        return step_report(container.precision)

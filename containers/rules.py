@@ -26,6 +26,7 @@ FEATURES = frozenset(
         "ema",  # an exponential moving average of the stepped weights
         "masters",  # the inner optimizers step fp32 masters of the model's parameters
         "overflow_refusal",  # the precision may refuse a finite update (fp16 weights)
+        "host_skip",  # the precision must see each skip on the host, never in the kernels
     }
 )
 """The names a part may declare."""

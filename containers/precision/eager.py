@@ -12,7 +12,7 @@ update only for `PER_PARAMETER` optimizers. Any other steps once over all its gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -52,19 +52,19 @@ def step_masters(
     pairs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
     factor: float,
     master_dtype: torch.dtype,
-    sums: dict[torch.Tensor, torch.Tensor] | None = None,
+    sums: bool = False,
     chunk_numel: int = CHUNK_NUMEL,
 ) -> None:
     """Cast, multiply by `factor` (unscale x clip), step, write back and drop the gradients.
 
     Args:
         pairs: per optimizer, (model parameter, master) pairs that have a gradient.
-        sums: parameter -> fp32 gradient sum to step on instead (popped as used).
+        sums: the masters' gradients are fp32 sums (`FullPrecisionSums`) to step on.
     """
-    if sums is not None:
+    if sums:
         for opt, live in zip(optimizers, pairs):
             if live:
-                step_whole(opt, live, factor, _from(sums))
+                step_whole(opt, live, factor)
         return
     chunked: list[Triple] = []
     for opt, live in zip(optimizers, pairs):
@@ -96,15 +96,13 @@ def step_masters(
 
 
 def step_whole(
-    opt: Optimizer,
-    live: list[tuple[torch.Tensor, torch.Tensor]],
-    factor: float,
-    grad_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    opt: Optimizer, live: list[tuple[torch.Tensor, torch.Tensor]], factor: float
 ) -> None:
-    """One step of any `opt` over master gradients `grad_of(p, m)` (default: `p.grad` cast)
-    for all its `live` (model parameter, master) pairs; drops the low-precision gradients."""
+    """One step of any `opt` for all its `live` (model parameter, master) pairs, on the
+    masters' gradients (fp32 sums) or else `p.grad` cast; drops the low-precision gradients."""
     for p, m in live:
-        m.grad = grad_of(p, m) if grad_of is not None else p.grad.to(m.dtype)
+        if m.grad is None:
+            m.grad = p.grad.to(m.dtype)
         p.grad = None
     if factor != 1.0 and live:
         torch._foreach_mul_([local(m.grad) for _, m in live], factor)
@@ -113,15 +111,3 @@ def step_whole(
         m.grad = None
     if live:
         torch._foreach_copy_([local(p) for p, _ in live], [local(m) for _, m in live])
-
-
-def _from(
-    sums: dict[torch.Tensor, torch.Tensor],
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`grad_of` from fp32 sums; a gradient set by hand (not summed) is cast."""
-
-    def grad_of(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        total = sums.pop(p, None)
-        return shaped_like(total if total is not None else local(p.grad).to(m.dtype), m)
-
-    return grad_of

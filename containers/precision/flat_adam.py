@@ -313,24 +313,21 @@ class FlatGroup:
         return False
 
     @torch.no_grad()
-    def step(
-        self,
-        factor: float,
-        sums: dict[torch.Tensor, torch.Tensor] | None = None,
-        found_inf: torch.Tensor | None = None,
-    ) -> None:
+    def step(self, factor: float, found_inf: torch.Tensor | None = None) -> None:
         """Cast, multiply by `factor`, step and write back, chunk by chunk or (`compiled`)
-        in one inductor pass; drop each low-precision gradient once cast.
-
-        Args:
-            sums: parameter -> fp32 gradient sum to step on instead (popped).
-            found_inf: device flag; if set, nothing changes (values round-trip exactly
-                through scratch) and the step counts are restored.
+        in one inductor pass, on the masters' gradients (fp32 sums) or the model's; drop each
+        low-precision gradient once cast. A set `found_inf` (device flag) changes nothing
+        (values round-trip exactly through scratch) and restores the step counts.
         """
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         buf["step"].add_(1)
-        grads = [_gradient(p, sums) if n else None for p, n in self.live]
+        grads = [
+            local(m.grad if m.grad is not None else p.grad) if n else None
+            for (p, n), m in zip(self.live, self.masters)
+        ]
+        for m in self.masters:
+            m.grad = None
         for p in self._empty:
             p.grad = None  # empty: stepped with the rest so its count stays even
         if group.get("compiled") and all(g is None or g.dtype == self._low_dtype for g in grads):
@@ -424,12 +421,6 @@ class FlatGroup:
                 buf["remainder"][start:stop].copy_(master.view(torch.int32))
             else:
                 torch._foreach_copy_(cast_to, self.pieces(c, self.cast_from))
-
-
-def _gradient(p: torch.Tensor, sums: dict[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """What `p`'s master steps on: its fp32 sum if one is kept, else its gradient."""
-    total = sums.pop(p, None) if sums is not None else None
-    return total if total is not None else local(p.grad)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

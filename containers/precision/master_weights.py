@@ -5,8 +5,8 @@ fp32 masters sharded the same way. A step computes the global norm (non-finite i
 gradient is, so 0 * inf cannot hide an overflow), decides the skip, then unscales and clips
 in one multiply on one of two paths: fused Adam/AdamW groups in flat buffers (`flat_adam`,
 optionally with remainders and bf16 moments), or any other optimizer per tensor (`eager`).
-With no dynamic loss scale, no fp32 sums and every group flat, the kernels read the skip flag
-on the device instead (`skips_in_kernel`): no host sync. Checkpoint state: `master_state`.
+With no dynamic loss scale and no fp32 sums ("host_skip" not declared), flat groups' kernels
+read the skip flag on the device instead: no host sync. Checkpoint state: `master_state`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -72,13 +71,14 @@ class MasterWeights(Precision):
         self.flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self.unscale = 1.0  # 1 / the loss scale this step's gradients carry
-        self._backing_off = False  # the last step overflowed with the scale above its floor
+        self.backing_off = False  # the last step overflowed with the scale above its floor
         self.state = MasterState(self)
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
         """fp32 masters; fp16's overflow refusal and loss scaling, fp32 gradient sums and
-        masters kept as remainders, where set."""
+        masters kept as remainders, where set; "host_skip" where a skip must be seen on the
+        host (a dynamic loss scale to update, fp32 sums to clear)."""
         named = {"masters": "MasterWeights"}
         if self.param_dtype == torch.float16:
             named["overflow_refusal"] = "MasterWeights' float16 weights"
@@ -88,7 +88,13 @@ class MasterWeights(Precision):
             named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
         if self.remainders:
             named["remainders"] = "MasterWeights' store_param_remainders"
+        if self.scaler.mode == "dynamic" or self.sums is not None:
+            named["host_skip"] = "MasterWeights' dynamic loss scale or fp32 sums"
         return named
+
+    @property
+    def loss_scale(self) -> float:  # type: ignore[override]
+        return self.scaler.scale
 
     def __repr__(self) -> str:
         s = self.settings
@@ -125,7 +131,7 @@ class MasterWeights(Precision):
             from_initial(master, param, initial)
         self.model_param[id(master)] = param
         if self.sums is not None:
-            self.sums.watch(param)
+            self.sums.watch(param, master)
         return master
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
@@ -226,7 +232,7 @@ class MasterWeights(Precision):
 
     def decided(self, applied: bool, overflow: bool | None = None) -> None:
         overflow = not applied if overflow is None else overflow
-        self._backing_off = overflow and self.scaler.can_back_off
+        self.backing_off = overflow and self.scaler.can_back_off
         if applied or overflow:  # a refused step tells the scale nothing
             self.scaler.update(overflow=overflow)
         if not applied:
@@ -234,15 +240,6 @@ class MasterWeights(Precision):
                 p.grad = None
             if self.sums is not None:
                 self.sums.clear()
-
-    def skips_in_kernel(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether the kernels can take the skip flag: every group flat, no dynamic loss
-        scale to update and no fp32 sums to clear."""
-        return (
-            self.scaler.mode != "dynamic"
-            and self.sums is None
-            and all(self.steps_flat(opt) for opt in optimizers)
-        )
 
     @torch.no_grad()
     def apply(
@@ -256,9 +253,9 @@ class MasterWeights(Precision):
         if max_norm and grad_norm is not None:
             clip = min(1.0, max_norm / (grad_norm.item() + 1e-6))
         factor = clip * self.unscale  # unscale and clip in the same multiply
-        sums = self.sums.sums if self.sums is not None else None
         if found_inf is not None and not all(
-            f.ready() for opt in optimizers for f in self._flat.get(id(opt), ())
+            self.steps_flat(opt) and all(f.ready() for f in self._flat[id(opt)])
+            for opt in optimizers
         ):
             # torch's own step takes no flag: decide here
             if found_inf.item():
@@ -272,26 +269,13 @@ class MasterWeights(Precision):
                 stepped = 0
                 for flat in self._flat.get(id(opt), ()):
                     if flat.ready():
-                        flat.step(factor, sums, found_inf)  # drops gradients
+                        flat.step(factor, found_inf)  # drops gradients
                         stepped += 1
                     else:
                         unready.enter_context(flat.materialized())
                 # the rest steps eagerly (`_pairs` skips what stepped flat)
                 eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
-            step_masters(optimizers, eager, factor, self.master_dtype, sums)
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        if self.sums is not None:
-            self.sums.clear()
-        for p in self.model_param.values():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
-    def report(self) -> dict[str, Any]:
-        return {"loss_scale": self.scaler.scale, "backing_off": self._backing_off}
+            step_masters(optimizers, eager, factor, self.master_dtype, self.sums is not None)
 
     # -- offload ---------------------------------------------------------------------------
 

@@ -20,34 +20,37 @@ __all__ = ["FullPrecisionSums", "from_initial"]
 
 
 class FullPrecisionSums:
-    """fp32 sums of the watched parameters' gradients over one step's micro-batches."""
+    """fp32 sums of the watched parameters' gradients over one step's micro-batches, kept as
+    their masters' `.grad` (so the inner optimizers' `zero_grad` clears them)."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self.sums: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> local fp32 sum
+        self.master: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its master
 
-    def watch(self, param: torch.Tensor) -> None:
-        """Sum `param`'s gradients from now on (a hook that runs after each accumulation)."""
+    def watch(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Sum `param`'s gradients into `master.grad` (a hook after each accumulation)."""
+        self.master[param] = master
         param.register_post_accumulate_grad_hook(self._add)
 
     @torch.no_grad()
     def _add(self, param: torch.Tensor) -> None:
-        grad = local(param.grad)
-        total = self.sums.get(param)
-        if total is None:
-            self.sums[param] = grad.to(self.dtype)
+        grad, master = local(param.grad), self.master[param]
+        if master.grad is None:
+            master.grad = shaped_like(grad.to(self.dtype), master)
         else:
-            total.add_(grad)
+            local(master.grad).add_(grad)
         param.grad = None  # so the next micro-batch is not summed in low precision
 
     @torch.no_grad()
     def restore(self) -> None:
         """Give each summed parameter the rounding of its sum as `.grad` (in its own dtype)."""
-        for param, total in self.sums.items():
-            param.grad = shaped_like(total.to(param.dtype), param)
+        for param, master in self.master.items():
+            if master.grad is not None:
+                param.grad = shaped_like(local(master.grad).to(param.dtype), param)
 
     def clear(self) -> None:
-        self.sums.clear()
+        for master in self.master.values():
+            master.grad = None
 
 
 @torch.no_grad()

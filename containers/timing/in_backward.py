@@ -22,7 +22,7 @@ from containers.container import OptimizersContainer, Unit
 from containers.contract import inner_steps
 from containers.ema import ShadowWeights
 from containers.norm import all_finite, nonfinite_flag
-from containers.parts import Named, Outer, Precision, StepReport, Timing
+from containers.parts import Named, Outer, Precision, StepReport, Timing, step_report
 from containers.state.param_groups import ParamGroupRule
 
 if TYPE_CHECKING:
@@ -170,14 +170,14 @@ class InBackward(Timing):
         else:
             applied = units - skipped
         if not skipped:
-            return StepReport(**container.precision.report())
-        return StepReport(
+            return step_report(container.precision)
+        return step_report(
+            container.precision,
             committed=False,
             skipped=f"non-finite loss or gradients in {skipped} of {units} units"
             + (" (the units with finite gradients applied)" if applied else ""),
             nonfinite=True,
             partial=applied > 0,
-            **container.precision.report(),
         )
 
     def on_zero_grad(self) -> None:

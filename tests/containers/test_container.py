@@ -685,8 +685,9 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_training_goes_on_b
 
 
 class _DecidesOnHost(Precision):
-    def skips_in_kernel(self, optimizers) -> bool:
-        return False
+    @property
+    def features(self) -> dict[str, str]:
+        return {"host_skip": "_DecidesOnHost"}
 
 
 @pytest.mark.parametrize(

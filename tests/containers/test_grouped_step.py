@@ -21,8 +21,9 @@ from tests.harness.helpers import assert_same, batch, forward, three_parts
 class PerOptimizer(Precision):
     """The old apply: each inner optimizer's own `step()`."""
 
-    def skips_in_kernel(self, optimizers) -> bool:
-        return False  # (this apply reads no flag)
+    @property
+    def features(self) -> dict[str, str]:
+        return {"host_skip": "PerOptimizer (its apply reads no flag)"}
 
     def apply(self, optimizers, grad_norm=None, max_norm=None) -> None:
         for opt in optimizers:

@@ -371,8 +371,9 @@ def test_compiled_flat_step_is_within_a_few_ulp_of_the_eager_one_and_loads_eithe
 
 
 class _DecidesOnHost(MasterWeights):
-    def skips_in_kernel(self, optimizers) -> bool:
-        return False
+    @property
+    def features(self) -> dict[str, str]:
+        return {**super().features, "host_skip": "_DecidesOnHost"}
 
 
 @pytest.mark.parametrize(
