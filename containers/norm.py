@@ -214,13 +214,7 @@ def all_finite(
     """Whether every element of `tensors` is finite, agreed across `groups` (default: every
     dim of the DTensors' mesh). An fp32 sum (one read, no multiply) is non-finite iff an
     element is or it overflowed; only then an fp64 sum tells the two apart."""
-    return _finite(*_local_pieces(tensors, groups))
-
-
-def _finite(
-    pieces: list[torch.Tensor], groups: Sequence[dist.ProcessGroup | None], device: torch.device
-) -> bool:
-    """`all_finite` over local pieces (`_local_pieces`)."""
+    pieces, groups, device = _local_pieces(tensors, groups)
     mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.
     for wide in (False, True):
@@ -259,7 +253,7 @@ def nonfinite_flag(
     if on_host is None:
         on_host = device.type != "cuda"
     if on_host or len({t.device for t in pieces}) > 1:
-        return torch.tensor(float(not _finite(pieces, groups, device)), device=device)
+        return torch.tensor(float(not all_finite(tensors, groups)), device=device)
     found = torch.zeros((), device=device)
     checked = [t for t in pieces if t.dtype in _AMP_CHECKED]
     if checked:

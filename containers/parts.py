@@ -50,24 +50,17 @@ class StepReport:
 
     committed: bool = True
     """Whether the step was applied (inside backward, finite units may apply regardless)."""
-
     skipped: str | None = None
     """Why the step was not applied, if it was not."""
-
     nonfinite: bool = False
-    """Skipped for a non-finite loss or gradients: the batch is spent (not retried, unlike
-    an uncommitted step)."""
-
+    """Skipped for a non-finite loss or gradients: the batch is spent (not retried)."""
     partial: bool = False
     """Skipped in some units only (inside backward): the weights did change."""
-
     backing_off: bool = False
     """Skipped for an overflow while the loss scale was above `min_scale`: the scale finding
     its level, not a failure (the trainer's skip cap does not count it)."""
-
     grad_norm: float | None = None
     """Global gradient norm before clipping (unscaled); None where it was not measured."""
-
     loss_scale: float | None = None
     """The loss scale the next backward uses, for precisions that scale the loss."""
 

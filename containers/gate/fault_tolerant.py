@@ -12,14 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
-from containers.ema import ShadowWeights
-from containers.parts import Gate, Precision
+from containers.parts import Gate
 from containers.quorum import SettingsAgreement, wait_quorum
-from containers.state.param_groups import ParamGroupRule
 from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
@@ -112,6 +109,7 @@ class TorchFTGate(Gate):
 class FTOptimizersContainer(OptimizersContainer):
     """An `OptimizersContainer` with the `TorchFTGate` of `ft_manager` (the replica group's
     `torchft.Manager`): commit-or-skip steps under torchft. The norm is taken after the average.
+    Other arguments as `OptimizersContainer`'s.
     """
 
     def __init__(
@@ -121,21 +119,8 @@ class FTOptimizersContainer(OptimizersContainer):
         optimizer_kwargs: Mapping[str, Any],
         *,
         ft_manager: Manager,
-        param_groups: Sequence[ParamGroupRule] = (),
-        precision: Precision | None = None,
-        max_norm: float | None = None,
-        mesh: DeviceMesh | None = None,
-        ema: ShadowWeights | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model_parts,
-            optimizer_cls,
-            optimizer_kwargs,
-            param_groups=param_groups,
-            precision=precision,
-            gate=TorchFTGate(ft_manager),
-            max_norm=max_norm,
-            mesh=mesh,
-            ema=ema,
-        )
+        gate = TorchFTGate(ft_manager)
+        super().__init__(model_parts, optimizer_cls, optimizer_kwargs, gate=gate, **kwargs)
         self.ft_manager = ft_manager

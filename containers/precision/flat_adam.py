@@ -1,23 +1,18 @@
 """Masters and Adam state of a param group in flat buffers, stepped a chunk at a time.
 
 Torch's fused Adam makes one kernel call per tensor, a large overhead on CPU for hundreds of
-tensors. Here an `eligible` group keeps fp32 masters, moments and step counts in flat
-buffers; masters are rebound onto them (`Tensor.set_`, so every holder still holds them) and
-state entries are views, so `state_dict`, DCP, loads and torch's own `step` see torch's
-layout. A step casts gradients into fp32 scratch a chunk at a time, multiplies (unscale x
-clip) and calls `torch._fused_adam(w)_` once per chunk. A `compiled` group is one inductor
-graph instead (`compiled_adam`), a few fp32 ulp from the eager kernel.
+tensors. An `eligible` group keeps fp32 masters, moments and step counts in flat buffers;
+masters are rebound onto them (`Tensor.set_`) and state entries are views, so `state_dict`,
+DCP, loads and torch's own `step` see torch's layout. A step casts gradients into fp32 scratch
+a chunk at a time, multiplies (unscale x clip) and calls `torch._fused_adam(w)_` per chunk; a
+`compiled` group is one inductor graph (`compiled_adam`), a few fp32 ulp off.
 
-Tensors start on `PAD`-element boundaries and chunks cut there, so every element takes the
-kernel's vector path (a scalar tail can round differently): results do not depend on grouping
-or chunking, and equal torch's per-tensor fused step bitwise for sizes that are multiples of
-`PAD`.
-
-bf16 moments (`LeanAdam(W)`) are widened into scratch and rounded back, or stepped as they
-are where the kernel takes them. With `remainders` there is no fp32 master buffer: a master is
-its bf16 parameter plus an int16 remainder (`remainders`), joined in scratch for the kernel;
-at rest it is a stride-0 view of one NaN (so a stray read is loud), and `master_value` /
-`load_master` give and take its exact fp32 value.
+Tensors start on `PAD`-element boundaries, so every element takes the kernel's vector path:
+results do not depend on chunking and equal torch's per-tensor fused step bitwise for sizes
+that are multiples of `PAD`. bf16 moments are widened into scratch (or stepped as they are
+where the kernel takes them). With `remainders` a master is its bf16 parameter plus an int16
+remainder, joined in scratch for the kernel; at rest it is a stride-0 view of one NaN (a
+stray read is loud), and `master_value` / `load_master` give and take its fp32 value.
 """
 
 from __future__ import annotations
@@ -48,10 +43,6 @@ def eligible(opt: Optimizer, group: dict) -> bool:
     return update_path(opt, group, masters=True) != "masters per tensor"
 
 
-def _position(opt: Optimizer, group: dict) -> int:
-    return next(i for i, g in enumerate(opt.param_groups) if g is group)
-
-
 def _padded(n: int) -> int:
     return -(-n // PAD) * PAD
 
@@ -68,6 +59,7 @@ class FlatGroup:
         remainders: keep the masters as remainders of the bf16 model parameters.
     """
 
+    @torch.no_grad()
     def __init__(
         self,
         opt: Optimizer,
@@ -77,17 +69,6 @@ class FlatGroup:
         chunk_numel: int | None = None,
         remainders: bool = False,
     ) -> None:
-        with torch.no_grad():
-            self._build(opt, group, model, chunk_numel, remainders)
-
-    def _build(
-        self,
-        opt: Optimizer,
-        group: dict,
-        model: Sequence[torch.Tensor],
-        chunk_numel: int | None,
-        remainders: bool,
-    ) -> None:
         if group.get("moment_dtype") == "8bit":
             raise ValueError(
                 "moment_dtype = '8bit' under mixed precision: its moments live in flat "
@@ -95,7 +76,8 @@ class FlatGroup:
                 "= 'bfloat16' (with store_param_remainders: 8 bytes a parameter)"
             )
         # By position: torch's load_state_dict replaces the group dicts.
-        self.opt, self.index, self.model = opt, _position(opt, group), list(model)
+        self.opt, self.model = opt, list(model)
+        self.index = next(i for i, g in enumerate(opt.param_groups) if g is group)
         self.masters: list[torch.Tensor] = list(group["params"])
         pieces = [local(m) for m in self.masters]
         self.sizes = [t.numel() for t in pieces]

@@ -7,17 +7,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
-from containers.ema import ShadowWeights
-from containers.parts import Gate, Outer, Timing
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_weights import MasterWeights
 from containers.precision.remainders import LoadPlanner
 from containers.precision.settings import MixedPrecisionSettings
-from containers.state.param_groups import ParamGroupRule
 
 __all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
 
@@ -29,20 +25,13 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
     masters and optimizer state to CPU; a `step()` while offloaded reloads first.
 
     Args:
-        model_parts: modules whose trainable parameters are all of `settings.param_dtype`.
-        optimizer_cls: optimizer for the masters (any `torch.optim` one).
-        optimizer_kwargs: its constructor kwargs.
-        param_groups: rules that form param groups by FQN.
         settings: dtypes, loss scaling, update path; default `MixedPrecisionSettings()`.
         precision: a `MasterWeights` built already (e.g. the one the model was cast with);
             replaces `settings`.
         max_norm: clip the global gradient norm to this; 0 or None: no clip (the norm is
             still measured for the overflow check).
-        gate: whether a step commits (e.g. `containers.TorchFTGate`).
-        timing: when units apply (e.g. `containers.InBackward`; needs loss scaling 'none').
-        outer: what follows each committed step (e.g. `containers.DiLoCo`: its outer step
-            runs on the fp32 masters).
-        mesh: the job's named DeviceMesh for the global norm; None: one stage over the world.
+        kwargs: as `OptimizersContainer`'s; model parts' trainable parameters must all be of
+            `settings.param_dtype`, an outer part (`containers.DiLoCo`) steps the masters.
     """
 
     def __init__(
@@ -51,29 +40,19 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         optimizer_cls: type[Optimizer],
         optimizer_kwargs: Mapping[str, Any],
         *,
-        param_groups: Sequence[ParamGroupRule] = (),
         settings: MixedPrecisionSettings | None = None,
         precision: MasterWeights | None = None,
         max_norm: float | None = 0.0,
-        gate: Gate | None = None,
-        timing: Timing | None = None,
-        outer: Outer | None = None,
-        mesh: DeviceMesh | None = None,
-        ema: ShadowWeights | None = None,
+        **kwargs: Any,
     ) -> None:
         self.precision: MasterWeights = precision or MasterWeights(settings)
         super().__init__(
             model_parts,
             optimizer_cls,
             optimizer_kwargs,
-            param_groups=param_groups,
             precision=self.precision,
-            gate=gate,
-            timing=timing,
-            outer=outer,
             max_norm=max_norm,
-            mesh=mesh,
-            ema=ema,
+            **kwargs,
         )
         # drop initial values no master took (other pipeline stages' parameters)
         self.precision._initial.clear()

@@ -9,24 +9,18 @@ buffer never exists. `step()` applies what backward could not finish.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer, Unit
 from containers.contract import inner_steps
-from containers.ema import ShadowWeights
 from containers.norm import all_finite, nonfinite_flag
-from containers.parts import Named, Outer, Precision, StepReport, Timing, step_report
-from containers.state.param_groups import ParamGroupRule
-
-if TYPE_CHECKING:
-    from containers.parts import Gate
+from containers.parts import Named, StepReport, Timing, step_report
 
 __all__ = ["InBackward", "OptimizersInBackwardContainer"]
 
@@ -141,15 +135,12 @@ class InBackward(Timing):
             if landed:  # the pass reached only some of the unit's parameters
                 self._pass_done(unit)
 
-    def _flush(self) -> None:
+    def finish(self, container: OptimizersContainer) -> None:
         """Apply units whose gradients backward left unapplied; start a new step."""
         for unit in self._ready:
             if unit not in self._stepped and any(p.grad is not None for p in unit.params):
                 self._apply(unit)
         self._new_step()
-
-    def finish(self, container: OptimizersContainer) -> None:
-        self._flush()
 
     def report(self, container: OptimizersContainer) -> StepReport:
         """Skipped if any unit on any rank was; `partial` if any unit applied anyway."""
@@ -196,11 +187,9 @@ class OptimizersInBackwardContainer(OptimizersContainer):
     Args:
         gradient_accumulation_steps: backward passes per optimizer step; units step in the
             last one.
-        precision: e.g. `containers.MasterWeights` with loss scaling 'none'.
-        gate: refused if it cannot decide per unit (torchft).
-        outer: post-step parts (`containers.LoadBalance`; DiLoCo is refused), after a step
-            whose units all applied.
-        mesh: the job's named DeviceMesh, as for `OptimizersContainer` (inside backward no
+        kwargs: as `OptimizersContainer`'s (a precision e.g. `containers.MasterWeights` with
+            loss scaling 'none'; outer parts, e.g. `containers.LoadBalance`, follow a step
+            whose units all applied; torchft and DiLoCo are refused; inside backward no
             global norm is measured).
     """
 
@@ -210,26 +199,11 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         optimizer_cls: type[Optimizer],
         optimizer_kwargs: Mapping[str, Any],
         *,
-        param_groups: Sequence[ParamGroupRule] = (),
         gradient_accumulation_steps: int = 1,
-        precision: Precision | None = None,
-        gate: Gate | None = None,
-        outer: Outer | Sequence[Outer] | None = None,
-        mesh: DeviceMesh | None = None,
-        ema: ShadowWeights | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model_parts,
-            optimizer_cls,
-            optimizer_kwargs,
-            param_groups=param_groups,
-            precision=precision,
-            gate=gate,
-            timing=InBackward(gradient_accumulation_steps),
-            outer=outer,
-            mesh=mesh,
-            ema=ema,
-        )
+        timing = InBackward(gradient_accumulation_steps)
+        super().__init__(model_parts, optimizer_cls, optimizer_kwargs, timing=timing, **kwargs)
 
     @property
     def gradient_accumulation_steps(self) -> int:
