@@ -37,7 +37,7 @@ def step_group(
     """One Adam/AdamW update of a group's tensors through its `adam_path`.
 
     `found_inf` (fused or compiled paths only, as in torch): if set, nothing changes and the
-    step counts are restored."""
+    step counts are restored (the lean paths below take them advanced)."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -45,23 +45,27 @@ def step_group(
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
     path = adam_path(group)
-    if path in ("8bit scratch", "8bit compiled"):
-        step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings,
-                   compiled=path == "8bit compiled")  # fmt: skip
-    elif path == "compiled":
-        step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
-    elif path in ("bf16 fused", "bf16 scratch"):
-        lean_adam(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf=found_inf,
-            widen=path == "bf16 scratch", **settings,
-        )  # fmt: skip
-    else:
+    if path == "torch":
         adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             foreach=group["foreach"], capturable=group["capturable"],
             differentiable=group["differentiable"], fused=group["fused"],
             has_complex=has_complex, found_inf=found_inf, **settings,
         )  # fmt: skip
+        return
+    torch._foreach_add_(steps, 1)
+    if path in ("8bit scratch", "8bit compiled"):
+        step_coded(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings,
+                   compiled=path == "8bit compiled")  # fmt: skip
+    elif path == "compiled":
+        step_compiled(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, settings)
+    else:
+        lean_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, found_inf=found_inf,
+            widen=path == "bf16 scratch", **settings,
+        )  # fmt: skip
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 @torch.no_grad()
@@ -88,8 +92,7 @@ def lean_adam(
 
     `widen`: step fp32 scratch copies of the moments chunk by chunk and round back; else (or
     for parameters of the moments' dtype) step the moments as they are. A set `found_inf`
-    changes nothing (moments round-trip exactly through fp32) and restores the step counts."""
-    torch._foreach_add_(steps, 1)
+    changes nothing (moments round-trip exactly through fp32); `steps` come advanced."""
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     settings = dict(
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
@@ -142,8 +145,6 @@ def lean_adam(
     flush()
     for pieces in direct.values():
         run(pieces)
-    if found_inf is not None:
-        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 @torch.no_grad()
@@ -159,15 +160,12 @@ def step_compiled(
     """A `compiled` group's update as one inductor graph, each moment in its own dtype.
 
     Tensors must be contiguous (`LeanAdam` refuses others when the group is built)."""
-    torch._foreach_add_(steps, 1)
     pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
     live = [i for i, p in enumerate(pieces[0]) if p.numel()]
     if live:
         p, g, m, v = ([ts[i] for i in live] for ts in pieces)
         counts = torch.stack([steps[i] for i in live])
         compiled_adam(g, None, p, m, v, counts, **_graph_settings(settings, found_inf))
-    if found_inf is not None:
-        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 @torch.no_grad()
@@ -191,8 +189,6 @@ def step_coded(
         lean_adam(*plain[:4], [], plain[4], found_inf=found_inf, **settings)
     if not codes[0]:
         return
-    coded_steps = codes[4]
-    torch._foreach_add_(coded_steps, 1)
     ps, gs = [local(p) for p in codes[0]], [local(g) for g in codes[1]]
     moments = [
         [local(t) for t in (m["code"], m["scale"], v["code"], v["scale"])]
@@ -201,7 +197,7 @@ def step_coded(
     in_graph = [
         compiled and p.numel() > 0 and takes_codes(p, g, c) for p, g, c in zip(ps, gs, moments)
     ]
-    graph, rest = _split((ps, gs, moments, coded_steps), in_graph)
+    graph, rest = _split((ps, gs, moments, codes[4]), in_graph)
     if graph[0]:
         p, g, c, s = graph
         compiled_coded_adam(g, p, c, torch.stack(s), **_graph_settings(settings, found_inf))
@@ -211,8 +207,6 @@ def step_coded(
         coded_adam(
             *rest, kernel=kernel, settings={**hyper, "grad_scale": None, "found_inf": found_inf}
         )
-    if found_inf is not None:
-        torch._foreach_sub_(coded_steps, [found_inf] * len(coded_steps))
 
 
 def _split(lists: tuple[list[Any], ...], flags: list[bool]) -> tuple[list[list], list[list]]:
