@@ -163,8 +163,9 @@ class PerOptimizerSteps(Precision):
     """The default precision as it was before `containers.grouped_step`: each inner
     optimizer's own `step()`, one kernel call per part (the "before" of sections 5 and 6)."""
 
-    def skips_in_kernel(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-        return False  # (this apply reads no flag)
+    @property
+    def features(self) -> dict[str, str]:
+        return {"host_skip": "PerOptimizerSteps (its apply reads no flag)"}
 
     @torch.no_grad()
     def apply(self, optimizers: Sequence[torch.optim.Optimizer], *_: Any) -> None:
