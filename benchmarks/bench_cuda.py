@@ -43,7 +43,7 @@ from containers import (  # noqa: E402
     OptimizersInBackwardContainer,
 )
 from containers import MixedPrecisionSettings as MixedPrecision  # noqa: E402
-from containers.norm import exact_sum_of_squares, nonfinite_flag  # noqa: E402
+from containers.norm import nonfinite_flag, sum_of_squares  # noqa: E402
 
 KW = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
 
@@ -160,7 +160,7 @@ def _flag(device: torch.device) -> str:
                 seen.append(got)
             # The norm a clipped step's kernels skip on: squares in fp64, finite iff all are.
             for dtype in (torch.float32, torch.bfloat16):
-                squares = exact_sum_of_squares([t.to(dtype) for t in ts], device)
+                squares = sum_of_squares([t.to(dtype) for t in ts], device, exact=True)
                 assert bool(squares.isfinite()) is (want == 0.0), (dtype, bad, where)
                 seen.append(want)
     return f"{len(seen)} cases"
@@ -629,11 +629,11 @@ def _compiled_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
 
 
 def _fp64_norm_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:
-    """The flag from the norm with fp64 squares (`exact_sum_of_squares`: one multi-tensor
+    """The flag from the norm with fp64 squares (`sum_of_squares`, exact: one multi-tensor
     kernel, read only, finite iff every element is), as a clipped step takes it."""
     if groups:
         raise ValueError(f"_fp64_norm_flag: one process only, got groups {groups}")
-    return (~exact_sum_of_squares(tensors, tensors[0].device).isfinite()).float()
+    return (~sum_of_squares(tensors, tensors[0].device, exact=True).isfinite()).float()
 
 
 def _triton_flag(tensors: list[torch.Tensor], groups: list) -> torch.Tensor:

@@ -1,13 +1,9 @@
 """`ShadowWeights`: an exponential moving average of the weights the container steps.
 
-Flat container state: `ema.<fqn>` per stepped parameter (the fp32 masters under mixed
-precision), DTensors placed as their parameters, and `ema.steps`, the applied steps seen.
-It is updated in one foreach pass after each applied update (and after a DiLoCo outer step),
-or unit by unit inside backward; steps that do not apply neither count nor update it.
-
-At applied step n (from 1): n <= start_step: the average is the weights; then every
-`update_every_n_steps`-th step it moves towards them: ema = decay * ema + (1 - decay) * w
-(torch's `lerp` with weight 1 - decay).
+Flat container state `ema.<fqn>` per stepped parameter (the fp32 masters under mixed
+precision) and `ema.steps`, the applied steps seen. Updated after each applied update (unit by
+unit inside backward): at applied step n <= start_step the average is the weights, then every
+`update_every_n_steps`-th step ema = decay * ema + (1 - decay) * w (torch's `lerp`).
 """
 
 from __future__ import annotations

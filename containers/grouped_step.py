@@ -1,12 +1,9 @@
 """Step the Adam/AdamW groups of many inner optimizers in one fused (or foreach) call.
 
-One inner optimizer per model part would cost a `step()` and a kernel call per part.
 `step_together` buckets groups with the same kernel and hyperparameters, collects each through
-its optimizer's own `_init_group` (torch's lazy state init; private, so a rename fails loudly)
-and makes one functional call per bucket: bitwise each optimizer stepping alone, since these
-kernels compute each tensor from its own gradient, state and step. An optimizer whose step
-could tell the difference steps alone. Buckets are rebuilt from the live groups every step,
-so schedulers, user writes and loads are seen.
+its optimizer's own `_init_group` (torch's lazy state init) and makes one functional call per
+bucket: bitwise each optimizer stepping alone, since these kernels compute each tensor from its
+own gradient, state and step. Buckets are rebuilt from the live groups every step.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ __all__ = [
     "GlobalNorm",
     "all_finite",
     "clip_grads",
-    "exact_sum_of_squares",
     "nonfinite_flag",
     "sum_of_squares",
 ]
@@ -131,7 +130,7 @@ class GlobalNorm:
         dtype = torch.float64 if exact else torch.float32
         total = torch.zeros((), dtype=dtype, device=self.device)
         for n, tensors in sorted(by_copies.items()):
-            sq = (exact_sum_of_squares if exact else sum_of_squares)(tensors, self.device)
+            sq = sum_of_squares(tensors, self.device, exact)
             total = total + (sq / n if n > 1 else sq)
         if self.collective:
             dist.all_reduce(total)
@@ -154,32 +153,26 @@ def clip_grads(
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
 
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares as an fp32 scalar on `device`, without an fp32 copy of any tensor."""
+def sum_of_squares(
+    tensors: Sequence[torch.Tensor], device: torch.device, exact: bool = False
+) -> torch.Tensor:
+    """Sum of squares as an fp32 scalar on `device`, without an fp32 copy of any tensor; or
+    (`exact`) in fp64, non-finite only if an element is."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
     sums = []
     for (_, dtype), group in by_kind.items():
-        if dtype in (torch.float32, torch.float64):
+        if exact:
+            norms = torch._foreach_norm(group, 2, dtype=torch.float64)
+            sums.append(torch.stack(norms).square().sum().to(device))
+        elif dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(group)  # one kernel per list, as torch's own norm
             sums.append(torch.stack(norms).float().square().sum().to(device))
         else:
             sums.append(torch.stack(_low_precision_square_sums(group)).sum().to(device))
-    return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
-
-
-def exact_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares in fp64 on `device`: non-finite only if an element is."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    sums = [
-        torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum().to(device)
-        for group in by_kind.values()
-    ]
     if not sums:
-        return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.zeros((), dtype=torch.float64 if exact else torch.float32, device=device)
     return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
 
 
@@ -261,7 +254,7 @@ def nonfinite_flag(
     if len(checked) < len(pieces):
         # CUDA's AMP check refuses bf16: fp64 squares are finite iff every element is.
         rest = [t for t in pieces if t.dtype not in _AMP_CHECKED]
-        found = found.maximum((~exact_sum_of_squares(rest, device).isfinite()).float())
+        found = found.maximum((~sum_of_squares(rest, device, exact=True).isfinite()).float())
     for group in groups:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return found

@@ -1,14 +1,8 @@
-"""Replica groups at a torchft quorum: waiting for it (`wait_quorum`) and agreeing on the
-settings that shape their math (`SettingsAgreement`); shared by `TorchFTGate` and `DiLoCo`.
-
-Groups average their gradients, so one with another lr, clip or schedule would corrupt the
-others, and healing cannot catch groups that start together: at each new quorum every group
-all-gathers its settings, and one that differs from the first training group leaves before
-it loads a peer's state or commits anything.
-
-What a message says about a missing quorum is what the lighthouse itself reports (its
-`/status` page, `lighthouse_status`): that it waits for `min_replicas` groups, or that it does
-not answer.
+"""Replica groups at a torchft quorum (shared by `TorchFTGate` and `DiLoCo`): waiting for it
+(`wait_quorum`), and agreeing on the settings that shape their math (`SettingsAgreement`):
+groups average their gradients, so at each new quorum one whose settings differ from the first
+training group's leaves before it loads a peer's state or commits anything. A message about a
+missing quorum quotes the lighthouse's own `/status` (`lighthouse_status`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The mixed-precision step of optimizers without flat buffers (see `flat_adam`).
 
 Gradients are cast to fp32 in chunks of about `CHUNK_NUMEL` elements into the reused scratch
-buffer (casting all at once would add 4 bytes/param to the peak; a fresh tensor per gradient
-costs more than the cast on CPU), multiplied (unscale x clip) while in cache, stepped, and
-written back; each low-precision gradient is dropped once cast. Chunks go from smallest to
-largest tensor, so a tensor larger than a chunk (own buffer) is paid for by dropped gradients.
-
-An optimizer steps once per chunk, with only that chunk's masters holding gradients: the same
-update only for `PER_PARAMETER` optimizers. Any other steps once over all its gradients.
+buffer, smallest tensor first, multiplied (unscale x clip) while in cache, stepped and written
+back; each low-precision gradient is dropped once cast. A `PER_PARAMETER` optimizer steps once
+per chunk; any other once over all its gradients.
 """
 
 from __future__ import annotations

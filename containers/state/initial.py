@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from containers.tensors import local
+from containers.tensors import local, shaped_like
 
 __all__ = ["Derived", "derive"]
 
@@ -68,15 +67,6 @@ def _shadow(
     return type(opt)(groups, **defaults)
 
 
-def _placed_as(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-    """`piece` (shaped as `p`'s local one) placed as `p`, if `p` is a DTensor."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(
-            piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return piece
-
-
 def _init_group_states(
     opt: Optimizer, params: list[torch.Tensor], materialize: bool
 ) -> dict[torch.Tensor, State]:
@@ -90,10 +80,10 @@ def _init_group_states(
     for p in params:
         if materialize:
             stand_in = p.detach()
-            stand_in.grad = _placed_as(p, local(p).new_zeros(()).expand(local(p).shape))
+            stand_in.grad = shaped_like(local(p).new_zeros(()).expand(local(p).shape), p)
         else:
-            stand_in = _placed_as(p, torch.empty_like(local(p).detach(), device="meta"))
-            stand_in.grad = _placed_as(p, torch.empty_like(local(stand_in)))
+            stand_in = shaped_like(torch.empty_like(local(p).detach(), device="meta"), p)
+            stand_in.grad = shaped_like(torch.empty_like(local(stand_in)), p)
         stand_ins[p] = stand_in
     shadow = _shadow(opt, stand_ins, meta=not materialize)
     init = shadow._init_group  # type: ignore[attr-defined]
