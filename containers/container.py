@@ -228,12 +228,14 @@ class OptimizersContainer(Optimizer, Stateful):
         return self.last_report.committed
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: scaled by the precision, and NaN if non-finite
-        (where `skip_nonfinite`), so the step is skipped. Pipeline loss functions return it."""
+        """The loss to call backward on: scaled by the precision's `loss_scale`, and NaN if
+        non-finite (where `skip_nonfinite`), so the step is skipped. Pipeline loss functions
+        return it."""
         if self.skip_nonfinite:
             finite = loss.detach().isfinite()
             loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
-        return self.precision.scale_loss(loss)
+        scale = self.precision.loss_scale
+        return loss * scale if scale is not None and scale != 1.0 else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `scale_loss(loss)`."""

@@ -85,20 +85,22 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
-    Hooks by phase: build (`stepped`, `built`); step (`scale_loss`, `before_step`,
+    Hooks by phase: build (`features`, `stepped`, `built`); step (`before_step`,
     `grad_norm`, `refusal`, `decided`, `apply`); checkpoint (`state`). Declared in
     `features`: "masters" (the inner optimizers step fp32 masters), "overflow_refusal"
     (`refusal` may answer: the container agrees on it across ranks), "host_skip" (a skip
     must be decided on the host, never left to the kernels) and the `containers.rules`
-    features. `MasterWeights` (`containers.precision`) is the other implementation. The
-    container clears the model's gradients beside the stepped tensors' on `zero_grad`.
+    features. The container scales the loss by `loss_scale` and clears the model's
+    gradients beside the stepped tensors' on `zero_grad`. `MasterWeights`
+    (`containers.precision`) is the other implementation.
     """
 
     state: PartState | None = None
     """This precision's checkpoint entries beside the optimizer state, if it has any."""
 
     loss_scale: float | None = None
-    """The loss scale the next backward uses, where the loss is scaled (`StepReport`)."""
+    """What the container multiplies the loss by before backward, where it is scaled (the
+    `StepReport` says it too)."""
 
     backing_off = False
     """The last step overflowed while a dynamic loss scale was above its floor."""
@@ -114,9 +116,6 @@ class Precision:
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         """Told the inner optimizers, built over the `stepped` tensors."""
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
         """Bring what the step needs into place (e.g. state offloaded to CPU)."""

@@ -200,9 +200,6 @@ class MasterWeights(Precision):
                         pairs.append((p, m))
         return pairs
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
-
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
         self._initial.clear()  # what no master took (e.g. other pipeline stages' parameters)
         if self.offloaded:
