@@ -101,6 +101,16 @@ class ParallelDims:
                 "tensor-parallel ranks here; set tensor_parallel_degree = 1 or "
                 "expert_parallel_degree = 1"
             )
+        reduce = cfg.training.mixed_precision_reduce
+        if reduce == "float16" and self.dp_shard_mod_ep == 1:
+            # FSDP2 (torch 2.13) divides an fp16 gradient by its factor twice when it
+            # reduce-scatters over one rank, as the experts' FSDP2 does here.
+            raise ConfigError(
+                f"{key} with [training] mixed_precision_reduce = 'float16' and "
+                f"data_parallel_shard_degree {self.dp_shard}: the experts' FSDP2 reduces over "
+                "one rank, where torch scales fp16 gradients twice; use mixed_precision_reduce "
+                f"= 'bfloat16' or 'float32', or data_parallel_shard_degree {2 * self.dp_shard}"
+            )
         if p.data_parallel_shard_impl == "fsdp1":
             raise ConfigError(
                 f"{key} with data_parallel_shard_impl = 'fsdp1': FSDP1's flat slices cannot "

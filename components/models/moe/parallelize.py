@@ -44,8 +44,8 @@ def _split_experts(moe: MoE, mesh: DeviceMesh) -> None:
 def _shard_experts(
     moe: MoE, mesh: DeviceMesh, dims: int, mp_policy: MixedPrecisionPolicy | None
 ) -> None:
-    """FSDP2 over the data-parallel ranks outside ep; gradients summed, then divided by all
-    `dims` data-parallel ranks (gloo has no pre-multiplied sum)."""
+    """FSDP2 over the data-parallel ranks outside ep, the gradients divided by all `dims`
+    data-parallel ranks."""
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     outside = data_parallel_mesh(mesh, "dp_shard_mod_ep")
     if outside is None:  # every data-parallel rank is an ep rank: a mesh of one
@@ -54,7 +54,10 @@ def _shard_experts(
         moe.experts, mesh=outside, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False)
     )
     moe.experts.set_gradient_divide_factor(float(dims))
-    moe.experts.set_force_sum_reduction_for_comms(True)
+    if sub_mesh(mesh, "dp_shard_mod_ep").size() > 1:
+        # Sum, then divide: gloo has no pre-multiplied sum. Not over one rank, where FSDP2
+        # divides as it copies (torch 2.13), and would divide a second time after the sum.
+        moe.experts.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(
