@@ -1,5 +1,13 @@
 """`ParallelDims`: the `[parallelism]` degrees resolved against the world size, and the one
-named DeviceMesh (pp, dp_replicate, dp_shard, tp) every other piece takes its groups from."""
+named DeviceMesh (pp, dp_replicate, dp_shard, tp) every other piece takes its groups from.
+
+With expert parallelism the mesh is built as (pp, dp_replicate, dp_shard_mod_ep, ep, tp), as
+torchtitan builds it, and ("dp_shard_mod_ep", "ep") is flattened into "dp_shard": the ep ranks
+are the closest ones within dp_shard, so every rank keeps its coordinates and batch share,
+and `mesh["dp_shard"]` and `mesh["dp_replicate", "dp_shard"]` are the data-parallel ranks as
+without experts (slice them with `components.parallelize.sub_mesh`, which keeps torch's
+notice about slicing a flattened dim out of the logs).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import ConfigError, JobConfig, fsdp_mixed_precision
 
-__all__ = ["MESH_DIMS", "ParallelDims"]
+__all__ = ["EXPERT_MESH_DIMS", "MESH_DIMS", "ParallelDims"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """Names of the mesh's dimensions, outermost first: a tp group is the closest ranks."""
+
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+"""The mesh's dimensions with expert parallelism: dp_shard split, its ep ranks the closest."""
 
 _SINGLE_STAGE = ("GPipe", "1F1B")
 
@@ -25,6 +36,8 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
+    """Expert-parallel ranks, carved out of (and dividing) dp_shard."""
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -62,10 +75,48 @@ class ParallelDims:
             p.data_parallel_replicate_degree,
             shard,
             p.tensor_parallel_degree,
+            p.expert_parallel_degree,
         )
+        dims._check_experts(cfg)
         dims._check_pipeline(cfg)
         fsdp_mixed_precision(cfg, dims.dp_replicate, dims.dp_shard)
         return dims
+
+    def _check_experts(self, cfg: JobConfig) -> None:
+        """Refuse expert-parallel degrees this job cannot lay out (the model family checks
+        its own: that it has experts, and that the degree divides their number)."""
+        p, ep = cfg.parallelism, self.ep
+        key = f"[parallelism] expert_parallel_degree = {ep}"
+        if ep == 1:
+            return
+        if self.dp_shard % ep:
+            raise ConfigError(
+                f"{key}: does not divide data_parallel_shard_degree {self.dp_shard} (the "
+                "experts' ranks are carved out of the data-parallel shard ranks); use a "
+                f"divisor of {self.dp_shard}, or more data_parallel_shard_degree ranks"
+            )
+        if self.tp > 1:
+            raise ConfigError(
+                f"{key} with tensor_parallel_degree {self.tp}: experts are not split over "
+                "tensor-parallel ranks here; set tensor_parallel_degree = 1 or "
+                "expert_parallel_degree = 1"
+            )
+        reduce = cfg.training.mixed_precision_reduce
+        if reduce == "float16" and self.dp_shard_mod_ep == 1:
+            # FSDP2 (torch 2.13) divides an fp16 gradient by its factor twice when it
+            # reduce-scatters over one rank, as the experts' FSDP2 does here.
+            raise ConfigError(
+                f"{key} with [training] mixed_precision_reduce = 'float16' and "
+                f"data_parallel_shard_degree {self.dp_shard}: the experts' FSDP2 reduces over "
+                "one rank, where torch scales fp16 gradients twice; use mixed_precision_reduce "
+                f"= 'bfloat16' or 'float32', or data_parallel_shard_degree {2 * self.dp_shard}"
+            )
+        if p.data_parallel_shard_impl == "fsdp1":
+            raise ConfigError(
+                f"{key} with data_parallel_shard_impl = 'fsdp1': FSDP1's flat slices cannot "
+                "hold experts split over ranks (DTensors); use data_parallel_shard_impl = "
+                "'fsdp2' or expert_parallel_degree = 1"
+            )
 
     def _check_pipeline(self, cfg: JobConfig) -> None:
         p, parts = cfg.parallelism, cfg.model.num_parts
@@ -120,6 +171,11 @@ class ParallelDims:
         return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """The dp_shard ranks outside one ep group: those that FSDP2 shards each expert over."""
+        return self.dp_shard // self.ep
+
+    @property
     def dp(self) -> int:
         """Data-parallel ranks: each reads its own share of the batch."""
         return self.dp_replicate * self.dp_shard
@@ -145,5 +201,12 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The job's mesh; needs the process group of `world_size` ranks."""
-        return init_device_mesh(device_type, self.sizes(), mesh_dim_names=MESH_DIMS)
+        """The job's mesh; needs the process group of `world_size` ranks. With expert
+        parallelism, (pp, dp_replicate, dp_shard_mod_ep, ep, tp) with "dp_shard" flattened
+        from ("dp_shard_mod_ep", "ep")."""
+        if self.ep == 1:
+            return init_device_mesh(device_type, self.sizes(), mesh_dim_names=MESH_DIMS)
+        sizes = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_MESH_DIMS)
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh

@@ -4,6 +4,7 @@ whatever the model family."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "replicate_rest",
     "shard_parts",
     "stage_group",
+    "sub_mesh",
 ]
 
 
@@ -65,12 +67,22 @@ def replicate_rest(part: nn.Module, mesh: DeviceMesh) -> None:
             distribute_module(module, mesh, _replicate_params, _in_replicated, _out_local)
 
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The dims FSDP2 shards over: dp_shard, with dp_replicate before it for HSDP; None when
-    both have size 1 (nothing to shard)."""
+def sub_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """`mesh[names]`. Under expert parallelism "dp_shard" is flattened from ("dp_shard_mod_ep",
+    "ep") (`components.parallel_dims`), and torch notes that slicing a flattened dim out of the
+    root mesh may go away; the slice itself is right, so the notice is kept out of the logs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return mesh[names]
+
+
+def data_parallel_mesh(mesh: DeviceMesh, shard: str = "dp_shard") -> DeviceMesh | None:
+    """The dims FSDP2 shards over: `shard` (dp_shard; for routed experts under expert
+    parallelism, dp_shard_mod_ep), with dp_replicate before it for HSDP; None when both have
+    size 1 (nothing to shard)."""
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"] if mesh["dp_shard"].size() > 1 else None
+        return sub_mesh(mesh, "dp_replicate", shard)
+    return sub_mesh(mesh, shard) if sub_mesh(mesh, shard).size() > 1 else None
 
 
 def _fsdp1(part: nn.Module, mesh: DeviceMesh, units: set[nn.Module]) -> nn.Module:
@@ -125,7 +137,7 @@ def shard_parts(
     Returns:
         FSDP2: `parts` (the same module objects); FSDP1: each part's wrapper.
     """
-    if mesh is not None and mesh.mesh_dim_names is not None and "dp_shard" in mesh.mesh_dim_names:
+    if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()):
         mesh = data_parallel_mesh(mesh)
     if mesh is None:
         return parts

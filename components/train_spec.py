@@ -147,7 +147,7 @@ class TrainSpec:
 ENTRY_POINTS = "optimizer_containers.train_specs"
 """Entry-point group of third-party model families (in their own pyproject.toml)."""
 
-BUILTINS = {"llama": "components.models.llama"}
+BUILTINS = {"llama": "components.models.llama", "moe": "components.models.moe"}
 """The families of this repository: name -> the module that registers it when imported."""
 
 _SPECS: dict[str, TrainSpec] = {}

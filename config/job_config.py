@@ -53,6 +53,12 @@ class Model:
     `[parallelism] pipeline_parallel_degree` P each pipeline rank holds num_parts / P
     (one for GPipe and 1F1B, two or more for Interleaved1F1B)."""
 
+    load_balance_coeff: float = bounded(1e-3, ge=0.0)
+    """Mixture-of-experts families ("moe"): DeepSeek-V3's aux-loss-free load balancing, how far
+    each expert's routing bias moves after a committed step, towards the experts that got
+    fewer tokens than the mean (torchtitan's default); 0 keeps the biases at zero (the load is
+    still counted and reported). A family without experts accepts only the default."""
+
 
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 ShardImpl = Literal["fsdp2", "fsdp1"]
@@ -61,7 +67,8 @@ ShardImpl = Literal["fsdp2", "fsdp1"]
 @dataclass(kw_only=True)
 class Parallelism:
     """How the ranks are arranged: one named mesh (pp, dp_replicate, dp_shard, tp) whose
-    degrees multiply to the world size (of one replica group under torchft)."""
+    degrees multiply to the world size (of one replica group under torchft); expert
+    parallelism splits dp_shard into (dp_shard_mod_ep, ep)."""
 
     data_parallel_replicate_degree: int = bounded(1, ge=1)
     """Data-parallel replicas, each holding a full copy sharded over dp_shard (HSDP when > 1)."""
@@ -90,6 +97,13 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = bounded(1, ge=1)
     """Sequences per pipeline micro-batch; it divides `[training] local_batch_size`, and the
     quotient is the number of micro-batches the schedule runs per batch."""
+
+    expert_parallel_degree: int = bounded(1, ge=1)
+    """Ranks a mixture of experts' routed experts are split over (each holds num_experts /
+    degree of them; tokens travel to their experts and back by all-to-all), carved out of
+    the data_parallel_shard_degree ranks (it divides that degree; the experts are FSDP2-sharded
+    over the quotient). 1: every rank holds every expert. Only for families with experts
+    ("moe"), without tensor parallelism or fsdp1."""
 
 
 @dataclass(kw_only=True)

@@ -31,7 +31,8 @@ def _spec(name: str) -> TrainSpec:
 
 @pytest.fixture
 def restore():
-    get_train_spec("llama")  # the built-ins are in the snapshot, so restoring keeps them
+    for name in train_spec.BUILTINS:  # the built-ins are in the snapshot: restoring keeps them
+        get_train_spec(name)
     saved = dict(train_spec._SPECS)
     yield
     train_spec._SPECS.clear()
@@ -52,7 +53,9 @@ def test_duplicates_refused_and_unknown_lists_known(restore):
         register_train_spec(_spec("toy"))
     with pytest.raises(ValueError, match="'llama' is already registered"):
         register_train_spec(_spec("llama"))
-    with pytest.raises(ConfigError, match=r"'nope': unknown train spec; registered: llama, toy"):
+    with pytest.raises(
+        ConfigError, match=r"'nope': unknown train spec; registered: llama, moe, toy"
+    ):
         get_train_spec("nope")
     with pytest.raises(ValueError, match="expected a TrainSpec"):
         register_train_spec("toy")  # type: ignore[arg-type]

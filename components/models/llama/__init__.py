@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,8 @@ __all__ = [
     "build_dataloader",
     "build_loss",
     "build_model",
+    "check_fits",
+    "flavor_args",
     "parallelize",
     "validate_config",
 ]
@@ -28,12 +30,16 @@ DATASETS: dict[str, Callable[[], torch.Tensor]] = {"stdlib": load_corpus}
 """`[training] dataset` -> the function that returns its bytes (uint8)."""
 
 
-def _flavor(cfg: ModelConfig) -> ModelArgs:
-    if cfg.flavor not in FLAVORS:
+def flavor_args(
+    cfg: ModelConfig, family: str = "llama", flavors: Mapping[str, ModelArgs] = FLAVORS
+) -> ModelArgs:
+    """The args of `[model] flavor` among a `family`'s `flavors`."""
+    if cfg.flavor not in flavors:
         raise ConfigError(
-            f"[model] flavor = {cfg.flavor!r}: unknown flavor; valid: {', '.join(FLAVORS)}"
+            f"[model] flavor = {cfg.flavor!r}: unknown flavor; valid {family} flavors: "
+            f"{', '.join(flavors)}"
         )
-    return FLAVORS[cfg.flavor]
+    return flavors[cfg.flavor]
 
 
 def _dataset(cfg: TrainingConfig) -> Callable[[], torch.Tensor]:
@@ -45,23 +51,51 @@ def _dataset(cfg: TrainingConfig) -> Callable[[], torch.Tensor]:
     return DATASETS[cfg.dataset]
 
 
-def validate_config(cfg: JobConfig) -> None:
-    """Refuse, in one line, what the llama family cannot run (before any process starts)."""
-    args = _flavor(cfg.model)
+def check_fits(cfg: JobConfig, family: str, flavors: Mapping[str, ModelArgs]) -> ModelArgs:
+    """The args of `[model] flavor` among `flavors` of a decoder `family` built on llama's:
+    `ConfigError` for an unknown flavor, a `[training] seq_len` beyond its rotary table or
+    more `[model] num_parts` than layers; and for a dataset the family cannot read."""
+    args = flavor_args(cfg.model, family, flavors)
     seq_len = cfg.training.seq_len
     if seq_len > args.max_seq_len:
         # Beyond its rotary table the model would fail deep inside attention.
-        sizes = ", ".join(f"{name}: {a.max_seq_len}" for name, a in FLAVORS.items())
+        sizes = ", ".join(f"{name}: {a.max_seq_len}" for name, a in flavors.items())
         raise ConfigError(
-            f"[training] seq_len = {seq_len}: above the {args.max_seq_len} positions of llama "
-            f"flavor {cfg.model.flavor!r}; use seq_len <= {args.max_seq_len} or a flavor "
-            f"with more ({sizes})"
+            f"[training] seq_len = {seq_len}: above the {args.max_seq_len} positions of "
+            f"{family} flavor {cfg.model.flavor!r}; use seq_len <= {args.max_seq_len} or a "
+            f"flavor with more ({sizes})"
         )
     if cfg.model.num_parts > args.n_layers:
         raise ConfigError(
-            f"[model] num_parts = {cfg.model.num_parts}: llama flavor {cfg.model.flavor!r} has "
-            f"{args.n_layers} layers to split; use num_parts <= {args.n_layers}"
+            f"[model] num_parts = {cfg.model.num_parts}: {family} flavor "
+            f"{cfg.model.flavor!r} has {args.n_layers} layers to split; use num_parts <= "
+            f"{args.n_layers}"
         )
+    _dataset(cfg.training)
+    return args
+
+
+def _no_experts(cfg: JobConfig) -> None:
+    """Refuse the keys only a mixture of experts reads (the llama blocks have none)."""
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep != 1:
+        raise ConfigError(
+            f"[parallelism] expert_parallel_degree = {ep}: the llama family has no experts "
+            "to split; set expert_parallel_degree = 1 or [model] name = 'moe'"
+        )
+    coeff, default = cfg.model.load_balance_coeff, ModelConfig().load_balance_coeff
+    if coeff != default:
+        raise ConfigError(
+            f"[model] load_balance_coeff = {coeff!r}: the llama family has no experts to "
+            f"balance; remove it (only its default {default!r} is accepted) or set [model] "
+            "name = 'moe'"
+        )
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Refuse, in one line, what the llama family cannot run (before any process starts)."""
+    args = check_fits(cfg, "llama", FLAVORS)
+    _no_experts(cfg)
     tp = cfg.parallelism.tensor_parallel_degree
     for key, count in (("n_heads", args.n_heads), ("ffn_hidden", args.ffn_hidden)):
         if count % tp:
@@ -70,12 +104,11 @@ def validate_config(cfg: JobConfig) -> None:
                 f"{key} of llama flavor {cfg.model.flavor!r}, which tensor parallelism splits; "
                 f"use a divisor of {count}"
             )
-    _dataset(cfg.training)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:
     """The model of `[model] flavor`, initialized from torch's current RNG state."""
-    return Transformer(_flavor(cfg))
+    return Transformer(flavor_args(cfg))
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -97,13 +97,21 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder; after `split_model` a part may lack the embedding, some layers or the head."""
+    """Decoder; after `split_model` a part may lack the embedding, some layers or the head.
+
+    A family with other blocks subclasses it: `block` is each layer's class (built from the
+    args), and `residual_projections` names the weights (by FQN suffix) whose init shrinks
+    with depth.
+    """
+
+    block: type[nn.Module] = Block
+    residual_projections: tuple[str, ...] = ("wo.weight", "w2.weight")
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", _rotary(args), persistent=False)
@@ -114,7 +122,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(self.residual_projections):
                 # Residual projections scaled down with depth keep the stream's variance flat.
                 nn.init.normal_(p, std=std / (2 * self.args.n_layers) ** 0.5)
             else:

@@ -10,15 +10,6 @@ from components.models.llama.data import ByteTextLoader
 from components.models.llama.model import FLAVORS, ModelArgs, Transformer, split_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared CPU more threads only fight (10x+ slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(seed: int = 0, args: ModelArgs = FLAVORS["debug"]) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(args)
