@@ -221,7 +221,10 @@ def train_resumed(argv: list[str]) -> dict:
 
     def recording_build_job(cfg: Any) -> Any:
         jobs.append(build_job(cfg))
-        # The first inner step (in backward too, under in-backward timing) comes first.
+        # The first inner step (in backward too, under in-backward timing) comes first; the
+        # container's own hook where the inner steps bypass `step()` (mixed precision's flat
+        # groups).
+        jobs[-1].optimizers.register_step_pre_hook(capture)
         for opt in jobs[-1].optimizers.optimizers:
             opt.register_step_pre_hook(capture)
         return jobs[-1]
