@@ -217,8 +217,9 @@ moment_dtype = "8bit"
         ),
         (
             [*DILOCO, "--fault_tolerance.outer_optimizer", "Muon"],
-            "[fault_tolerance] outer_optimizer = 'Muon': Muon only supports 2D parameters "
-            "whereas we found a parameter with size: torch.Size([128]) (the outer step updates "
+            "[fault_tolerance] outer_optimizer = 'Muon': Muon takes 2-D parameters and 3-D "
+            "stacks of matrices (one per expert) only; got a parameter of shape (128,) (the "
+            "outer step updates "
             "every parameter of the model); pick one that takes them all, e.g. 'SGD' (DiLoCo's "
             "Nesterov momentum, the default)",
         ),

@@ -53,3 +53,12 @@ def test_moment_codes_blocks_move_whole_with_rows_and_32_column_cuts():
                 assert not torch.equal(torch.cat([code(x[:, :48]), code(x[:, 48:])], 1), whole)
             coded += 1
     assert coded == 9
+
+
+def test_bench_experts_quick_prints_its_table(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_experts
+
+    assert bench_experts.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("<= 1.05") == len(bench_experts.OPTIMIZERS)

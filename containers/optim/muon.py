@@ -5,6 +5,11 @@ on DTensors makes every rank orthogonalize every matrix. Here momentum stays on 
 one all-to-all sends shards to each matrix's owner, each rank orthogonalizes the ones it owns
 (~1/W of the work), and a second all-to-all returns them. Shard, `_StridedShard` and
 Replicate placements work; who holds which rows and columns is agreed once.
+
+A 3-D parameter is a stack of matrices (MoE experts, `[E, dim, hidden]`): each is
+orthogonalized on its own (as torchtitan's DistMuon), its lr adjusted by the matrix shape.
+Sharded on dim 0 only (expert parallelism), a rank holds whole matrices and exchanges nothing;
+otherwise each expert's matrix is one matrix of the exchange.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ def newton_schulz(
     return x.T if wide else x
 
 
+def _orthogonal(update: torch.Tensor, ns: tuple[Any, ...]) -> torch.Tensor:
+    """`newton_schulz` of a matrix, or of each matrix of a 3-D stack."""
+    if update.dim() == 2:
+        return newton_schulz(update, *ns)
+    return torch.stack([newton_schulz(u, *ns) for u in update]) if len(update) else update
+
+
 def _ns_dtype(name: str, param: torch.Tensor | None) -> torch.dtype:
     if name == "auto":
         on_cuda = param is not None and local(param).device.type == "cuda"
@@ -60,8 +72,17 @@ def _sharded_dims(t: DTensor) -> tuple[int, ...]:
     )
 
 
-def _held(t: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global rows and columns whose cross product is this rank's shard (no communication)."""
+def _cuts_matrices(t: torch.Tensor) -> bool:
+    """Whether a rank holds part of a matrix of `t` (a 3-D one split on dim 0 only does not)."""
+    if not isinstance(t, DTensor):
+        return False
+    dims = _sharded_dims(t)
+    return any(t.ndim == 2 or getattr(t.placements[d], "dim", 0) != 0 for d in dims)
+
+
+def _held(t: DTensor) -> tuple[torch.Tensor, ...]:
+    """The global indices of each dim whose cross product is this rank's shard (no
+    communication)."""
     held = []
     for dim, size in enumerate(t.shape):
         placements = []
@@ -74,7 +95,7 @@ def _held(t: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
                 placements.append(Replicate())
         index = torch.arange(size, device=t.device_mesh.device_type)
         held.append(distribute_tensor(index, t.device_mesh, placements, src_data_rank=None))
-    return held[0].to_local(), held[1].to_local()
+    return tuple(h.to_local() for h in held)
 
 
 @dataclass
@@ -87,6 +108,7 @@ class _Exchange:
     owner: list[int]  # by matrix
     blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]  # by matrix, by rank: rows, cols
     index: list[list[tuple[Any, Any]]]  # by matrix, by rank: the block's index into the matrix
+    experts: list[list[int] | None]  # by parameter: the experts this rank holds (3-D ones)
 
     @cached_property
     def owned(self) -> list[list[int]]:
@@ -150,7 +172,8 @@ def _all_to_all(
 
 
 class ShardedMuon(torch.optim.Muon):
-    """`torch.optim.Muon` with Newton-Schulz on whole matrices, spread over sharding ranks.
+    """`torch.optim.Muon` with Newton-Schulz on whole matrices, spread over sharding ranks;
+    3-D parameters are stacks of matrices (experts), each orthogonalized on its own.
 
     State matches torch's Muon (checkpoints move between them). Extra per-group settings:
         ns_dtype: "bfloat16" (torch's), "float32", or "auto": bfloat16 on CUDA, float32 on
@@ -158,15 +181,24 @@ class ShardedMuon(torch.optim.Muon):
         moment_dtype: "float32" or "bfloat16" momentum (updated in fp32, rounded to nearest).
     """
 
+    matrix_dims = (2, 3)  # (`containers.state.param_groups.matrix_only`)
+
     def __init__(
         self, params: Any, *, ns_dtype: str = "auto", moment_dtype: str = "float32", **kwargs: Any
     ) -> None:
-        super().__init__(params, **kwargs)
-        self.defaults["ns_dtype"] = ns_dtype
-        self.defaults["moment_dtype"] = moment_dtype
+        groups = list(params)
+        super().__init__([torch.empty(1, 1)], **kwargs)  # torch's checks (it takes 2-D only)
+        self.defaults |= {"ns_dtype": ns_dtype, "moment_dtype": moment_dtype}
+        self.param_groups = []
+        for group in groups if groups and isinstance(groups[0], dict) else [{"params": groups}]:
+            self.add_param_group(group)
         for group in self.param_groups:
-            group.setdefault("ns_dtype", ns_dtype)
-            group.setdefault("moment_dtype", moment_dtype)
+            for p in group["params"]:
+                if p.ndim not in self.matrix_dims:
+                    raise ValueError(
+                        "Muon takes 2-D parameters and 3-D stacks of matrices (one per expert) "
+                        f"only; got a parameter of shape {tuple(p.shape)}"
+                    )
             check_moment_dtype(group, "ShardedMuon")
             if group["ns_dtype"] not in ("auto", "bfloat16", "float32"):
                 raise ValueError(
@@ -208,7 +240,7 @@ class ShardedMuon(torch.optim.Muon):
             ortho = self._orthogonalize(params, updates, group)
             lr, decay = group["lr"], group["weight_decay"]
             for p, o in zip(params, ortho):
-                alpha = -torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+                alpha = -torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])
                 local(p).mul_(1 - lr * decay).add_(o, alpha=alpha)
         return loss
 
@@ -221,17 +253,26 @@ class ShardedMuon(torch.optim.Muon):
         out: list[torch.Tensor | None] = [None] * len(params)
         batches: dict[tuple[Any, ...], list[int]] = {}
         for i, p in enumerate(params):
-            if p.ndim != 2:
-                raise ValueError(f"Muon steps 2-D parameters only; got shape {tuple(p.shape)}")
-            dims = _sharded_dims(p) if isinstance(p, DTensor) else ()
-            if dims:
-                batches.setdefault((id(p.device_mesh), dims), []).append(i)
+            if _cuts_matrices(p):
+                batches.setdefault((id(p.device_mesh), _sharded_dims(p)), []).append(i)
             else:
-                out[i] = newton_schulz(updates[i], *ns)
+                out[i] = _orthogonal(updates[i], ns)
         for idx in batches.values():
-            blocks = self._exchange([params[i] for i in idx])
-            for i, block in zip(idx, self._spread([updates[i] for i in idx], blocks, ns)):
-                out[i] = block
+            ex = self._exchange([params[i] for i in idx])
+            matrices = []  # this rank's block of each matrix (an expert's: empty if not held)
+            for i, experts in zip(idx, ex.experts):
+                u = updates[i]
+                at = {e: j for j, e in enumerate(experts or ())}
+                empty = u.new_empty(0, 0)
+                rest = [u[at[e]] if e in at else empty for e in range(params[i].shape[0])]
+                matrices += [u] if experts is None else rest
+            results = iter(self._spread(matrices, ex, ns))
+            for i, experts in zip(idx, ex.experts):
+                if experts is None:
+                    out[i] = next(results)
+                    continue
+                mine = [next(results) for _ in range(params[i].shape[0])]
+                out[i] = torch.stack([mine[e] for e in experts]) if experts else updates[i]
         return out  # type: ignore[return-value]
 
     def _exchange(self, params: list[DTensor]) -> _Exchange:
@@ -244,14 +285,16 @@ class ShardedMuon(torch.optim.Muon):
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, mine, group=group)
             device = local(params[0]).device
-            blocks = [
-                [tuple(i.to(device) for i in everyone[r][m]) for r in range(world)]
-                for m in range(len(params))
-            ]
-            shapes = [p.shape for p in params]
+            me, shapes, blocks, experts = dist.get_rank(group), [], [], []
+            for k, p in enumerate(params):
+                held = [[i.to(device) for i in everyone[r][k]] for r in range(world)]
+                experts.append(held[me][0].tolist() if p.ndim == 3 else None)
+                for e in range(p.shape[0]) if p.ndim == 3 else (None,):
+                    shapes.append(p.shape[-2:])
+                    blocks.append([_block(h, e) for h in held])
             index = [[_cross(*block) for block in by_rank] for by_rank in blocks]
             self._exchanges[key] = _Exchange(
-                group, dist.get_rank(group), shapes, _owners(shapes, world), blocks, index
+                group, me, shapes, _owners(shapes, world), blocks, index, experts
             )
         return self._exchanges[key]
 
@@ -283,6 +326,15 @@ class ShardedMuon(torch.optim.Muon):
                 rows, cols = ex.blocks[m][me]
                 out[m] = block.view(len(rows), len(cols))
         return out
+
+
+def _block(held: list[torch.Tensor], expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows and columns of a matrix (or of `expert`'s) that a rank holding `held` has."""
+    if expert is None:
+        return held[0], held[1]
+    if expert in held[0]:
+        return held[1], held[2]
+    return held[1][:0], held[2][:0]
 
 
 def _cross(rows: torch.Tensor, cols: torch.Tensor) -> tuple[Any, Any]:

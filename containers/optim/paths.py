@@ -71,12 +71,14 @@ def adam_path(group: dict[str, Any]) -> str:
 
 def flat_group(group: dict[str, Any]) -> bool:
     """Whether an Adam/AdamW `group` steps in flat buffers under mixed precision: fused, no
-    amsgrad, not differentiable, parameters contiguous and on one device."""
+    amsgrad, not differentiable, parameters contiguous and on one device (or the zero-stride
+    placeholders of masters kept as remainders)."""
     params = group["params"]
     if not params or group.get("amsgrad") or group.get("differentiable") or not group["fused"]:
         return False
     pieces = [local(p) for p in params]
-    return all(t.is_contiguous() for t in pieces) and len({t.device for t in pieces}) == 1
+    dense = all(t.is_contiguous() or not any(t.stride()) for t in pieces)
+    return dense and len({t.device for t in pieces}) == 1
 
 
 def path_lines(optimizers: Sequence[Optimizer], masters: bool = False) -> list[str]:

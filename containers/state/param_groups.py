@@ -61,9 +61,10 @@ def _compile(rules: Sequence[ParamGroupRule]) -> list[re.Pattern[str]]:
 _HIDDEN_MATRICES = r"layers\..*\.(attention|feed_forward)\..*weight"
 
 
-def matrix_only(cls: type[Optimizer]) -> bool:
-    """Whether `cls` updates only 2-D parameters (Muon orthogonalizes each update matrix)."""
-    return issubclass(cls, torch.optim.Muon)
+def matrix_only(cls: type[Optimizer]) -> tuple[int, ...]:
+    """The parameter dims `cls` takes if it updates only matrices (Muon orthogonalizes each
+    update matrix; `ShardedMuon` also each of a 3-D stack of experts), else ()."""
+    return getattr(cls, "matrix_dims", (2,)) if issubclass(cls, torch.optim.Muon) else ()
 
 
 def _refuse_non_matrices(
@@ -118,7 +119,7 @@ def assign(
             if hits:
                 used[hits[0]] = True
             bucket = hits[0] + 1 if hits else 0
-            if matrix_only(classes[bucket]) and p.dim() != 2:
+            if matrix_only(classes[bucket]) and p.dim() not in matrix_only(classes[bucket]):
                 not_2d.setdefault(bucket, []).append((fqn, p))
             buckets[bucket].append(p)
         groups: GroupSpecs = {}

@@ -118,7 +118,7 @@ def test_bf16_newton_schulz_is_torch_muon_bitwise_in_one_process():
 
 
 def test_refuses_a_non_matrix_and_an_unknown_ns_dtype():
-    with pytest.raises(ValueError, match="2D parameters"):
+    with pytest.raises(ValueError, match="Muon takes 2-D parameters and 3-D stacks"):
         ShardedMuon([nn.Parameter(torch.zeros(3))], lr=0.02)
     with pytest.raises(ValueError, match="ns_dtype = 'float16': use 'auto'"):
         ShardedMuon([nn.Parameter(torch.zeros(3, 2))], lr=0.02, ns_dtype="float16")
