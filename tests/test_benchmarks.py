@@ -62,3 +62,12 @@ def test_bench_experts_quick_prints_its_table(capsys):
     assert bench_experts.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert out.count("<= 1.05") == len(bench_experts.OPTIMIZERS)
+
+
+def test_bench_moe_quick_counts_all_to_all_bytes_only_with_expert_parallelism(capsys):
+    from benchmarks import bench_moe
+
+    assert bench_moe.main(["--quick"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    sent = {int(row[1]): float(row[4]) for row in rows}
+    assert sent[1] == 0.0 and sent[2] > 0.0

@@ -10,11 +10,13 @@ element. At the saving layout the resumed run is the uninterrupted one, bitwise.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness.dist import launch, run_ranks
+from tests.harness.dist import REPO, launch, run_ranks
 from tests.harness.helpers import train_resumed
 from tests.test_reshard import _merged, _metrics, _mismatches, _stored
 from tests.test_train import _resume_copy
@@ -105,3 +107,12 @@ def test_an_ep2_dp2_checkpoint_resumes_element_for_element_at(states, layout, sa
     if layout == "ep2_dp2":
         assert _mismatches(_stored(dump, 6)["optimizer"], _stored(src, 6)["optimizer"]) == {}
         assert _mismatches(_stored(dump, 6)["model"], _stored(src, 6)["model"]) == {}
+
+
+def test_inspect_lists_the_expert_tensors_biases_and_load_balancing_counts(saved):
+    step = saved["masters_ema"] / "checkpoint" / "step-4"
+    cmd = [sys.executable, "-m", "scripts.inspect", str(step)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "layers.0.moe.experts.w1" in out and "(4, 64, 32)" in out  # [E, dim, hidden]
+    assert "layers.0.moe.expert_bias" in out
+    assert "optimizer load_balance" in out and "layers.0.moe.tokens_per_expert" in out
