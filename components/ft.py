@@ -110,13 +110,15 @@ def build_load_balance(
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
     mesh: DeviceMesh | None,
     manager: Manager | None,
+    diloco: DiLoCo | None = None,
 ) -> LoadBalance:
     """The container's MoE load balancing of `layers` (`[model] load_balance_coeff`).
 
     A step's counts add up over the ranks of each pipeline stage and, under torchft's
     every-step gate, over the replica groups of the step's quorum (a healing group adds
-    zeros), so every rank and group moves its biases alike. Under DiLoCo each group balances
-    on its own tokens between syncs, as its weights drift on their own.
+    zeros), so every rank and group moves its biases alike. Under DiLoCo (`diloco`, the job's)
+    each group balances on its own tokens between syncs, as its weights drift on their own,
+    and each committed outer step averages the biases over the groups.
     """
     across = None
     if manager is not None and cfg.fault_tolerance.semi_sync_method == "none":
@@ -124,7 +126,8 @@ def build_load_balance(
         def across(counts: torch.Tensor) -> None:
             manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
 
-    return LoadBalance(layers, cfg.model.load_balance_coeff, stage_group(mesh), across)
+    coeff, group = cfg.model.load_balance_coeff, stage_group(mesh)
+    return LoadBalance(layers, coeff, group, across, diloco=diloco)
 
 
 def _outer_optimizer(cfg: JobConfig) -> tuple[type[Optimizer], dict[str, Any]]:

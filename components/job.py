@@ -42,7 +42,7 @@ from components.run_lock import RunLocks, lock_dump_folder
 from components.train_spec import Dataloader, LossFn, get_train_spec
 from config import Comm as CommConfig
 from config import JobConfig, accumulation_steps
-from containers import OptimizersContainer
+from containers import DiLoCo, OptimizersContainer
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -255,9 +255,9 @@ def _build_locked(
     )  # fmt: skip
     outer = [part for part in (build_outer(cfg, ft_manager),) if part is not None]
     if spec.balanced_layers_fn is not None:
-        outer.append(
-            build_load_balance(cfg, spec.balanced_layers_fn(model_parts), mesh, ft_manager)
-        )
+        layers = spec.balanced_layers_fn(model_parts)
+        diloco = next((part for part in outer if isinstance(part, DiLoCo)), None)
+        outer.append(build_load_balance(cfg, layers, mesh, ft_manager, diloco))
     optimizers = spec.build_optimizers_fn(
         model_parts,
         cfg.optimizer,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tests.containers.gate.test_fault_tolerant import _final_states, _kill_and_heal
 from tests.harness.ftjob import FTJob
+from tests.test_reshard import _stored
 
 MOE = {"config/debug.toml": "config/moe.toml", "debug": "tiny"}
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32"]
@@ -37,7 +40,8 @@ def test_a_killed_ep_group_heals_and_every_group_ends_with_the_same_experts_and_
 
 def test_diloco_with_ep_groups_syncs_their_weights(tmp_path):
     """DiLoCo over two groups of 2 ranks at EP 2: the inner steps drift apart, each outer step
-    brings every weight, experts included, back to the same values."""
+    brings every weight, experts included, back to the same values, and averages the expert
+    biases each group moved on its own tokens."""
     diloco = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3"]
     job = _moe_job(tmp_path, 6, diloco, min_replicas=2)
     job.run_both(timeout=240)
@@ -45,3 +49,9 @@ def test_diloco_with_ep_groups_syncs_their_weights(tmp_path):
     assert ours[6]["param_checksum"] == theirs[6]["param_checksum"]
     assert ours[3]["param_checksum"] == theirs[3]["param_checksum"]
     assert ours[5]["param_checksum"] != theirs[5]["param_checksum"]  # inner steps: apart
+    final = [_stored(tmp_path / f"replica_{r}", 6)["model"] for r in (0, 1)]
+    biases = [{k: v for k, v in f.items() if k.endswith("expert_bias")} for f in final]
+    assert biases[0] and biases[0].keys() == biases[1].keys()
+    for key, bias in biases[0].items():
+        assert torch.equal(bias, biases[1][key]), key
+        assert bias.any(), key

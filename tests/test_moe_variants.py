@@ -1,5 +1,6 @@
 """The mixture of experts at EP 2 through train.py with the containers and optimizers that
-the reshard and torchft tests do not cover: in-backward steps, and Muon on each expert."""
+the reshard and torchft tests do not cover: in-backward steps, Muon on each expert, 8-bit
+moments."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ adjust_lr_fn = "match_rms_adamw"
 
 def _variant(name: str, tmp_path: Path) -> tuple[list[str], str]:
     """Extra train.py arguments of a variant, and what its start line names."""
+    if name == "8bit":
+        return ["--optimizer.moment_dtype", "8bit"], "8bit state"
     if name == "in_backward":  # (no clip: the global norm exists only after backward)
         return ["--optimizer.container", "in_backward", "--training.max_norm", "0"], "in backward"
     toml = tmp_path / "moe_muon.toml"
@@ -34,7 +37,7 @@ def _variant(name: str, tmp_path: Path) -> tuple[list[str], str]:
     return ["--job.config_file", str(toml)], "ShardedMuon"
 
 
-@pytest.mark.parametrize("name", ["in_backward", "muon"])
+@pytest.mark.parametrize("name", ["in_backward", "muon", "8bit"])
 def test_an_ep2_job_trains_with(name, tmp_path):
     extra, named = _variant(name, tmp_path)
     dump = tmp_path / "run"

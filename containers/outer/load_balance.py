@@ -7,7 +7,8 @@ the counts are summed over every rank of the stage (`group`) and of every replic
 trains in step with this one (`across`), and each bias moves by
 `coeff * sign(mean load - load of expert e)`, as torchtitan does in an optimizer step pre-hook.
 A step that does not apply leaves the biases as they were, and its counts are dropped when the
-next step begins (`on_zero_grad`), so an uncommitted or non-finite step changes nothing.
+next step begins (`on_zero_grad`), so an uncommitted or non-finite step changes nothing. Under
+DiLoCo each committed outer step also averages the biases over the replica groups.
 
 The biases are the model's own buffers (saved with its weights, so an exported model routes as
 trained); the last committed step's summed counts are flat container state
@@ -28,6 +29,7 @@ from containers.state.flat import describe_keys
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
+    from containers.outer.diloco import DiLoCo
 
 __all__ = ["LOAD_BALANCE", "LoadBalance"]
 
@@ -46,6 +48,9 @@ class LoadBalance(Outer):
             None: the world.
         across: sums a tensor in place over the replica groups that train together (torchft's
             every-step gate), after `group`; None: one replica group.
+        diloco: the job's `DiLoCo` (before this part in the container's outer parts): each of
+            its committed outer steps also averages the biases over the replica groups, which
+            balance on their own tokens between syncs as their weights drift on their own.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class LoadBalance(Outer):
         coeff: float,
         group: dist.ProcessGroup | None = None,
         across: Callable[[torch.Tensor], None] | None = None,
+        diloco: DiLoCo | None = None,
     ) -> None:
         if not coeff >= 0:
             raise ValueError(f"coeff = {coeff}: use 0 (no balancing) or a positive step")
@@ -63,6 +69,8 @@ class LoadBalance(Outer):
         self.coeff = coeff
         self.group = group
         self.across = across
+        self.diloco = diloco
+        self._outer_steps = 0  # DiLoCo's outer steps when this step began
         sizes = {t.numel() for t in self.biases + self.counts}
         if len(sizes) > 1:
             raise ValueError(
@@ -87,6 +95,8 @@ class LoadBalance(Outer):
         """A new step begins: the counts of one that did not apply are dropped."""
         for count in self.counts:
             count.zero_()
+        if self.diloco is not None:
+            self._outer_steps = self.diloco.outer_steps
 
     @torch.no_grad()
     def after_apply(self) -> None:
@@ -104,6 +114,14 @@ class LoadBalance(Outer):
                 bias.add_(move.to(bias.dtype))
         for kept, count in zip(self.committed, counts):
             kept.copy_(count)
+        diloco = self.diloco
+        landed = diloco is not None and diloco.outer_steps > self._outer_steps
+        if landed and diloco.manager is not None:  # an outer step landed in this step
+            biases = torch.stack(self.biases)
+            diloco.manager.allreduce(biases).wait()  # the mean over the quorum's groups
+            if diloco.manager.errored() is None:  # (else the sum may be torn: keep ours)
+                for bias, mean in zip(self.biases, biases):
+                    bias.copy_(mean)
 
     def metrics(self) -> dict[str, float]:
         """`load_imbalance`: the largest, over layers, of max / mean tokens per expert in the
