@@ -201,8 +201,11 @@ def start_line(job: Job, step: int) -> str:
         pipelined = cfg.training.local_batch_size // pipeline_micro
         batches = f" ({micro} x {pipelined} pipeline micro-batches)"
         micro *= pipelined
+    ranks = f"{job.world_size} {job.device.type} ranks"
+    if job.dims.ep > 1:
+        ranks += f" (experts split over ep {job.dims.ep})"
     return (
         f"{cfg.model.name} {cfg.model.flavor}: {job.n_params / 1e6:.2f}M params in {parts} on "
-        f"{job.world_size} {job.device.type} ranks, {job.optimizers!r}, "
+        f"{ranks}, {job.optimizers!r}, "
         f"{micro} micro-batches/step{batches}, from step {step}"
     )
