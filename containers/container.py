@@ -304,8 +304,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._found_inf = self._norm = None
         if not self._paths_said:
             self._paths_said = True
-            masters = "masters" in self.precision.features
-            for line in path_lines(self.optimizers, masters=masters):
+            for line in path_lines(self.optimizers, self.precision.update_path):
                 logger.info("%s", line)
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)

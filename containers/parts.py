@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from containers.grouped_step import step_together
 from containers.norm import GlobalNorm, clip_grads
+from containers.optim.paths import update_path
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
@@ -116,6 +117,10 @@ class Precision:
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         """Told the inner optimizers, built over the `stepped` tensors."""
+
+    def update_path(self, opt: Optimizer, index: int) -> str:
+        """The update path (`containers.optim.paths.PATHS`) of `opt`'s group `index`."""
+        return update_path(opt, opt.param_groups[index])
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
         """Bring what the step needs into place (e.g. state offloaded to CPU)."""

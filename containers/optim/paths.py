@@ -8,14 +8,12 @@ fp32 masters are kept; never on the environment or tensor sizes. Each group logs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.optim import Optimizer
 
-from containers.tensors import local
-
-__all__ = ["BF16_FUSED_DEVICES", "PATHS", "adam_path", "flat_group", "path_lines", "update_path"]
+__all__ = ["BF16_FUSED_DEVICES", "PATHS", "adam_path", "path_lines", "update_path"]
 
 BF16_FUSED_DEVICES = frozenset({"cuda"})
 """Devices whose fused Adam/AdamW takes bf16 moments beside fp32 parameters; elsewhere bf16
@@ -43,16 +41,12 @@ PATHS = {
 """Every update path, by the name the `update path` log line gives."""
 
 
-def update_path(opt: Optimizer, group: dict[str, Any], *, masters: bool = False) -> str:
-    """The path (a key of `PATHS`) of `group` of `opt`; `masters`: fp32 masters are kept."""
+def update_path(opt: Optimizer, group: dict[str, Any]) -> str:
+    """The path (a key of `PATHS`) of `group` of `opt`, stepping its own parameters (under fp32
+    masters the precision names it: `MasterWeights.update_path`)."""
     from containers.optim.lean_adam import ADAMS  # (lean_adam steps through this module)
 
-    adam = type(opt) in ADAMS
-    if masters:
-        if adam and flat_group(group):
-            return "masters flat compiled" if group.get("compiled") else "masters flat"
-        return "masters per tensor"
-    return adam_path(group) if adam else "torch"
+    return adam_path(group) if type(opt) in ADAMS else "torch"
 
 
 def adam_path(group: dict[str, Any]) -> str:
@@ -69,23 +63,14 @@ def adam_path(group: dict[str, Any]) -> str:
     return "torch"
 
 
-def flat_group(group: dict[str, Any]) -> bool:
-    """Whether an Adam/AdamW `group` steps in flat buffers under mixed precision: fused, no
-    amsgrad, not differentiable, parameters contiguous and on one device (or the zero-stride
-    placeholders of masters kept as remainders)."""
-    params = group["params"]
-    if not params or group.get("amsgrad") or group.get("differentiable") or not group["fused"]:
-        return False
-    pieces = [local(p) for p in params]
-    dense = all(t.is_contiguous() or not any(t.stride()) for t in pieces)
-    return dense and len({t.device for t in pieces}) == 1
-
-
-def path_lines(optimizers: Sequence[Optimizer], masters: bool = False) -> list[str]:
-    """The distinct `update path: <class>[<group index>]: <path>` lines, in order."""
+def path_lines(
+    optimizers: Sequence[Optimizer], path_of: Callable[[Optimizer, int], str]
+) -> list[str]:
+    """The distinct `update path: <class>[<group index>]: <path>` lines, in order;
+    `path_of(opt, index)` names a group's path (`Precision.update_path`)."""
     lines = (
-        f"update path: {type(opt).__name__}[{i}]: {update_path(opt, g, masters=masters)}"
+        f"update path: {type(opt).__name__}[{i}]: {path_of(opt, i)}"
         for opt in optimizers
-        for i, g in enumerate(opt.param_groups)
+        for i in range(len(opt.param_groups))
     )
     return list(dict.fromkeys(lines))

@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 
 from containers.optim.compiled_adam import compiled_adam
 from containers.optim.lean import moment_dtype_of
-from containers.optim.paths import BF16_FUSED_DEVICES, update_path
+from containers.optim.lean_adam import ADAMS
+from containers.optim.paths import BF16_FUSED_DEVICES
 from containers.precision import remainders as rem
 from containers.tensors import local, scratch, scratch_numel, shaped_like
 
@@ -39,8 +40,15 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def eligible(opt: Optimizer, group: dict) -> bool:
-    """Whether `group` of `opt` steps flat: a fused Adam/AdamW group (`paths.update_path`)."""
-    return update_path(opt, group, masters=True) != "masters per tensor"
+    """Whether `group` of `opt` can step flat: fused Adam/AdamW, no amsgrad, not
+    differentiable, its parameters contiguous and on one device."""
+    params = group["params"]
+    if type(opt) not in ADAMS or not params or not group["fused"]:
+        return False
+    if group.get("amsgrad") or group.get("differentiable"):
+        return False
+    pieces = [local(p) for p in params]
+    return all(t.is_contiguous() for t in pieces) and len({t.device for t in pieces}) == 1
 
 
 def _padded(n: int) -> int:

@@ -150,6 +150,14 @@ class MasterWeights(Precision):
                 for flat in flats:
                     self.flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
 
+    def update_path(self, opt: Optimizer, index: int) -> str:
+        """What steps the group: in flat buffers where this precision holds it so (its
+        remainders at rest are stride-0 views, not contiguous masters), else per tensor."""
+        if not any(flat.index == index for flat in self._flat.get(id(opt), ())):
+            return "masters per tensor"
+        compiled = opt.param_groups[index].get("compiled")
+        return "masters flat compiled" if compiled else "masters flat"
+
     def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
         """Refuse remainders for an Adam/AdamW group that cannot step flat, or if no group
         can; other optimizers' groups keep fp32 masters (logged once)."""

@@ -15,7 +15,7 @@ from containers import (
     ShardedMuon,
     tensors,
 )
-from containers.optim.paths import PATHS, update_path
+from containers.optim.paths import PATHS
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import full
 
@@ -155,8 +155,8 @@ def test_grouped_experts_step_as_separate_matrices_bitwise(case, monkeypatch):
             opt.step()
             opt.zero_grad()
     for opt in opts:
-        groups = [(o, g) for o in opt for g in o.param_groups]
-        assert {update_path(o, g, masters=settings is not None) for o, g in groups} == {path}
+        groups = [(o, i) for o in opt for i in range(len(o.param_groups))]
+        assert {opt.precision.update_path(o, i) for o, i in groups} == {path}
     got, want = ({k: full(v) for k, v in o.state_dict().items()} for o in opts)
     for name in SHAPES:
         assert torch.equal(getattr(grouped, name), torch.stack(list(getattr(separate, name))))

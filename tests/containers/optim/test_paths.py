@@ -10,6 +10,7 @@ import torch
 from containers import (
     LeanAdamW,
     MixedPrecisionOptimizersContainer,
+    MixedPrecisionSettings,
     OptimizersContainer,
     ParamGroupRule,
 )
@@ -71,3 +72,17 @@ def test_mixed_precision_groups_name_the_masters_paths(caplog):
         "update path: AdamW[0]: masters flat",
         "update path: SGD[0]: masters per tensor",
     }
+
+
+def test_masters_kept_as_remainders_name_the_flat_path_they_step(caplog):
+    """At rest a remainder master is a stride-0 view (not contiguous): the path is the one
+    the precision steps the group on, not one derived again from the tensors."""
+    parts = [part.bfloat16() for part in three_parts()]
+    opt = MixedPrecisionOptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": 1e-3, "fused": True},
+        settings=MixedPrecisionSettings(store_param_remainders=True),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="containers.container"):
+        _step(opt, parts)
+    lines = {r.getMessage() for r in caplog.records if r.name == "containers.container"}
+    assert lines == {"update path: AdamW[0]: masters flat"}
