@@ -31,6 +31,7 @@ from typing import NoReturn
 
 import torch
 
+from components.agreement import SettingsMismatch
 from components.checkpoint import SaveFailed
 from components.comm import collective_failure, speak_once
 from components.job import build_job, validate_job
@@ -41,7 +42,7 @@ from components.metrics import MetricsLogger, group_lrs, lr_group_names, param_c
 from components.preemption import StopRequest, watch_parent
 from components.run_lock import release_held
 from config import ConfigError, load_job_config, to_toml, usage
-from containers import GateLost, SettingsMismatch
+from containers import GateLost
 
 logger = logging.getLogger("train")
 

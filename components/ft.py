@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from components.agreement import SettingsAgreement
 from components.optimizer import OPTIMIZERS, resolve_optimizer
 from components.parallelize import stage_group
 from config import DILOCO_KEYS, ConfigError, JobConfig
@@ -78,13 +79,9 @@ def build_gate(cfg: JobConfig, manager: Manager | None) -> Gate | None:
     DiLoCo, whose inner steps all commit (`build_outer`)."""
     if manager is None or cfg.fault_tolerance.semi_sync_method == "diloco":
         return None
-    ft = cfg.fault_tolerance
-    return TorchFTGate(
-        manager,
-        agree_on=math_settings(cfg),
-        name=_group_name(ft),
-        lighthouse=lighthouse_address(ft.lighthouse),
-    )
+    lighthouse = lighthouse_address(cfg.fault_tolerance.lighthouse)
+    agreement = SettingsAgreement(_group_name(cfg.fault_tolerance), math_settings(cfg), lighthouse)
+    return TorchFTGate(manager, agreement=agreement.check, lighthouse=lighthouse)
 
 
 def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
@@ -96,12 +93,13 @@ def build_outer(cfg: JobConfig, manager: Manager | None) -> Outer | None:
         return None
     cls, kwargs = _outer_optimizer(cfg)
     diloco = {f"[fault_tolerance] {k}": getattr(ft, k) for k in DILOCO_KEYS}
+    lighthouse = lighthouse_address(ft.lighthouse)
+    agreement = SettingsAgreement(_group_name(ft), {**math_settings(cfg), **diloco}, lighthouse)
     return DiLoCo(
         manager, sync_steps=ft.sync_steps, outer_cls=cls, outer_kwargs=kwargs,
         num_fragments=ft.num_fragments, fragment_sync_delay=ft.fragment_sync_delay,
-        fragment_update_alpha=ft.fragment_update_alpha,
-        agree_on={**math_settings(cfg), **diloco}, name=_group_name(ft),
-        lighthouse=lighthouse_address(ft.lighthouse),
+        fragment_update_alpha=ft.fragment_update_alpha, agreement=agreement.check,
+        lighthouse=lighthouse,
     )  # fmt: skip
 
 

@@ -17,7 +17,6 @@ from containers.precision import (
     MixedPrecisionSettings,
     load_planner,
 )
-from containers.quorum import SettingsMismatch
 from containers.state import ParamGroupRule
 from containers.timing import InBackward, OptimizersInBackwardContainer
 
@@ -40,7 +39,6 @@ __all__ = [
     "Outer",
     "ParamGroupRule",
     "Precision",
-    "SettingsMismatch",
     "ShadowWeights",
     "ShardedMuon",
     "StepReport",

@@ -7,7 +7,7 @@ whether the step commits, and applies (hooks included, once) only if it does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer
 from containers.parts import Gate
-from containers.quorum import SettingsAgreement, wait_quorum
+from containers.quorum import wait_quorum
 from containers.tensors import local, shaped_like
 
 if TYPE_CHECKING:
@@ -29,9 +29,9 @@ class TorchFTGate(Gate):
     """The gate of a torchft replica group, whose `torchft.Manager` is `manager`.
 
     Args:
-        agree_on: settings (key -> JSON-serializable value) every replica group must share,
-            compared at each new quorum (`SettingsAgreement`); None: not compared.
-        name: this group's name in those messages.
+        agreement: called with the manager at each quorum before the average: None when
+            every group may average, else the number of groups left once others are refused
+            (it raises for this group); e.g. `components.agreement.SettingsAgreement.check`.
         lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
             account of a missing quorum the messages quote.
     """
@@ -42,13 +42,12 @@ class TorchFTGate(Gate):
         self,
         manager: Manager,
         *,
-        agree_on: Mapping[str, Any] | None = None,
-        name: str = "",
+        agreement: Callable[[Manager], int | None] | None = None,
         lighthouse: str | None = None,
     ) -> None:
         self.manager = manager
         self.lighthouse = lighthouse
-        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on, lighthouse)
+        self.agreement = agreement
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
@@ -71,7 +70,7 @@ class TorchFTGate(Gate):
         wait_quorum(self.manager, lighthouse=self.lighthouse)
         if self.manager.errored() is not None:
             return  # the step commits nowhere (e.g. the quorum's process group did not start)
-        if self.agreement is not None and (left := self.agreement.check(self.manager)):
+        if self.agreement is not None and (left := self.agreement(self.manager)):
             # No collective on this quorum's group now. Alone, our gradients are the average;
             # with others, retry in the next quorum without the refused groups.
             if left > 1:

@@ -18,14 +18,14 @@ Under mixed precision the outer step runs on the fp32 masters.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from containers.parts import GateLost, Outer
-from containers.quorum import SettingsAgreement, wait_quorum
+from containers.quorum import wait_quorum
 from containers.state.flat import describe_keys, flatten_into
 from containers.state.initial import derive
 from containers.tensors import local, shaped_like
@@ -67,9 +67,7 @@ class DiLoCo(Outer):
         fragment_sync_delay: inner steps between a fragment's average and its outer step
             (below sync_steps // num_fragments, so it lands before the next one is taken).
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
-        agree_on: settings every replica group must share, compared at each new quorum
-            (`SettingsAgreement`); None: not compared.
-        name: this group's name in those messages.
+        agreement: called with the manager at each sync's quorum, as `TorchFTGate`'s.
         lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
             account of a missing quorum the messages quote.
     """
@@ -84,8 +82,7 @@ class DiLoCo(Outer):
         num_fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
-        agree_on: Mapping[str, Any] | None = None,
-        name: str = "",
+        agreement: Callable[[Manager], int | None] | None = None,
         lighthouse: str | None = None,
     ) -> None:
         if sync_steps < 1:
@@ -117,7 +114,7 @@ class DiLoCo(Outer):
         self.delay = fragment_sync_delay
         self.alpha = fragment_update_alpha
         self.lighthouse = lighthouse
-        self.agreement = None if agree_on is None else SettingsAgreement(name, agree_on, lighthouse)
+        self.agreement = agreement
         self.manager = manager
         self.sync_steps = sync_steps
         self.outer_cls = outer_cls
@@ -209,7 +206,7 @@ class DiLoCo(Outer):
         fragment = self.due(self.inner_steps + self.delay)
         flat = torch.cat([x.reshape(-1) for x in self.pseudo_gradients(self.fragments[fragment])])
         # A group of another config is refused here (it raises; the others leave it out).
-        left = self.agreement.check(self.manager) if self.agreement is not None else None
+        left = self.agreement(self.manager) if self.agreement is not None else None
         work = self.manager.allreduce(flat) if left is None else None
         if left is not None and left > 1:  # retried at the next sync, without the refused
             self.manager.report_error(RuntimeError("a replica group was refused"))
