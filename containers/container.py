@@ -1,22 +1,9 @@
 """`OptimizersContainer`: one `torch.optim.Optimizer` over the optimizers of many model parts.
 
-Every variant is this class with other parts plugged in (`containers.parts`): one step,
-
-    prepare   gate.reduce_gradients            average across replica groups (torchft)
-    commit    gate.commit                      an uncommitted step changes nothing
-    measure   precision.grad_norm, one sync    the global norm for the clip, which is also the
-              or all_finite, one sync          non-finite check; or (no clip) one read that
-              or nonfinite_flag, no sync       only checks; on CUDA both left to fused kernels
-                                               as a flag (the norm's squares summed in fp64)
-    decide    finite check                     a skipped step changes nothing but the scale
-    apply     precision.apply                  inner optimizers; masters copied back
-    follow    outer.after_apply                a committed step's outer part (DiLoCo's
-                                               outer step every sync_steps)
-    report    last_report (StepReport)         committed, why skipped, norm, scale
-
-run in `step()` after backward, or unit by unit inside backward (`containers.timing.in_backward`).
-A non-finite loss given to `backward()` turns every gradient it reaches into NaN (no host
-sync), so the one check catches it too.
+Every variant is this class with other parts plugged in (`containers.parts`); the step
+pipeline (prepare, commit, measure, decide, apply, report) is drawn in ARCHITECTURE.md. A
+non-finite loss given to `backward()` turns every gradient it reaches into NaN (no host sync),
+so the one finite check catches it too.
 """
 
 from __future__ import annotations
@@ -55,8 +42,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters that apply together, the tensors stepped for them (themselves or masters),
-    and their inner optimizers."""
+    """Parameters that apply together, the tensors stepped for them, their inner optimizers."""
 
     params: list[torch.Tensor]
     stepped: list[torch.Tensor]
@@ -72,24 +58,15 @@ class OptimizersContainer(Optimizer, Stateful):
     flat FQN-keyed format with DTensors kept, so DCP reshards it.
 
     Args:
-        model_parts: modules whose trainable parameters are optimized; frozen ones are skipped.
-        optimizer_cls: optimizer for parameters no rule assigns to another class.
-        optimizer_kwargs: constructor kwargs of `optimizer_cls`.
         param_groups: rules that form param groups by FQN; each parameter may match at most
             one, and every rule must match at least one parameter.
-        precision: what the inner optimizers step (default: the fp32 parameters themselves).
-        gate: whether a step commits (default: always).
-        timing: when units apply (default: after backward, in `step()`).
-        outer: what follows each committed step, with state of its own (e.g.
-            `containers.DiLoCo`, `containers.LoadBalance`), in order; None: nothing.
-        max_norm: clip the global gradient norm to this in `step()`; 0 only measures it;
-            None (default) does not clip.
-        skip_nonfinite: skip a step whose loss or gradients hold inf or NaN; one host sync
-            per step (per unit inside backward), none where fused kernels can skip on a
-            device flag (`containers.decision`).
-        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp) for the
-            global norm (`containers.norm`). None: one stage over the world.
-        ema: an EMA of the stepped weights, updated in the step (`ema_weights()` swaps it in).
+        precision, gate, timing: the parts (defaults: fp32, always commits, after backward).
+        outer: what follows each committed step, in order (`DiLoCo`, `LoadBalance`).
+        max_norm: clip the global gradient norm to this; 0 only measures it; None: no clip.
+        skip_nonfinite: skip a step whose loss or gradients hold inf or NaN.
+        mesh: the job's named DeviceMesh (pp, dp_replicate, dp_shard, tp) for the global
+            norm; None: one stage over the world.
+        ema: an EMA of the stepped weights (`ema_weights()` swaps it in).
     """
 
     def __init__(
@@ -122,10 +99,7 @@ class OptimizersContainer(Optimizer, Stateful):
             [] if outer is None else [outer] if _is_part(outer) else list(outer)
         )
         self.max_norm = max_norm
-        # A scaled loss finds its overflows by skipping non-finite steps.
         self.skip_nonfinite = skip_nonfinite or "loss_scaling" in self.precision.features
-        # FSDP1 parameters are 1-D slices of flat parameters: state entries are converted to
-        # full-shape DTensors on save and back on load (`containers.state.fsdp1`).
         self.flat_shards = FlatShards(self.model_parts)
         refuse(self._features(ema))
         self._fqns: dict[torch.Tensor, str] = {}
@@ -172,11 +146,11 @@ class OptimizersContainer(Optimizer, Stateful):
         self.decision = Decision(self.precision, self.global_norm, device, local_norm)
         self.precision.built(self.optimizers)
         self.defaults = defaults_of(optimizer_cls, optimizer_kwargs)
-        # The flag a kernel-skipped step left, and its norm: read when the report is asked.
+        # A kernel-skipped step's flag and norm, read when the report is asked.
         self._found_inf: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self.last_report = StepReport()
-        self._paths_said = False  # the update paths are logged at the first step
+        self._paths_said = False
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
@@ -196,7 +170,6 @@ class OptimizersContainer(Optimizer, Stateful):
         )
 
     def _features(self, ema: ShadowWeights | None) -> dict[str, str]:
-        """The `containers.rules` features of this composition, named as refusals name them."""
         named = {**self.precision.features, **self.gate.features, **self.timing.features}
         for part in self.outer:
             named.update(part.features)
@@ -207,8 +180,6 @@ class OptimizersContainer(Optimizer, Stateful):
         if self.flat_shards:
             named["fsdp1"] = "FSDP1 (FullyShardedDataParallel) model parts"
         return named
-
-    # -- what the trainer asks -----------------------------------------------------------
 
     def _refused_alone(
         self, cls: type[Optimizer], constructor: dict[str, Any], specs: list[tuple[list, dict]]
@@ -224,13 +195,11 @@ class OptimizersContainer(Optimizer, Stateful):
 
     @property
     def last_step_committed(self) -> bool:
-        """Whether the last `step()` counts (see `last_report`)."""
         return self.last_report.committed
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: scaled by the precision's `loss_scale`, and NaN if
-        non-finite (where `skip_nonfinite`), so the step is skipped. Pipeline loss functions
-        return it."""
+        """The loss to call backward on: scaled, and NaN if non-finite (where `skip_nonfinite`)
+        so the step is skipped. Pipeline loss functions return it."""
         if self.skip_nonfinite:
             finite = loss.detach().isfinite()
             loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
@@ -238,10 +207,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return loss * scale if scale is not None and scale != 1.0 else loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `scale_loss(loss)`."""
         self.scale_loss(loss).backward()
-
-    # -- the torch.optim.Optimizer contract ------------------------------------------------
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -254,7 +220,6 @@ class OptimizersContainer(Optimizer, Stateful):
 
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
-        """A read-only live view of every inner optimizer's per-parameter state."""
         return StateView(self.optimizers)
 
     def __iter__(self) -> Iterator[Optimizer]:
@@ -264,8 +229,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return len(self.optimizers)
 
     def __repr__(self) -> str:
-        """What steps, in one line: each kind of param group (optimizer, state dtype, how
-        many), then every part, named even where it is the plain one."""
+        """Each kind of param group (optimizer, state dtype, how many), then every part."""
         groups = Counter(
             f"{type(opt).__name__} ({g.get('moment_dtype', 'float32')} state)"
             for opt in self.optimizers
@@ -290,7 +254,6 @@ class OptimizersContainer(Optimizer, Stateful):
         )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run the step pipeline once; `last_report` says what it did."""
         if closure is not None and self.timing.in_backward:
             raise ValueError(
                 f"{type(self).__name__}.step(closure): parameters step inside backward, so a "
@@ -360,8 +323,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return step_report(self.precision, grad_norm=value)
 
     def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
-        """Apply with the skip left to the kernels (`found`) and clipped by `norm` (None: no
-        clip); no host sync, the report reads flag and norm when asked."""
+        """Apply with the skip left to the kernels (`found`), clipped by `norm`; no host sync."""
         self._with_hooks(
             lambda: self.precision.apply(self.optimizers, norm, self.max_norm, found_inf=found)
         )
@@ -372,7 +334,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self, optimizers: Sequence[Optimizer], per_unit: bool = False
     ) -> bool:
         """Whether a step (or a unit's) may leave its non-finite skip to the kernels: only
-        if nothing else follows the decision (no step hooks, EMA or outer part)."""
+        if nothing follows the decision (step hooks, EMA, outer part)."""
         hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
             not hooks
@@ -399,7 +361,7 @@ class OptimizersContainer(Optimizer, Stateful):
         )
 
     def metrics(self) -> dict[str, float]:
-        """The outer parts' numbers for the step's metrics row (e.g. `load_imbalance`)."""
+        """The outer parts' numbers for the step's metrics row."""
         return {k: v for part in self.outer for k, v in part.metrics().items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -416,10 +378,7 @@ class OptimizersContainer(Optimizer, Stateful):
                     p.grad.zero_()
             self.timing.on_zero_grad()
 
-    # -- state (`containers.state.container_state`) ---------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
-        """Torch's flat optimizer state dict plus the parts' entries (`ContainerState`)."""
         return self._state.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -429,18 +388,17 @@ class OptimizersContainer(Optimizer, Stateful):
     def check_checkpoint_keys(
         self, keys: Collection[str] | Mapping[str, torch.dtype | None]
     ) -> str:
-        """Refuse a checkpoint of another state layout before anything loads, else fit
-        `state_dict()` to its keys as DCP's template (`ContainerState.check_checkpoint_keys`)."""
+        """Refuse a checkpoint of another state layout, else fit `state_dict()` to its keys."""
         return self._state.check_checkpoint_keys(keys)
 
     def forget_checkpoint_keys(self) -> None:
-        """Undo `check_checkpoint_keys`, where the load it was for failed."""
+        """Undo `check_checkpoint_keys` (the load failed)."""
         self._state.forget_checkpoint_keys()
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
-        """Inside the block the model parts hold the EMA of their weights (in their dtype);
-        after it, their own weights again, bitwise."""
+        """Inside the block the model parts hold the EMA of their weights; after it, their own
+        again, bitwise."""
         if self.ema is None:
             raise ValueError(
                 f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "

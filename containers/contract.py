@@ -1,8 +1,6 @@
-"""The parts of torch's `Optimizer` contract a container over inner optimizers keeps by hand:
-every hyperparameter in `defaults` (schedulers look for `betas` or `momentum` there), step
-hooks (torch's global ones included) that see the container once per step, never its inner
-optimizers, and one read-only view of every inner optimizer's state.
-"""
+"""What torch's `Optimizer` contract needs by hand over inner optimizers: every
+hyperparameter in `defaults` (schedulers look for `betas` there), step hooks (global ones
+too) that see the container once per step, never its inner optimizers, and a state view."""
 
 from __future__ import annotations
 
@@ -35,11 +33,7 @@ def defaults_of(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> dict[str, An
 def with_step_hooks(
     optimizer: Optimizer, pre: Hooks, post: Hooks, apply: Callable[[], None]
 ) -> None:
-    """Run `apply` as `optimizer`'s step between its step hooks, in torch's order.
-
-    Global pre hooks, `pre`, `apply`, `post`, global post hooks; a pre hook may return new
-    `(args, kwargs)` for the hooks after it.
-    """
+    """Run `apply` as `optimizer`'s step between its step hooks, in torch's order."""
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     for hook in [*torch_optimizer._global_optimizer_pre_hooks.values(), *pre.values()]:
@@ -58,10 +52,8 @@ def with_step_hooks(
 
 @contextmanager
 def inner_steps() -> Iterator[None]:
-    """Inner optimizers' steps without torch's global step hooks (they see the container).
-
-    Torch's step wrapper reads the global tables directly, so they are emptied meanwhile.
-    """
+    """Inner optimizers' steps without torch's global step hooks, whose tables torch's step
+    wrapper reads directly: emptied meanwhile."""
     tables = (
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,

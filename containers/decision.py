@@ -1,11 +1,5 @@
-"""The decide stage of the step: whether a step's gradients may apply, agreed by the world.
-
-With a clip the global norm is the non-finite check; its value is the step's one host sync,
-and a non-finite norm is measured again in fp64, where only a non-finite gradient makes it
-so. Without a clip, one read that only checks. On `KERNEL_SKIP_DEVICES`, where nothing else
-follows the decision, it is a device flag read by torch's fused kernels instead (squares
-summed in fp64, no host sync); `last_report` reads flag and norm when asked.
-"""
+"""The decide stage of the step: whether a step's gradients may apply, agreed by the world
+(ARCHITECTURE.md, "One step": the norm or check, or a device flag for the fused kernels)."""
 
 from __future__ import annotations
 
@@ -25,19 +19,13 @@ if TYPE_CHECKING:
 
 __all__ = ["KERNEL_SKIP_DEVICES", "Decision"]
 
+# Where a host sync stalls the device; on CPU it is free and torch's found_inf path slower.
 KERNEL_SKIP_DEVICES = frozenset({"cuda"})
-"""Device types whose steps leave the non-finite skip to the kernels, where a host sync
-stalls the device. On CPU the host's decision is free and torch's per-tensor found_inf
-handling is slower."""
 
 
 class Decision:
-    """Whether a step's gradients may apply.
-
-    Args:
-        local_norm: the norm is only this rank's (plain tensors without a mesh); the skip
-            must still be agreed by the world.
-    """
+    """Whether a step's gradients may apply. `local_norm`: the norm is only this rank's
+    (plain tensors without a mesh); the skip must still be agreed by the world."""
 
     def __init__(
         self, precision: Precision, global_norm: GlobalNorm, device: torch.device, local_norm: bool
@@ -50,8 +38,7 @@ class Decision:
         self.local_norm = local_norm
 
     def kernels_may_skip(self, optimizers: Sequence[Optimizer]) -> bool:
-        """Whether the precision and device let `optimizers`' kernels take the non-finite skip
-        (`kernel_skips`; a precision's apply reads the flag itself where its own cannot)."""
+        """Whether the precision and device let `optimizers`' kernels take the skip."""
         return (
             self.device.type in KERNEL_SKIP_DEVICES
             and not self.may_refuse
@@ -69,7 +56,6 @@ class Decision:
         return self.nonfinite(value) if skip else replace(report, grad_norm=value)
 
     def nonfinite(self, value: float | None) -> StepReport:
-        """The report of a step skipped for a non-finite loss or gradients."""
         return step_report(
             self.precision,
             committed=False,
@@ -80,8 +66,7 @@ class Decision:
         )
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
-        """`Precision.refusal`, agreed by the world: ranks hold different shards and must
-        skip alike."""
+        """`Precision.refusal`, agreed by the world (ranks hold different shards)."""
         if not self.may_refuse:
             return None
         why = self.precision.refusal(optimizers)
@@ -95,11 +80,9 @@ class Decision:
     def measure(
         self, params: list[torch.Tensor], skip_nonfinite: bool, exact: bool = False
     ) -> tuple[Any, float, bool]:
-        """The global norm, its value and whether the step may apply (one host sync).
-
-        A non-finite norm is measured again in fp64 (`exact`): a finite gradient beyond
-        ~1.8e19 overflows fp32 squares and must neither skip the step nor zero the clip.
-        """
+        """The global norm, its value and whether the step may apply (one host sync). A
+        non-finite norm is measured again in fp64: a finite gradient beyond ~1.8e19 overflows
+        fp32 squares and must neither skip the step nor zero the clip."""
         norm, bad = self.norm_and_flag(params, skip_nonfinite, exact)
         value, skip = torch.stack([norm, bad]).tolist()
         if skip and skip_nonfinite and not exact:
@@ -109,7 +92,7 @@ class Decision:
     def norm_and_flag(
         self, params: list[torch.Tensor], skip_nonfinite: bool, exact: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global norm (`exact`: fp64 squares) and a not-finite flag of its dtype; no sync."""
+        """The global norm and a not-finite flag of its dtype; no sync."""
         norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
         bad = (~norm.isfinite()).to(norm.dtype)
         if skip_nonfinite and self.local_norm:

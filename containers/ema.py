@@ -1,9 +1,5 @@
-"""`ShadowWeights`: an exponential moving average of the weights the container steps.
-
-Flat container state `ema.<fqn>` per stepped parameter (the fp32 masters under mixed
-precision) and `ema.steps`, the applied steps seen. Updated after each applied update (unit by
-unit inside backward): at applied step n <= start_step the average is the weights, then every
-`update_every_n_steps`-th step ema = decay * ema + (1 - decay) * w (torch's `lerp`).
+"""`ShadowWeights`: an exponential moving average of the weights the container steps (fp32
+masters under mixed precision), saved as `ema.<fqn>` and `ema.steps` (applied steps seen).
 """
 
 from __future__ import annotations
@@ -19,20 +15,14 @@ from containers.tensors import local
 
 __all__ = ["EMA", "ShadowWeights"]
 
-EMA = "ema"
-"""Prefix of the average's entries in the flat state dict."""
+EMA = "ema"  # prefix of the average's entries in the flat state dict
 
 logger = logging.getLogger(__name__)
 
 
 class ShadowWeights:
-    """The exponential moving average of the weights a container steps.
-
-    Args:
-        decay: the weight of the average against the weights at each update, in [0, 1).
-        update_every_n_steps: update at every n-th applied step (from `start_step`).
-        start_step: applied steps during which the average is the weights themselves.
-    """
+    """ema = decay * ema + (1 - decay) * w at every `update_every_n_steps`-th applied step
+    after `start_step`; until then the average is the weights themselves."""
 
     def __init__(self, decay: float, *, update_every_n_steps: int = 1, start_step: int = 0) -> None:
         if not 0.0 <= decay < 1.0:
@@ -62,15 +52,12 @@ class ShadowWeights:
 
     @torch.no_grad()
     def attach(self, params: Sequence[torch.Tensor]) -> None:
-        """Shadow `params` (what the container steps), starting from their values."""
         self.params = list(params)
         self.shadow = [p.detach().clone() for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
-    # -- the step --------------------------------------------------------------------------
-
     def _weight(self, n: int) -> float | None:
-        """The lerp weight of applied step `n`: 1.0 (a copy), 1 - decay, or None (no update)."""
+        """The lerp weight of applied step `n` (1.0: a copy; None: no update)."""
         if n <= self.start_step:
             return 1.0
         if (n - self.start_step) % self.every == 0:
@@ -88,7 +75,6 @@ class ShadowWeights:
 
     @torch.no_grad()
     def _fold(self, index: Iterable[int], weight: float) -> None:
-        """Move the averages `index` towards their weights by `weight` (1.0: onto them)."""
         shadow = [local(self.shadow[i]) for i in index]
         weights = [local(self.params[i]) for i in index]
         if weight == 1.0:
@@ -97,7 +83,7 @@ class ShadowWeights:
             torch._foreach_lerp_(shadow, weights, weight)
 
     def averages(self) -> list[torch.Tensor]:
-        """The average of each parameter of `params`, in order (live tensors)."""
+        """The average of each of `params` (live tensors)."""
         self._settle()
         return self.shadow
 
@@ -107,7 +93,6 @@ class ShadowWeights:
         self._from_weights, self.steps = True, 0
 
     def count(self) -> None:
-        """One more applied step."""
         self.steps += 1
 
     def _settle(self) -> None:
@@ -115,12 +100,9 @@ class ShadowWeights:
             self._from_weights = False
             self._fold(range(len(self.params)), 1.0)
 
-    # -- swap ------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def swapped_into(self, targets: Sequence[torch.Tensor]) -> Iterator[None]:
-        """`targets` (model parameters of `params`) hold the average inside the block, and
-        their own values again, bitwise, after it."""
+        """`targets` (the model parameters of `params`) hold the average inside the block."""
         self._settle()
         pieces = [local(t) for t in targets]
         with torch.no_grad():
@@ -133,8 +115,6 @@ class ShadowWeights:
             with torch.no_grad():
                 torch._foreach_copy_(pieces, kept)
 
-    # -- state -----------------------------------------------------------------------------
-
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, object]:
         if self._absent:
             return {}
@@ -145,11 +125,9 @@ class ShadowWeights:
         return flat
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """A checkpoint with these keys and no average: leave it out of the load template."""
         self._absent = not any(k.startswith(f"{EMA}.") for k in keys)
 
     def forget_template(self) -> None:
-        """Undo `fit_template` (the load it was fitted for failed: the average is kept)."""
         self._absent = False
 
     def take_state(self, flat: dict[str, object], fqn_of: dict[torch.Tensor, str]) -> object:

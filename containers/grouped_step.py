@@ -1,10 +1,6 @@
-"""Step the Adam/AdamW groups of many inner optimizers in one fused (or foreach) call.
-
-`step_together` buckets groups with the same kernel and hyperparameters, collects each through
-its optimizer's own `_init_group` (torch's lazy state init) and makes one functional call per
-bucket: bitwise each optimizer stepping alone, since these kernels compute each tensor from its
-own gradient, state and step. Buckets are rebuilt from the live groups every step.
-"""
+"""Step the like Adam/AdamW groups of many inner optimizers in one fused (or foreach) call,
+collected through each optimizer's own `_init_group`: bitwise each stepping alone, since these
+kernels compute each tensor from its own gradient, state and step."""
 
 from __future__ import annotations
 
@@ -33,9 +29,7 @@ HYPERPARAMETERS = (
     "capturable",
     "differentiable",
     "decoupled_weight_decay",
-)
-"""The group entries that torch's functional `adam` reads: groups agreeing on all of them
-(and on the lean classes' `moment_dtype` and `compiled`) step in one call."""
+)  # what torch's functional `adam` reads: groups agreeing on all of them step in one call
 
 
 _KEY = itemgetter(*HYPERPARAMETERS)  # one C call per group: this runs on every step
@@ -45,8 +39,8 @@ _LR, _FOREACH, _FUSED, _DIFFERENTIABLE = (
 
 
 def _mergeable(key: tuple[Any, ...]) -> bool:
-    """Whether a group of bucket `key` can step with others: an explicit fused or foreach
-    kernel (with None torch picks by the tensors' devices), a float lr, not differentiable."""
+    """An explicit fused or foreach kernel (None: torch picks by device), a float lr, not
+    differentiable."""
     return (
         bool(key[_FUSED] or key[_FOREACH])
         and not key[_DIFFERENTIABLE]
@@ -55,7 +49,7 @@ def _mergeable(key: tuple[Any, ...]) -> bool:
 
 
 def _plain(opt: Optimizer) -> bool:
-    """Whether `opt` is a (lean) Adam or AdamW without step hooks or a caller's `GradScaler`."""
+    """A (lean) Adam or AdamW without step hooks or a caller's `GradScaler`."""
     return (
         type(opt) in ADAMS
         and not opt._optimizer_step_pre_hooks
@@ -66,8 +60,7 @@ def _plain(opt: Optimizer) -> bool:
 
 
 def _own_step(opt: Optimizer) -> bool:
-    """Whether `opt.step` is its class's, or only wrapped by torch's LR scheduler (which
-    sets `_opt_called` and steps)."""
+    """`opt.step` is its class's, or only wrapped by torch's LR scheduler."""
     step = opt.__dict__.get("step")
     return step is None or (
         getattr(step, "_wrapped_by_lr_sched", False)
@@ -76,11 +69,8 @@ def _own_step(opt: Optimizer) -> bool:
 
 
 def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
-    """Whether `step_together(optimizers, found_inf)` changes nothing where `found_inf` is set.
-
-    Needs every group fused (those kernels read the flag and take back the step count), no
-    step hooks (they would run anyway) and no caller's `GradScaler`.
-    """
+    """Whether `step_together(optimizers, found_inf)` changes nothing where `found_inf` is set:
+    every group fused (those kernels read the flag), no step hooks, no caller's `GradScaler`."""
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         return False
     return all(_plain(opt) and all(g["fused"] for g in opt.param_groups) for opt in optimizers)
@@ -88,11 +78,7 @@ def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
 
 @torch.no_grad()
 def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | None = None) -> None:
-    """Step each optimizer once, bitwise as `opt.step()`, one kernel call per bucket.
-
-    Args:
-        found_inf: device flag (only where `kernel_skips`); set, every kernel changes nothing.
-    """
+    """Step each optimizer once, bitwise as `opt.step()`; a set `found_inf` changes nothing."""
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         for opt in optimizers:
             _step_alone(opt, found_inf)
@@ -130,7 +116,6 @@ def _step_alone(opt: Optimizer, found_inf: torch.Tensor | None) -> None:
 def _step_bucket(
     groups: list[tuple[Optimizer, dict[str, Any]]], found_inf: torch.Tensor | None = None
 ) -> None:
-    """One functional `adam` (or `lean_adam`) call over `groups` (all of the same bucket)."""
     # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps: as torch's step collects them
     lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
     has_complex = False

@@ -1,10 +1,7 @@
-"""The global L2 norm of the gradients over the job's mesh, each element counted once; and
-the non-finite checks a step without a clip takes instead (`all_finite`, `nonfinite_flag`).
+"""The global L2 norm of the gradients over the job's mesh, each element counted once
+(ARCHITECTURE.md: "One step"); the non-finite checks a step without a clip takes instead.
 
-Each rank sums its pieces' squares divided by how many ranks of its pipeline stage hold the
-same piece (a DTensor shard: `world / pp / S`, S the product of the dims it is sharded on; a
-plain tensor: all `world / pp`; an FSDP1 slice: `world / pp` over its shard group), and one
-all-reduce sums shards, replicas and stages. Dividing rather than electing an owner keeps
+Dividing each piece's squares by its number of copies rather than electing an owner keeps
 every rank's gradients in the sum, so a non-finite one anywhere is non-finite everywhere.
 """
 
@@ -30,7 +27,7 @@ __all__ = [
 
 
 def _shards(t: DTensor) -> int:
-    """Product of the sizes of the mesh dims `t` is sharded on (Shard or _StridedShard)."""
+    """Product of the sizes of the mesh dims `t` is sharded on."""
     n = 1
     for dim, placement in enumerate(t.placements):
         if placement.is_partial():
@@ -48,12 +45,10 @@ class GlobalNorm:
     """How one rank's gradients add up to the job's global L2 norm.
 
     Args:
-        params: every parameter whose gradient may be measured.
-        mesh: the job's named DeviceMesh (dims pp, dp_replicate, dp_shard, tp); without a
-            "pp" dim it is one stage. None: one stage over the world, with a collective only
-            if some parameter is a DTensor or in `shards`.
-        shards: plain parameters that hold disjoint pieces (FSDP1 slices) -> into how many
-            pieces they are cut; their gradients must be passed with `params=`.
+        mesh: the job's named DeviceMesh; None: one stage over the world, with a collective
+            only if some parameter is a DTensor or in `shards`.
+        shards: plain parameters holding disjoint pieces (FSDP1 slices) -> how many pieces;
+            their gradients must be passed with `params=`.
     """
 
     def __init__(
@@ -111,14 +106,8 @@ class GlobalNorm:
         params: Sequence[torch.Tensor] | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
-        """The global norm (fp32 scalar) of this rank's `grads`; every rank must call it.
-
-        Non-finite if any gradient on any rank is, or if fp32 squares overflowed.
-
-        Args:
-            params: the parameters of `grads`, in order (needed for `shards`).
-            exact: sum in fp64 (fp64 result): non-finite only if a gradient is.
-        """
+        """The global norm (fp32; `exact`: fp64, non-finite only if a gradient is) of this
+        rank's `grads` (of `params`, needed for `shards`); every rank must call it."""
         by_copies: dict[int, list[torch.Tensor]] = {}
         if not self.collective:  # every piece counts once (the common one-process case: fast)
             if grads:
@@ -141,7 +130,7 @@ class GlobalNorm:
 def clip_grads(
     params: Sequence[torch.Tensor], grad_norm: torch.Tensor, max_norm: float | None
 ) -> None:
-    """Clip `params`' gradients of norm `grad_norm` to `max_norm` (0/None: no-op), as torch."""
+    """Clip `params`' gradients of norm `grad_norm` to `max_norm`, as torch."""
     if not max_norm:
         return
     # A foreach multiply cannot mix DTensors of different meshes (TP x FSDP2 leaves e.g.
@@ -157,7 +146,7 @@ def sum_of_squares(
     tensors: Sequence[torch.Tensor], device: torch.device, exact: bool = False
 ) -> torch.Tensor:
     """Sum of squares as an fp32 scalar on `device`, without an fp32 copy of any tensor; or
-    (`exact`) in fp64, non-finite only if an element is."""
+    (`exact`) in fp64."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
@@ -177,13 +166,11 @@ def sum_of_squares(
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 sums of squares of pieces of low-precision tensors, each piece widened into the
-    scratch buffer and measured by `dot` with itself (faster than `vector_norm`)."""
+    """fp32 sums of squares of low-precision tensors, widened into scratch a piece at a time
+    and measured by `dot` with itself (faster than `vector_norm`)."""
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0
-    # Cut to the kept buffer's size: a larger buffer would be allocated (and page-faulted
-    # on CPU) every step.
     kept = scratch_numel(tensors[0].device)
     flat = (t.reshape(-1) for t in tensors)
     cuts = (f[lo : lo + kept] for f in flat for lo in range(0, f.numel(), kept))
@@ -237,10 +224,9 @@ def nonfinite_flag(
     groups: Sequence[dist.ProcessGroup | None] | None = None,
     on_host: bool | None = None,
 ) -> torch.Tensor:
-    """1.0 if an element of `tensors` is not finite, else 0.0, agreed across `groups`: the fp32
-    `found_inf` torch's fused Adam kernels read, on their device. On CUDA without a host sync:
-    torch's AMP check (scale 1) in one multi-tensor kernel (bf16: an fp64 sum of squares) and a
-    device collective. Elsewhere that check writes every tensor back and a sync is free, so
+    """The fp32 `found_inf` flag torch's fused kernels read (1.0: an element is not finite),
+    agreed across `groups`. On CUDA without a host sync: torch's AMP check (scale 1; bf16: an
+    fp64 sum of squares). Elsewhere that check writes every tensor back and a sync is free, so
     `all_finite` decides (`on_host`; None: everywhere but CUDA)."""
     pieces, groups, device = _local_pieces(tensors, groups)
     if on_host is None:
@@ -263,7 +249,7 @@ def nonfinite_flag(
 def _local_pieces(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None
 ) -> tuple[list[torch.Tensor], Sequence[dist.ProcessGroup | None], torch.device]:
-    """Local tensors (DTensor shards, sparse values), the groups and the device to agree on."""
+    """Local dense tensors, the groups and the device to agree on."""
     pieces, mesh = [], None
     for t in tensors:  # runs every step over every gradient: kept lean
         if isinstance(t, DTensor):

@@ -1,15 +1,5 @@
-"""The parts a container is composed of, with the behaviour of plain fp32 training.
-
-- **precision** (`Precision`): what the inner optimizers step (parameters or fp32 masters),
-  loss scaling, the gradient norm, and how a unit applies.
-- **gate** (`Gate`): whether a step commits (torchft), and the gradient average before it.
-- **timing** (`Timing`): when units apply: in `step()`, or inside backward
-  (`containers.timing.in_backward`).
-- **outer** (`Outer`, any number): what follows a committed step, with state of its own
-  (DiLoCo, MoE load balancing: `containers.outer`).
-
-Each part declares its `features`; the container refuses compositions `containers.rules` lists.
-"""
+"""The part protocols of a container (precision, gate, timing, outer), each default being
+plain fp32 training; ARCHITECTURE.md lists their hooks and implementations."""
 
 from __future__ import annotations
 
@@ -41,43 +31,42 @@ __all__ = [
     "step_report",
 ]
 
-Named = list[tuple[str, torch.Tensor]]
-"""(FQN, parameter) pairs of one model part or one unit."""
+Named = list[tuple[str, torch.Tensor]]  # (FQN, parameter) of one model part or unit
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one `step()` did, for the trainer to log as it is."""
+    """What one `step()` did.
+
+    Attributes:
+        committed: the step applied (inside backward, finite units may apply regardless).
+        skipped: why it did not apply.
+        nonfinite: skipped for a non-finite loss or gradients: the batch is spent.
+        partial: skipped in some units only (inside backward): the weights did change.
+        backing_off: an overflow skip while the loss scale was above `min_scale` (the scale
+            finding its level, not a failure).
+        grad_norm: unscaled global norm before clipping, where measured.
+        loss_scale: the scale the next backward uses, where the loss is scaled.
+    """
 
     committed: bool = True
-    """Whether the step was applied (inside backward, finite units may apply regardless)."""
     skipped: str | None = None
-    """Why the step was not applied, if it was not."""
     nonfinite: bool = False
-    """Skipped for a non-finite loss or gradients: the batch is spent (not retried)."""
     partial: bool = False
-    """Skipped in some units only (inside backward): the weights did change."""
     backing_off: bool = False
-    """Skipped for an overflow while the loss scale was above `min_scale`: the scale finding
-    its level, not a failure (the trainer's skip cap does not count it)."""
     grad_norm: float | None = None
-    """Global gradient norm before clipping (unscaled); None where it was not measured."""
     loss_scale: float | None = None
-    """The loss scale the next backward uses, for precisions that scale the loss."""
 
     def metrics(self) -> dict[str, float]:
-        """The numeric fields that were measured, by name."""
         fields = ("grad_norm", "loss_scale")
         return {k: v for k in fields if (v := getattr(self, k)) is not None}
 
 
 def step_report(precision: Precision, **fields: Any) -> StepReport:
-    """A `StepReport` of `fields` with `precision`'s loss scale and backoff."""
     return StepReport(loss_scale=precision.loss_scale, backing_off=precision.backing_off, **fields)
 
 
 def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
-    """The parameters of `optimizers` that have a gradient."""
     return [
         p for opt in optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None
     ]
@@ -86,25 +75,15 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
-    Hooks by phase: build (`features`, `stepped`, `built`); step (`before_step`,
-    `grad_norm`, `refusal`, `decided`, `apply`); checkpoint (`state`). Declared in
-    `features`: "masters" (the inner optimizers step fp32 masters), "overflow_refusal"
-    (`refusal` may answer: the container agrees on it across ranks), "host_skip" (a skip
-    must be decided on the host, never left to the kernels) and the `containers.rules`
-    features. The container scales the loss by `loss_scale` and clears the model's
-    gradients beside the stepped tensors' on `zero_grad`. `MasterWeights`
-    (`containers.precision`) is the other implementation.
+    `features` may declare, beside the `containers.rules` ones: "masters" (fp32 masters are
+    stepped), "overflow_refusal" (`refusal` may answer; agreed across ranks) and "host_skip"
+    (a skip is decided on the host, never in the kernels). The container scales the loss by
+    `loss_scale`; `backing_off`: the last step overflowed above the scale's floor.
     """
 
-    state: PartState | None = None
-    """This precision's checkpoint entries beside the optimizer state, if it has any."""
-
+    state: PartState | None = None  # checkpoint entries beside the optimizer state
     loss_scale: float | None = None
-    """What the container multiplies the loss by before backward, where it is scaled (the
-    `StepReport` says it too)."""
-
     backing_off = False
-    """The last step overflowed while a dynamic loss scale was above its floor."""
 
     @property
     def features(self) -> Mapping[str, str]:
@@ -123,7 +102,7 @@ class Precision:
         return update_path(opt, opt.param_groups[index])
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
-        """Bring what the step needs into place (e.g. state offloaded to CPU)."""
+        """Bring what the step needs into place (e.g. offloaded state)."""
 
     @torch.no_grad()
     def grad_norm(
@@ -137,9 +116,7 @@ class Precision:
         return over([p.grad for p in params], params=params, exact=exact)
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
-        """Why `optimizers`' coming update must not apply though its gradients are finite
-        (e.g. it could overflow fp16 weights); None: it may. Asked only where "overflow_refusal"
-        is declared."""
+        """Why a finite update must not apply (it could overflow fp16 weights); None: it may."""
         return None
 
     def decided(self, applied: bool, overflow: bool | None = None) -> None:
@@ -153,10 +130,8 @@ class Precision:
         max_norm: float | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Clip to `max_norm` by `grad_norm`, then step `optimizers` (`step_together`).
-
-        Where `found_inf` (a device flag, only where `kernel_skips`) is set, nothing changes.
-        """
+        """Clip to `max_norm` by `grad_norm`, then step; nothing changes where the device flag
+        `found_inf` is set."""
         if grad_norm is not None:
             clip_grads(params_with_grad(optimizers), grad_norm, max_norm)
         step_together(optimizers, found_inf)
@@ -166,53 +141,42 @@ class Precision:
 
 
 class PartState(Protocol):
-    """Checkpoint entries of a part (precision, outer part, EMA) beside the optimizer state,
-    flat and keyed `<kind>.<fqn>` like it; `fqn_of` maps each stepped tensor to its FQN."""
+    """Flat checkpoint entries `<kind>.<fqn>` of a part beside the optimizer state (tensors as
+    held, so DCP loads in place); `fqn_of` maps each stepped tensor to its FQN. `fit_template`
+    makes `state_dict()` a template for a checkpoint's keys (`forget_template` undoes it);
+    `take_state` removes and validates the part's entries, changing nothing; `load_state`
+    applies them once the optimizer state has loaded."""
 
-    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]:
-        """This part's flat entries (tensors as held, so DCP loads into them in place)."""
-        ...
+    def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]: ...
 
-    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Make `state_dict()` a template for a checkpoint with these flat keys."""
-        ...
+    def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None: ...
 
-    def forget_template(self) -> None:
-        """Undo `fit_template` (the load it was fitted for failed)."""
-        ...
+    def forget_template(self) -> None: ...
 
-    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any:
-        """Remove this part's entries from `flat` and validate them; change nothing."""
-        ...
+    def take_state(self, flat: dict[str, Any], fqn_of: dict[torch.Tensor, str]) -> Any: ...
 
-    def load_state(self, taken: Any) -> None:
-        """Apply what `take_state` took, once the optimizer state has loaded."""
-        ...
+    def load_state(self, taken: Any) -> None: ...
 
 
 class GateLost(RuntimeError):
-    """The gate can no longer decide commits (torchft: no quorum in time).
-
-    Raised by `step()` before anything changed, so the state is safe to save.
-    """
+    """The gate can no longer decide commits (torchft: no quorum in time); raised by `step()`
+    before anything changed, so the state is safe to save."""
 
 
 class Gate:
     """No gate: every step commits."""
 
-    refusal = "not committed"
-    """What `StepReport.skipped` says when `commit()` returns False."""
+    refusal = "not committed"  # `StepReport.skipped` when `commit()` is False
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The `containers.rules` features this gate brings, named as refusals name them."""
         return {}
 
     def on_zero_grad(self) -> None:
         """A new step begins."""
 
     def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Average gradients across replica groups (none here)."""
+        """Average gradients across replica groups."""
 
     def commit(self) -> bool:
         return True
@@ -222,32 +186,20 @@ class Gate:
 
 
 class Outer(PartState, Protocol):
-    """A post-step part with state of its own: DiLoCo (may write the stepped weights),
-    `LoadBalance` (moves MoE routing biases).
-
-    With one, non-finite skips are decided on the host: it must know whether a step applied.
-    """
+    """A post-step part with state of its own (DiLoCo, `LoadBalance`): `attach` once the inner
+    optimizers exist, `on_zero_grad`, `after_apply` a committed step, `metrics` for the step's
+    row. With one, non-finite skips are decided on the host."""
 
     @property
-    def features(self) -> Mapping[str, str]:
-        """The `containers.rules` features this part brings, named as refusals name them."""
-        ...
+    def features(self) -> Mapping[str, str]: ...
 
-    def attach(self, container: OptimizersContainer) -> None:
-        """Called once the container's inner optimizers exist."""
-        ...
+    def attach(self, container: OptimizersContainer) -> None: ...
 
-    def on_zero_grad(self) -> None:
-        """A new step begins."""
-        ...
+    def on_zero_grad(self) -> None: ...
 
-    def after_apply(self) -> None:
-        """A committed step has applied."""
-        ...
+    def after_apply(self) -> None: ...
 
-    def metrics(self) -> dict[str, float]:
-        """Numbers for the step's metrics row, by name."""
-        ...
+    def metrics(self) -> dict[str, float]: ...
 
 
 class Timing:
@@ -257,7 +209,6 @@ class Timing:
 
     @property
     def features(self) -> Mapping[str, str]:
-        """The `containers.rules` features this timing brings, named as refusals name them."""
         return {}
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
@@ -268,7 +219,7 @@ class Timing:
         """Called once the container's units and inner optimizers exist."""
 
     def on_zero_grad(self) -> None:
-        """A new step begins."""
+        pass
 
     def __repr__(self) -> str:
         return "steps after backward"

@@ -22,8 +22,7 @@ __all__ = ["lighthouse_address", "lighthouse_status", "min_replicas_wait", "wait
 
 logger = logging.getLogger(__name__)
 
-_STATUS_TIMEOUT_S = 2.0
-"""How long a message waits for the lighthouse's status page (only when a quorum is late)."""
+_STATUS_TIMEOUT_S = 2.0  # how long a message waits for the lighthouse's status page
 _WAITS_FOR = re.compile(r"only have (\d+) participants, need min_replicas (\d+)")
 
 
@@ -33,13 +32,9 @@ def lighthouse_address(address: str | None) -> str | None:
 
 
 def lighthouse_status(address: str | None, timeout: float = _STATUS_TIMEOUT_S) -> str | None:
-    """What the torchft lighthouse at `address` (None: `TORCHFT_LIGHTHOUSE`) says of its
-    next quorum, e.g. "New quorum not ready, only have 1 participants, need min_replicas 2
-    [...]" (its `/status` page); None where nothing answers within `timeout` seconds.
-
-    A message about a missing quorum quotes it, so that it names the cause seen (a
-    lighthouse waiting for `min_replicas` groups is up, not gone).
-    """
+    """What the torchft lighthouse at `address` says of its next quorum on its `/status` page,
+    e.g. "New quorum not ready, only have 1 participants, need min_replicas 2 [...]"; None
+    where nothing answers within `timeout` seconds."""
     address = lighthouse_address(address)
     if address is None:
         return None
@@ -66,8 +61,7 @@ def min_replicas_wait(status: str) -> tuple[int, int] | None:
 
 
 def _lighthouse_says(address: str | None) -> str:
-    """Why a quorum is missing, as the lighthouse at `address` reports it (or that it does
-    not answer), with what to do: the clause a warning or `GateLost` ends with."""
+    """Why a quorum is missing, as the lighthouse reports it, with what to do."""
     where = lighthouse_address(address) or "(address unknown)"
     status = lighthouse_status(address)
     if status is None:
@@ -84,14 +78,8 @@ def _lighthouse_says(address: str | None) -> str:
 
 
 def wait_quorum(manager: Manager, start: bool = False, lighthouse: str | None = None) -> None:
-    """Wait for `manager`'s quorum (`start`: start it too, for a synchronous-quorum manager).
-
-    Warns once after the connect timeout and keeps waiting (a lighthouse may restart); the
-    warning and the error quote the lighthouse at `lighthouse` (None: `TORCHFT_LIGHTHOUSE`).
-
-    Raises:
-        GateLost: no quorum within torchft's timeout; nothing of the step changed yet.
-    """
+    """Wait for `manager`'s quorum (`start`: start it too), warning once after the connect
+    timeout (a lighthouse may restart); `GateLost` past the quorum timeout, nothing changed."""
     connect = getattr(manager, "_connect_timeout", None)
     quorum = getattr(manager, "_quorum_timeout", None)
 

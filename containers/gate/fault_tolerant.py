@@ -1,9 +1,6 @@
-"""`TorchFTGate`: commit-or-skip steps under torchft, and the gradient average it needs.
-
-`zero_grad()` starts the step's quorum (it runs while the forward pass does); `step()`
-averages the gradients across the replica groups in one flat collective, asks the manager
-whether the step commits, and applies (hooks included, once) only if it does.
-"""
+"""`TorchFTGate`: commit-or-skip steps under torchft. `zero_grad()` starts the step's quorum
+(it runs while the forward pass does); `step()` averages the gradients across the replica
+groups in one flat collective and applies only if the manager commits."""
 
 from __future__ import annotations
 
@@ -31,9 +28,9 @@ class TorchFTGate(Gate):
     Args:
         agreement: called with the manager at each quorum before the average: None when
             every group may average, else the number of groups left once others are refused
-            (it raises for this group); e.g. `components.agreement.SettingsAgreement.check`.
-        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
-            account of a missing quorum the messages quote.
+            (it raises for this group), e.g. the trainer's `SettingsAgreement.check`.
+        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), quoted by the
+            messages about a missing quorum.
     """
 
     refusal = "not committed by torchft"
@@ -64,7 +61,6 @@ class TorchFTGate(Gate):
 
     @torch.no_grad()
     def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Average gradients across the replica groups of the quorum, in one flat collective."""
         # Before waiting for the quorum, which may wait to read the state (see on_zero_grad).
         self.manager.allow_state_dict_read()
         wait_quorum(self.manager, lighthouse=self.lighthouse)
@@ -89,8 +85,7 @@ class TorchFTGate(Gate):
             p.grad = shaped_like(view, p.grad)
 
     def _alone(self) -> bool:
-        """Whether this is the quorum's only replica group (no healing one), so the average
-        is its own gradients bitwise and the collective can be skipped."""
+        """The quorum's only replica group (none healing): the average is its own gradients."""
         pg = getattr(self.manager, "_pg", None)  # torchft's replica process group
         return (
             self.manager.num_participants() == 1  # waits for the quorum
@@ -106,10 +101,7 @@ class TorchFTGate(Gate):
 
 
 class FTOptimizersContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `TorchFTGate` of `ft_manager` (the replica group's
-    `torchft.Manager`): commit-or-skip steps under torchft. The norm is taken after the average.
-    Other arguments as `OptimizersContainer`'s.
-    """
+    """An `OptimizersContainer` with the `TorchFTGate` of `ft_manager`."""
 
     def __init__(
         self,

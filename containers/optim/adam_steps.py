@@ -1,11 +1,6 @@
-"""Update paths of an Adam/AdamW param group, picked by `containers.optim.paths.adam_path`.
-
-fp32 moments step through torch's functional `adam`. bf16 moments (`lean_adam`) step as they
-are where torch's fused kernel takes them (`paths.BF16_FUSED_DEVICES`: bitwise torch's
-`AdamW(fused=True)` with bf16 state, an ulp from the widened step), else widened a chunk at a
-time into fp32 scratch and rounded back (bitwise torch's fused step on the widened moments).
-8-bit codes go through `step_coded`, `compiled` groups through one inductor graph.
-"""
+"""The update paths of an Adam/AdamW param group (`paths.adam_path`). bf16 moments stepped
+as they are are bitwise torch's `AdamW(fused=True)` with bf16 state, an ulp from the widened
+step; widened, bitwise torch's fused step on the widened moments."""
 
 from __future__ import annotations
 
@@ -34,10 +29,8 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update of a group's tensors through its `adam_path`.
-
-    `found_inf` (fused or compiled paths only, as in torch): if set, nothing changes and the
-    step counts are restored (the lean paths below take them advanced)."""
+    """One Adam/AdamW update of a group's tensors through its `adam_path`; a set `found_inf`
+    (fused or compiled paths, as in torch) changes nothing."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -88,11 +81,8 @@ def lean_adam(
     found_inf: torch.Tensor | None = None,
     widen: bool = True,
 ) -> None:
-    """Adam/AdamW over moments narrower than the parameters via torch's fused kernel.
-
-    `widen`: step fp32 scratch copies of the moments chunk by chunk and round back; else (or
-    for parameters of the moments' dtype) step the moments as they are. A set `found_inf`
-    changes nothing (moments round-trip exactly through fp32); `steps` come advanced."""
+    """Adam/AdamW over moments narrower than the parameters via torch's fused kernel, `widen`ed
+    into fp32 scratch chunk by chunk (exact round trip) or as they are; `steps` come advanced."""
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     settings = dict(
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
@@ -103,16 +93,14 @@ def lean_adam(
     chunk = budget // n_moments
     moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][:n_moments]
 
-    def run(pieces: list[tuple[torch.Tensor, ...]]) -> None:
-        """The kernel over (param, grad, step, *moments) pieces."""
+    def run(pieces: list[tuple[torch.Tensor, ...]]) -> None:  # (param, grad, step, *moments)
         p, g, s, *ms = (list(column) for column in zip(*pieces))
         kernel(p, g, ms[0], ms[1], ms[2] if amsgrad else [], s, **settings)
 
     batch: list[tuple[torch.Tensor, ...]] = []  # pieces to widen, at most `chunk` elements
     filled = 0
 
-    def flush() -> None:
-        """Step `batch` on fp32 copies of its moments, one scratch region per moment."""
+    def flush() -> None:  # `batch` on fp32 copies of its moments, a scratch region each
         nonlocal filled
         if not batch:
             return
@@ -157,9 +145,7 @@ def step_compiled(
     found_inf: torch.Tensor | None,
     settings: dict[str, Any],
 ) -> None:
-    """A `compiled` group's update as one inductor graph, each moment in its own dtype.
-
-    Tensors must be contiguous (`LeanAdam` refuses others when the group is built)."""
+    """A `compiled` group's update as one inductor graph (contiguous tensors: `LeanAdam`)."""
     pieces = [[local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
     live = [i for i, p in enumerate(pieces[0]) if p.numel()]
     if live:
@@ -210,7 +196,6 @@ def step_coded(
 
 
 def _split(lists: tuple[list[Any], ...], flags: list[bool]) -> tuple[list[list], list[list]]:
-    """Each of `lists` cut in two: its entries where `flags` hold, and the others."""
     return (
         [[t for t, f in zip(ts, flags) if f] for ts in lists],
         [[t for t, f in zip(ts, flags) if not f] for ts in lists],
@@ -218,6 +203,5 @@ def _split(lists: tuple[list[Any], ...], flags: list[bool]) -> tuple[list[list],
 
 
 def _graph_settings(settings: dict[str, Any], found_inf: torch.Tensor | None) -> dict[str, Any]:
-    """`settings` as the compiled graphs take them: no `amsgrad`, a float lr, the skip flag."""
     rest = {k: v for k, v in settings.items() if k != "amsgrad"}
     return {**rest, "lr": float(rest["lr"]), "found_inf": found_inf}

@@ -1,9 +1,5 @@
-"""The per-group `moment_dtype` of optimizers with lean elementwise state, and a load that keeps it.
-
-`moment_dtype` ("float32", "bfloat16"; Adam also "8bit") is the optimizer's storage choice: a
-load converts to it, never adopts the checkpoint's. Torch's `load_state_dict` would cast all
-state to the parameters' dtype (fp32 again); `load_keeping_dtypes` does not.
-"""
+"""The per-group `moment_dtype` of optimizers with lean state: a load converts to it, where
+torch's would cast all state to the parameters' dtype (`load_keeping_dtypes`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in bfloat16 or 8-bit codes.
-
-Moments take 8 bytes a parameter in fp32, 4 in bf16, 2.25 in codes (`coded_adam`). Torch's
-kernels reject bf16 moments beside fp32 parameters on CPU and its load casts state to the
-parameters' dtype, so each group steps through its `adam_steps` path and a load keeps each
-group's `moment_dtype`. A "float32" group steps exactly as torch's class; a lean one always
-uses the fused kernel (an unset `fused` becomes True, which also decides where `step` lives).
+"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in bfloat16 or 8-bit codes
+(8, 4 or 2.25 bytes a parameter). Each group steps through its `adam_steps` path and a load
+keeps its `moment_dtype`; a lean group always uses the fused kernel (an unset `fused` becomes
+True, which also decides where `step` lives).
 """
 
 from __future__ import annotations
@@ -79,9 +76,8 @@ class _Lean:
         max_exp_avg_sqs: list,
         steps: list,
     ) -> bool:
-        """Torch's `_init_group`, creating new moments directly in the group's dtype.
-
-        The arguments are spelled out as torch's: `containers.state.initial` counts them."""
+        """Torch's `_init_group`, new moments in the group's dtype (the arguments spelled out
+        as torch's: `containers.state.initial` counts them)."""
         dtype = moment_dtype_of(group)
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
@@ -116,7 +112,6 @@ class _Lean:
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's load, keeping each group's own `moment_dtype` and `compiled` setting."""
         compiled = [g["compiled"] for g in self.param_groups]  # type: ignore[attr-defined]
         load_keeping_dtypes(self, state_dict, MOMENTS, super().load_state_dict)  # type: ignore[arg-type, misc]
         for group, own in zip(self.param_groups, compiled):  # type: ignore[attr-defined]
@@ -124,7 +119,7 @@ class _Lean:
 
 
 def _read_once(group: dict[str, Any]) -> Collection[torch.Tensor]:
-    """`group`'s parameters, a generator read into a list in `group` (torch reads it later)."""
+    """`group`'s parameters (a generator read into a list in `group`: torch reads it later)."""
     params = group["params"]
     if isinstance(params, torch.Tensor):
         return [params]
@@ -134,7 +129,6 @@ def _read_once(group: dict[str, Any]) -> Collection[torch.Tensor]:
 
 
 def _refuse_strided(params: Collection[torch.Tensor], group: dict[str, Any], name: str) -> None:
-    """Refuse non-contiguous parameters: lean and compiled groups step flat views."""
     for p in params:
         if not p.is_contiguous():
             raise ValueError(
@@ -153,5 +147,5 @@ class LeanAdamW(_Lean, torch.optim.AdamW):
     """`torch.optim.AdamW` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
 
 
+# Classes whose groups a container may step itself (they share torch's `adam`).
 ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
-"""Classes whose groups a container may step itself (they share torch's `adam`)."""

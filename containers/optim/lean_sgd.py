@@ -1,9 +1,5 @@
-"""`LeanSGD`: torch's SGD with momentum buffers in bfloat16 (`moment_dtype`).
-
-A lean group runs torch's single-tensor SGD on each buffer widened to the parameter's dtype,
-then rounds back to nearest: at most one tensor's momentum is ever fp32. A "float32" group,
-or one without momentum, steps exactly as torch's class.
-"""
+"""`LeanSGD`: torch's SGD with momentum buffers in bfloat16, each widened for torch's
+single-tensor step and rounded back (at most one tensor's momentum is ever fp32)."""
 
 from __future__ import annotations
 
@@ -72,5 +68,4 @@ class LeanSGD(torch.optim.SGD):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Torch's load, keeping each group's own `moment_dtype`."""
         load_keeping_dtypes(self, state_dict, ("momentum_buffer",), super().load_state_dict)

@@ -1,18 +1,11 @@
-"""`DiLoCo`: DiLoCo across torchft replica groups, as an outer part of the container.
+"""`DiLoCo`: DiLoCo across torchft replica groups, an outer part of the container.
 
-Each replica group takes its inner steps alone (no gradient average, no gate); every
-`sync_steps` applied steps the groups agree on a quorum, all-reduce their pseudo-gradients
-(global - local weights, one flat collective), and an outer optimizer steps the global
-weights on the average; the local weights restart from them. A sync that does not commit
-drops the inner period (local weights back to the global ones). With `fragment_sync_delay` d
-(streaming DiLoCo's tau) the all-reduce starts d inner steps before its outer step lands, so
-it overlaps them; it is waited for and committed when it lands.
-
-The global weights, outer optimizer state and step counts are flat container state
-(`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.inner_steps`, `.outer_steps`,
-`.in_flight`, and `outer.pending.<fqn>` while a delayed average waits), DTensors placed as
-their parameters, so they reshard and a restart mid-period goes on as if it never stopped.
-Under mixed precision the outer step runs on the fp32 masters.
+Every `sync_steps` applied inner steps the groups all-reduce their pseudo-gradients (global -
+local weights, one flat collective) and an outer optimizer steps the global weights; the local
+weights restart from them (also when the sync does not commit). With `fragment_sync_delay` d
+(streaming DiLoCo's tau) the all-reduce starts d inner steps before it lands. Its state
+(`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.pending.<fqn>`, step counts) is flat
+container state placed as the parameters, so it reshards and a restart mid-period goes on.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OUTER", "DiLoCo", "OtherFragments", "fragments"]
 
-OUTER = "outer"
-"""Prefix of DiLoCo's entries in the flat state dict."""
+OUTER = "outer"  # prefix of DiLoCo's entries in the flat state dict
 
 
 class OtherFragments(ValueError):
@@ -57,19 +49,14 @@ class DiLoCo(Outer):
     """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`.
 
     Args:
-        manager: the replica group's `torchft.Manager`; None: it only holds and loads its
-            state (an offline load, e.g. to inspect or convert a checkpoint).
+        manager: the replica group's `torchft.Manager`; None: it only holds and loads state.
         sync_steps: applied inner steps between two outer steps of a fragment.
-        outer_cls: the outer optimizer (any `torch.optim` one).
-        outer_kwargs: its constructor kwargs; default torchtitan's Nesterov SGD 0.7 / 0.9.
-        num_fragments: streaming DiLoCo: the parameters cut into this many fragments of about
-            equal size, synced in turn `sync_steps / num_fragments` steps apart (`due`).
-        fragment_sync_delay: inner steps between a fragment's average and its outer step
-            (below sync_steps // num_fragments, so it lands before the next one is taken).
+        outer_kwargs: the outer optimizer's; default torchtitan's Nesterov SGD 0.7 / 0.9.
+        num_fragments: streaming DiLoCo: fragments of about equal size, synced in turn
+            `sync_steps / num_fragments` steps apart (`due`).
+        fragment_sync_delay: inner steps between a fragment's average and its outer step.
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
-        agreement: called with the manager at each sync's quorum, as `TorchFTGate`'s.
-        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), whose own
-            account of a missing quorum the messages quote.
+        agreement, lighthouse: as `TorchFTGate`'s (asked at each sync's quorum).
     """
 
     def __init__(
@@ -149,8 +136,7 @@ class DiLoCo(Outer):
 
     def attach(self, container: OptimizersContainer) -> None:
         self.container = container
-        # What the inner optimizers step: the parameters, or their fp32 masters (whose
-        # model parameters take each outer step's result too).
+        # the stepped tensors (maybe fp32 masters, whose model parameters follow them)
         self.params = [p for group in container.param_groups for p in group["params"]]
         model = {id(s): p for u in container.units for p, s in zip(u.params, u.stepped)}
         self.model = [model[id(s)] for s in self.params]
@@ -179,7 +165,6 @@ class DiLoCo(Outer):
         return None
 
     def metrics(self) -> dict[str, float]:
-        """None per step: the outer steps are logged as they land."""
         return {}
 
     def after_apply(self) -> None:
@@ -262,8 +247,6 @@ class DiLoCo(Outer):
             if self.model[i] is not self.params[i]:
                 local(self.model[i]).copy_(piece)
 
-    # -- state -----------------------------------------------------------------------------
-
     def _outer_states(self, materialize: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
         """Each global weight's outer state, or its start state (a template before step 1)."""
         fresh = [g for g in self.global_ if not self.outer.state.get(g)]
@@ -297,7 +280,6 @@ class DiLoCo(Outer):
         return flat
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Hold templates of the averages a checkpoint with `keys` has waiting to land."""
         if self.in_flight < 0:
             self.pending = {
                 i: torch.zeros_like(g)
@@ -378,10 +360,8 @@ class DiLoCo(Outer):
 
 
 def fragments(sizes: list[int], n: int) -> list[list[int]]:
-    """`n` runs of consecutive indices of `sizes` (global numels) of about equal total size.
-
-    The same cut on every rank and replica group.
-    """
+    """`n` runs of consecutive indices of `sizes` (global numels) of about equal total size,
+    the same on every rank and replica group."""
     total, cuts, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes[:-1]):
         acc += size

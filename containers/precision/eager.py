@@ -18,12 +18,10 @@ from containers.tensors import SCRATCH_NUMEL, local, scratch, shaped_like
 
 __all__ = ["CHUNK_NUMEL", "PER_PARAMETER", "step_masters", "step_whole"]
 
+# Each chunk costs an optimizer call's Python overhead; larger chunks raise the peak.
 CHUNK_NUMEL = SCRATCH_NUMEL
-"""Elements cast per chunk (the 4 MiB scratch buffer): each chunk costs an optimizer call's
-Python overhead, and larger chunks raise the peak."""
-
+# Exact classes whose update of a parameter reads only its own gradient and state.
 PER_PARAMETER = ELEMENTWISE
-"""Exact optimizer classes whose update of a parameter reads only its own gradient and state."""
 
 Triple = tuple[Optimizer, torch.Tensor, torch.Tensor]  # (optimizer, model parameter, master)
 

@@ -1,18 +1,16 @@
 """Masters and Adam state of a param group in flat buffers, stepped a chunk at a time.
 
 Torch's fused Adam makes one kernel call per tensor, a large overhead on CPU for hundreds of
-tensors. An `eligible` group keeps fp32 masters, moments and step counts in flat buffers;
-masters are rebound onto them (`Tensor.set_`) and state entries are views, so `state_dict`,
-DCP, loads and torch's own `step` see torch's layout. A step casts gradients into fp32 scratch
-a chunk at a time, multiplies (unscale x clip) and calls `torch._fused_adam(w)_` per chunk; a
-`compiled` group is one inductor graph (`compiled_adam`), a few fp32 ulp off.
+tensors. Masters are rebound onto flat buffers (`Tensor.set_`) and state entries are views,
+so `state_dict`, DCP, loads and torch's own `step` see torch's layout. A step casts gradients
+into fp32 scratch a chunk at a time, multiplies (unscale x clip) and calls
+`torch._fused_adam(w)_` per chunk; a `compiled` group is one inductor graph, a few ulp off.
 
 Tensors start on `PAD`-element boundaries, so every element takes the kernel's vector path:
 results do not depend on chunking and equal torch's per-tensor fused step bitwise for sizes
-that are multiples of `PAD`. bf16 moments are widened into scratch (or stepped as they are
-where the kernel takes them). With `remainders` a master is its bf16 parameter plus an int16
+that are multiples of `PAD`. With `remainders` a master is its bf16 parameter plus an int16
 remainder, joined in scratch for the kernel; at rest it is a stride-0 view of one NaN (a
-stray read is loud), and `master_value` / `load_master` give and take its fp32 value.
+stray read is loud).
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ from containers.tensors import local, scratch, scratch_numel, shaped_like
 
 __all__ = ["PAD", "FlatGroup", "eligible"]
 
-PAD = 64
-"""Slice alignment in elements: a multiple of every CPU vector width and of the fused kernel's
-per-thread split."""
+PAD = 64  # a multiple of every CPU vector width and of the fused kernel's per-thread split
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -59,11 +55,9 @@ class FlatGroup:
     """One param group's masters and Adam state as views of flat buffers.
 
     Args:
-        opt: the inner optimizer (`eligible` for `group`).
-        group: one of its param groups; its params are the masters.
-        model: the model parameter of each master, in the group's order.
+        model: the model parameter of each master (the group's params), in order.
         chunk_numel: fp32 scratch elements a chunk may use (gradients, plus narrower
-            masters and moments), rounded down to `PAD`; None: `scratch_numel`.
+            masters and moments); None: `scratch_numel`.
         remainders: keep the masters as remainders of the bf16 model parameters.
     """
 
@@ -125,7 +119,6 @@ class FlatGroup:
         self.adopt()  # state views from the start: DCP loads into them in place
 
     def chunk(self, numel: int) -> None:
-        """Step in chunks of at most `numel` elements (rounded down to `PAD`)."""
         self.chunks = self._plan(max(PAD, numel // PAD * PAD))
         # per chunk: the tensors whose last piece it holds
         self.done = [[i for i, _, hi in c[2] if hi == self.sizes[i]] for c in self.chunks]
@@ -184,8 +177,7 @@ class FlatGroup:
             self._install()
 
     def chunk_views(self, c: int, region: torch.Tensor) -> list[torch.Tensor]:
-        """Chunk `c`'s pieces of scratch `region`, cached while `region` does not move (Python
-        overhead dominates the step)."""
+        """Chunk `c`'s pieces of scratch `region`, cached (Python overhead dominates the step)."""
         key = (c, region.dtype, region.storage_offset())
         if self._views_of.get(key, (None,))[0] != region.data_ptr():
             start, _, pieces = self.chunks[c]
@@ -199,7 +191,7 @@ class FlatGroup:
         return self._views_of[key][1]
 
     def pieces(self, c: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Chunk `c`'s pieces of `tensors` (one per group tensor): whole, or a flat slice."""
+        """Chunk `c`'s pieces of `tensors` (one per group tensor)."""
         out = []
         for i, lo, hi in self.chunks[c][2]:
             whole = lo == 0 and hi == self.sizes[i]
@@ -234,7 +226,7 @@ class FlatGroup:
         self._install()
 
     def master_value(self, i: int) -> torch.Tensor:
-        """Master `i`'s fp32 value as a new tensor (shaped and placed as the master)."""
+        """Master `i`'s fp32 value (a new tensor with remainders)."""
         if not self.remainders:
             return self.masters[i]
         start, n = self.starts[i], self.sizes[i]
@@ -252,8 +244,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def load_piece(self, i: int, offsets: Sequence[int], value: torch.Tensor) -> None:
-        """With remainders: write fp32 `value` at `offsets` of master `i` into its parameter
-        and remainder."""
+        """With remainders: fp32 `value` at `offsets` of master `i` into parameter, remainder."""
         shape = local(self.masters[i]).shape
         start, n = self.starts[i], self.sizes[i]
         param = local(self.model[i])
@@ -282,15 +273,14 @@ class FlatGroup:
                 self._rebind()
 
     def move(self, device: torch.device, moved) -> None:
-        """Move the buffers to `device` with `moved(tensor, device)` and rebind onto them."""
         if self.stale:
             self.adopt()
         self.buffers = {k: moved(v, device) for k, v in self.buffers.items()}
         self._rebind()
 
     def ready(self) -> bool:
-        """Whether this step can be flat: every tensor has a gradient and the step counts
-        agree. If not, torch's own step runs on the same views."""
+        """Every tensor has a gradient and the step counts agree (else torch's own step runs on
+        the same views)."""
         if self.stale:
             self.adopt()
         if self.uniform is None:
@@ -304,11 +294,9 @@ class FlatGroup:
 
     @torch.no_grad()
     def step(self, factor: float, found_inf: torch.Tensor | None = None) -> None:
-        """Cast, multiply by `factor`, step and write back, chunk by chunk or (`compiled`)
-        in one inductor pass, on the masters' gradients (fp32 sums) or the model's; drop each
-        low-precision gradient once cast. A set `found_inf` (device flag) changes nothing
-        (values round-trip exactly through scratch) and restores the step counts.
-        """
+        """Cast, multiply by `factor`, step and write back, on the masters' gradients (fp32
+        sums) or the model's, dropping each once cast. A set `found_inf` changes nothing
+        (values round-trip exactly through scratch) and restores the step counts."""
         group, buf = self.opt.param_groups[self.index], self.buffers
         decoupled = group.get("decoupled_weight_decay", type(self.opt) is torch.optim.AdamW)
         buf["step"].add_(1)
@@ -335,7 +323,6 @@ class FlatGroup:
         grads: list[torch.Tensor | None],
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """The step (counts already advanced) as one inductor graph; drops the gradients."""
         live = [i for i, g in enumerate(grads) if g is not None]
         taken = [grads[i] for i in live]
         for p in self.model:
@@ -363,8 +350,6 @@ class FlatGroup:
         grads: list[torch.Tensor | None],
         found_inf: torch.Tensor | None,
     ) -> None:
-        """The eager step (counts already advanced): torch's fused kernel over fp32 scratch,
-        chunk by chunk; drops each gradient once cast."""
         buf = self.buffers
         beta1, beta2 = group["betas"]
         update = torch._fused_adamw_ if decoupled else torch._fused_adam_

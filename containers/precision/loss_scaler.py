@@ -11,13 +11,8 @@ __all__ = ["LossScaler"]
 
 
 class LossScaler:
-    """Loss scale that adapts ("dynamic"), stays fixed ("static") or is 1.0 ("none").
-
-    Args:
-        settings: the loss-scaling settings (default `MixedPrecisionSettings()`).
-        fp16: whether the parameters are fp16; `loss_scaling = "auto"` scales only then
-            (bf16 shares fp32's exponent range and needs no scaling).
-    """
+    """Loss scale that adapts ("dynamic"), stays fixed ("static") or is 1.0 ("none"); "auto"
+    scales only `fp16` parameters (bf16 shares fp32's exponent range)."""
 
     def __init__(
         self, settings: MixedPrecisionSettings | None = None, *, fp16: bool = True
@@ -37,7 +32,6 @@ class LossScaler:
         return self.mode == "dynamic" and self.scale > self.min_scale
 
     def update(self, overflow: bool) -> None:
-        """Record one step's outcome and adapt the scale."""
         if overflow:
             self.good_steps = 0
             if self.mode != "dynamic":

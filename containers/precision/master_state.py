@@ -1,7 +1,5 @@
-"""`MasterState`: the checkpoint state of `MasterWeights` (its `PartState`).
-
-Each master is saved as `master_weights.<fqn>` (its exact fp32 value, with or without
-remainders, so either policy loads the other's) and the scaler as `loss_scaler.<key>`.
+"""`MasterState`: `MasterWeights`' checkpoint entries, each master's exact fp32 value
+`master_weights.<fqn>` (so remainders and fp32 masters load each other's) and `loss_scaler.*`.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ SCALER = "loss_scaler"
 
 
 class MasterState:
-    """The masters and loss scale of `precision` as flat checkpoint entries."""
-
     def __init__(self, precision: MasterWeights) -> None:
         self.precision = precision
         self._lazy = False  # `state_dict` gives masters kept as remainders as themselves
@@ -42,10 +38,10 @@ class MasterState:
         return flat
 
     def fit_template(self, keys: Collection[str], fqn_of: dict[torch.Tensor, str]) -> None:
-        """Nothing to fit: every checkpoint of this precision holds every master."""
+        pass
 
     def forget_template(self) -> None:
-        """Nothing was fitted."""
+        pass
 
     def _master_value(self, m: torch.Tensor) -> torch.Tensor:
         """Master `m` itself, or (kept as a remainder) a new tensor of its fp32 value."""

@@ -1,13 +1,6 @@
-"""`MasterWeights`: low-precision model parameters, fp32 master weights.
-
-The model keeps bf16/fp16 parameters (half the all-gather bytes); the inner optimizers step
-fp32 masters sharded the same way. A step computes the global norm (non-finite if any
-gradient is, so 0 * inf cannot hide an overflow), decides the skip, then unscales and clips
-in one multiply on one of two paths: fused Adam/AdamW groups in flat buffers (`flat_adam`,
-optionally with remainders and bf16 moments), or any other optimizer per tensor (`eager`).
-With no dynamic loss scale and no fp32 sums ("host_skip" not declared), flat groups' kernels
-read the skip flag on the device instead: no host sync. Checkpoint state: `master_state`.
-"""
+"""`MasterWeights`: bf16/fp16 model parameters, fp32 masters sharded the same way, stepped
+in flat buffers (`flat_adam`) or per tensor (`eager`), unscaled and clipped in one multiply.
+The norm is non-finite if any gradient is, so 0 * inf cannot hide an overflow."""
 
 from __future__ import annotations
 
@@ -37,11 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class MasterWeights(Precision):
-    """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them.
-
-    Args:
-        settings: dtypes and loss scaling (default `MixedPrecisionSettings()`).
-    """
+    """bf16/fp16 model parameters; the inner optimizers step fp32 masters of them."""
 
     def __init__(self, settings: MixedPrecisionSettings | None = None) -> None:
         self.settings = settings if settings is not None else MixedPrecisionSettings()
@@ -60,7 +49,6 @@ class MasterWeights(Precision):
                 "param_dtype 'bfloat16', or store_param_remainders = false"
             )
         self.offloaded = False
-        # gradients summed in fp32 over micro-batches
         self.sums = (
             FullPrecisionSums(self.master_dtype)
             if self.settings.grad_accumulation_dtype == "float32"
@@ -71,14 +59,11 @@ class MasterWeights(Precision):
         self.flat_of: dict[int, tuple[FlatGroup, int]] = {}  # id(master) -> (its group, index)
         self._initial: dict[str, torch.Tensor] = {}  # fqn -> full-precision value before the cast
         self.unscale = 1.0  # 1 / the loss scale this step's gradients carry
-        self.backing_off = False  # the last step overflowed with the scale above its floor
+        self.backing_off = False
         self.state = MasterState(self)
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
-        """fp32 masters; fp16's overflow refusal and loss scaling, fp32 gradient sums and
-        masters kept as remainders, where set; "host_skip" where a skip must be seen on the
-        host (a dynamic loss scale to update, fp32 sums to clear)."""
         named = {"masters": "MasterWeights"}
         if self.param_dtype == torch.float16:
             named["overflow_refusal"] = "MasterWeights' float16 weights"
@@ -104,12 +89,10 @@ class MasterWeights(Precision):
         return f"MasterWeights({s.param_dtype} params, {masters}, {scaling}{sums})"
 
     def cast_model(self, model: nn.Module) -> nn.Module:
-        """Cast the floating-point parameters only (buffers such as rotary tables keep their dtype).
-
-        The full-precision values are kept by FQN until `stepped` makes the masters from them:
-        a master made from the rounded parameter loses the rounding residue, and equal-sized
-        early Adam updates would then round alike, biasing a tensor by up to half an ulp.
-        """
+        """Cast the floating-point parameters (not buffers), keeping their full-precision
+        values for `stepped`: a master made from the rounded parameter loses the rounding
+        residue, and equal early Adam updates would round alike, biasing a tensor by up to
+        half an ulp."""
         with torch.no_grad():
             for fqn, p in model.named_parameters():
                 if p.is_floating_point():
@@ -135,7 +118,6 @@ class MasterWeights(Precision):
         return master
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
-        """Masters and state of fused Adam/AdamW groups go into flat buffers (`flat_adam`)."""
         if self.remainders:
             self._check_remainders(optimizers)
         for opt in optimizers:
@@ -159,8 +141,7 @@ class MasterWeights(Precision):
         return "masters flat compiled" if compiled else "masters flat"
 
     def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
-        """Refuse remainders for an Adam/AdamW group that cannot step flat, or if no group
-        can; other optimizers' groups keep fp32 masters (logged once)."""
+        """Refuse remainders for an Adam/AdamW group that cannot step flat, or if none can."""
         others, flat = set(), False
         for opt in optimizers:
             for group in opt.param_groups:
@@ -194,11 +175,10 @@ class MasterWeights(Precision):
         return [self.model_param[id(m)] for m in group["params"]]
 
     def steps_flat(self, opt: Optimizer) -> bool:
-        """Whether every param group of `opt` keeps its state in flat buffers (`flat_adam`)."""
+        """Every param group of `opt` keeps its state in flat buffers."""
         return len(self._flat.get(id(opt), ())) == len(opt.param_groups)
 
     def _pairs(self, optimizers: Sequence[Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model parameter, master) of `optimizers`' parameters that have a gradient."""
         pairs = []
         for opt in optimizers:
             for group in opt.param_groups:
@@ -220,12 +200,10 @@ class MasterWeights(Precision):
     def grad_norm(
         self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
-        """The unscaled global norm in fp32 (fp64 if `exact`); non-finite if any gradient is."""
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact) * self.unscale
 
     def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
-        """fp16 weights: a step of Adam/AdamW that could overflow them (`overflow`)."""
         if self.param_dtype != torch.float16:
             return None
         groups = []
@@ -282,8 +260,6 @@ class MasterWeights(Precision):
                 eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
             step_masters(optimizers, eager, factor, self.master_dtype, self.sums is not None)
 
-    # -- offload ---------------------------------------------------------------------------
-
     def _move(self, optimizers: Sequence[Optimizer], device: torch.device) -> None:
         pin = device.type == "cpu" and torch.cuda.is_available()
         with torch.no_grad():
@@ -306,20 +282,19 @@ class MasterWeights(Precision):
             torch.cuda.current_stream().synchronize()
 
     def offload(self, optimizers: Sequence[Optimizer]) -> None:
-        """Move master weights and optimizer state to CPU (pinned, non-blocking on CUDA)."""
+        """Move masters and optimizer state to CPU (pinned, non-blocking on CUDA)."""
         self._move(optimizers, torch.device("cpu"))
         self.offloaded = True
 
     def reload(self, optimizers: Sequence[Optimizer]) -> None:
-        """Move master weights and optimizer state back to the parameters' device."""
         device = local(next(iter(self.model_param.values()))).device
         self._move(optimizers, device)
         self.offloaded = False
 
 
 def _mark_stale(flats: list[FlatGroup]):
-    """Post-load hook marking flat groups stale: adopting at next use, not now, lets a load
-    that fails in a later optimizer be rolled back."""
+    """A post-load hook: flat groups adopt the state at next use, so a load that fails in a
+    later optimizer can be rolled back."""
 
     def hook(opt: Optimizer) -> None:
         for flat in flats:
@@ -329,8 +304,7 @@ def _mark_stale(flats: list[FlatGroup]):
 
 
 def _stepped(opt: Optimizer) -> None:
-    """Mark `opt` as stepped for LR schedulers (the flat paths bypass `opt.step`, and a
-    scheduler warns when it was not called)."""
+    """Mark `opt` as stepped for LR schedulers (the flat paths bypass `opt.step`)."""
     if hasattr(opt.step, "_wrapped_by_lr_sched"):
         opt._opt_called = True  # type: ignore[attr-defined]
 

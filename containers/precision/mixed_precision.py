@@ -70,18 +70,15 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
         return self.precision.offloaded
 
     def offload(self) -> None:
-        """Move master weights and optimizer state to CPU (pinned, non-blocking on CUDA)."""
         self.precision.offload(self.optimizers)
 
     def reload(self) -> None:
-        """Move master weights and optimizer state back to the parameters' device."""
         self.precision.reload(self.optimizers)
 
 
 @contextlib.contextmanager
 def load_planner(states: Mapping[str, Any]) -> Iterator[LoadPlanner | None]:
-    """The DCP load planner for one `dcp.load(states, planner=...)`: a
-    `remainders.LoadPlanner` if any state keeps remainders, else None (DCP's default)."""
+    """The DCP load planner for one `dcp.load(states, planner=...)` (None: DCP's default)."""
     precisions = [
         s.precision
         for s in states.values()

@@ -21,8 +21,7 @@ from containers.tensors import local
 
 __all__ = ["HALF_ULP", "LoadPlanner", "Sink", "join", "masters_of", "split", "store"]
 
-HALF_ULP = 0x8000
-"""Half a bf16 ulp in the low bits of an fp32's bit pattern."""
+HALF_ULP = 0x8000  # half a bf16 ulp in the low bits of an fp32's bit pattern
 
 
 def join(bits: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -43,8 +42,7 @@ def masters_of(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-STORE_NUMEL = 1 << 18
-"""Elements `store` splits at a time (its int32 temporaries: 2 MiB, not a tensor's size)."""
+STORE_NUMEL = 1 << 18  # elements `store` splits at a time (its int32 temporaries: 2 MiB)
 
 
 def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -62,20 +60,15 @@ def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) ->
     remainder.copy_(bits)
 
 
+# (write(offsets, fp32 piece), data_ptr of the parameter it writes) of a remainder master
 Sink = tuple[Callable[[Sequence[int], torch.Tensor], None], int]
-"""`(write(offsets, fp32 piece), data_ptr of the parameter written)` for a master kept as a
-remainder; that parameter's model entry is then not read from the checkpoint."""
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, writing masters kept as remainders piece by piece into their
-    parameters and remainders, so a resume never holds fp32 masters (`lazy_masters`). Their
+    """DCP's load planner, writing remainder masters (`sinks`: id(master) -> `Sink`) piece by
+    piece into their parameters and remainders, so a resume never holds fp32 masters. Their
     parameters are not read from the model's entry: a saved parameter may have rounded a tie
-    to even, and the remainder completes the master's own rounding.
-
-    Args:
-        sinks: id(master) -> its `Sink`.
-    """
+    to even, and the remainder completes the master's own rounding."""
 
     def __init__(self, sinks: Mapping[int, Sink]) -> None:
         super().__init__()

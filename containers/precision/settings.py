@@ -1,8 +1,5 @@
-"""`MixedPrecisionSettings`: what `MasterWeights` and `LossScaler` are built from.
-
-Owned by the library so it runs without the trainer's config (whose `[mixed_precision]`
-section converts into them).
-"""
+"""`MixedPrecisionSettings`: what `MasterWeights` and `LossScaler` are built from (the
+trainer's `[mixed_precision]` section converts into them)."""
 
 from __future__ import annotations
 
@@ -28,22 +25,13 @@ class MixedPrecisionSettings:
     """Dtypes and loss scaling of a `MasterWeights` precision.
 
     Attributes:
-        param_dtype: dtype the model parameters are kept in.
-        master_dtype: dtype of the master weights the inner optimizers step.
         loss_scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`, "none"
-            scales by 1; "auto" is "dynamic" for float16 and "none" for bfloat16 (which
-            shares float32's exponent range).
-        initial_scale: loss scale at the start.
-        growth_factor: scale multiplier after `growth_interval` steps without overflow.
-        backoff_factor: scale multiplier after an overflow.
-        growth_interval: overflow-free steps before the scale grows.
-        hysteresis: overflows tolerated before the scale backs off.
-        min_scale: lowest loss scale.
-        max_scale: highest loss scale.
+            scales by 1; "auto" is "dynamic" for float16 and "none" for bfloat16.
+        growth_factor, backoff_factor: scale multipliers after `growth_interval` steps
+            without overflow and after `hysteresis` overflows.
         store_param_remainders: keep each float32 master as its bfloat16 parameter plus a
-            16-bit remainder (bfloat16 parameters only).
-        grad_accumulation_dtype: dtype the gradients are summed in over a step's
-            micro-batches ("param_dtype": in the parameters' own; "float32": a sum each).
+            16-bit remainder.
+        grad_accumulation_dtype: what a step's micro-batches' gradients are summed in.
     """
 
     param_dtype: ParamDtype = "bfloat16"

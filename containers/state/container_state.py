@@ -1,9 +1,5 @@
-"""`ContainerState`: the container's flat FQN-keyed state dict, its load and key check.
-
-Torch's flat optimizer state over every inner optimizer, plus the entries of the container's
-parts (precision, outer, EMA), each of which takes and validates its own before anything
-changes.
-"""
+"""`ContainerState`: the container's flat FQN-keyed state dict (the inner optimizers' and
+its parts'), its load and key check."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class ContainerState:
-    """The state methods of a container (`owner`, whose state hooks are called with it)."""
+    """The state methods of a container (`owner`, whose state hooks it calls)."""
 
     def __init__(
         self,
@@ -65,12 +61,8 @@ class ContainerState:
         dict[torch.Tensor, frozenset[str]],
         list[tuple[str, str]],
     ]:
-        """Each parameter's live or initial state, moments in the form `keys` hold them.
-
-        Returns:
-            The states, the names the first update creates (`derive`), and the moments whose
-            form `keys` change, as (name, how).
-        """
+        """Each parameter's live or initial state, moments in the form `keys` hold them; the
+        names the first update creates; the moments whose form `keys` change (name, how)."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
@@ -83,11 +75,8 @@ class ContainerState:
         return states, derived.created, changes
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's flat optimizer state dict plus the parts' entries (e.g. `master_weights.<fqn>`).
-
-        Parameters not stepped yet hold their optimizer's initial state, so the dict covers
-        every trainable parameter and serves as DCP's load template.
-        """
+        """Parameters not stepped yet hold their optimizer's initial state, so the dict is
+        DCP's load template."""
         for hook in self.owner._optimizer_state_dict_pre_hooks.values():
             hook(self.owner)
         flat: dict[str, Any] = {}
@@ -111,13 +100,7 @@ class ContainerState:
         return flat
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict; on any problem raise and leave the optimizer as it was.
-
-        As torch's: state and hyperparameters come from the dict by FQN; kernel choices
-        (`fused`, `foreach`) stay the container's. Refuses another optimizer's layout, or
-        values that disagree within one of our groups. A trainer whose config should win on
-        resume sets it after the load (`components.checkpoint.resume.ConfigSettings`).
-        """
+        """As torch's, by FQN (`plan_load`); on any problem raise and change nothing."""
         state_dict = dict(state_dict)
         for hook in self.owner._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self.owner, state_dict)
@@ -156,15 +139,9 @@ class ContainerState:
     def check_checkpoint_keys(
         self, keys: Collection[str] | Mapping[str, torch.dtype | None]
     ) -> str:
-        """Refuse a checkpoint of another layout, else fit `state_dict()` to its keys.
-
-        The template gains entries a checkpoint holds only sometimes (DiLoCo's pending
-        average, the EMA). Keys mapped to saved dtypes make moments the load converts to
-        8-bit codes templates of the checkpoint's dtype.
-
-        Returns:
-            The Adam moments the load converts, for its log line ("" if none).
-        """
+        """Refuse a checkpoint of another layout, else fit `state_dict()` to its keys (entries
+        held only sometimes; moments in the checkpoint's form, where keys map to dtypes).
+        Returns the Adam moments the load converts, for its log line ("" if none)."""
         fitted = [self._states(opt, False, keys) for opt in self.optimizers]
         refuse_other_layout(self.optimizers, [f[0] for f in fitted], self._fqns, keys)
         dtypes = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
@@ -179,7 +156,6 @@ class ContainerState:
         return _describe([change for f in fitted for change in f[2]])
 
     def forget_checkpoint_keys(self) -> None:
-        """Undo `check_checkpoint_keys` after a failed load (the EMA kept)."""
         self._checkpoint_keys = {}
         for part in self.parts:
             part.forget_template()
@@ -198,7 +174,6 @@ def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> Non
 
 
 def _describe(changes: list[tuple[str, str]]) -> str:
-    """`changes` ((name, how) for each moment converted) as a log line's words."""
     names: dict[str, set[str]] = {}
     for name, how in changes:
         names.setdefault(how, set()).add(name)

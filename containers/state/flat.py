@@ -1,8 +1,5 @@
-"""Torch's flat optimizer state-dict format, shared by every container.
-
-`plan_load` validates a flat dict and unflattens it per optimizer; `setting_changes` says how
-groups' settings differ from a snapshot of them.
-"""
+"""Torch's flat optimizer state-dict format: `plan_load` validates a flat dict and unflattens
+it per optimizer; `setting_changes` says how groups' settings differ from a snapshot."""
 
 from __future__ import annotations
 
@@ -17,17 +14,14 @@ from torch.optim import Optimizer
 STATE = "state"
 PG = "param_groups"
 
-# Group keys that say how an optimizer runs, not what it computes: they stay the optimizer's
-# own when a checkpoint written with another kernel loads.
+# How an optimizer runs, not what it computes: kept the optimizer's own on load.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
+# Left out of the flat dict, so runs of either choice write the same keys.
 UNSAVED_KEYS = frozenset({"moment_dtype", "compiled"})
-"""Group keys left out of the flat dict (storage dtype, compiled step), so runs of either
-choice write the same keys and load each other's."""
 
 
 def describe_keys(keys: Iterable[str], limit: int = 8) -> str:
-    """A short, sorted listing of `keys` for error messages."""
     keys = sorted(keys)
     if not keys:
         return "none"
@@ -82,8 +76,7 @@ def refuse_other_layout(
     keys: Collection[str],
 ) -> None:
     """Raise `OtherOptimizerState` if flat `keys` hold another optimizer's state for these
-    parameters, told by its state names (Adam and AdamW share theirs, SGD's differ);
-    `layout` as `plan_load` takes it."""
+    parameters, told by its state names (Adam and AdamW share theirs, SGD's differ)."""
     fqns_saved = _group_fqns(keys)
     saved = state_names(keys, set(fqns.values()))
     for opt, states in zip(optimizers, layout):
@@ -118,17 +111,15 @@ def plan_load(
 ) -> list[dict[str, Any]]:
     """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
 
-    State and hyperparameters come from `flat`, as in torch's `load_state_dict` (by FQN; a
-    group's parameters must agree). Kernel choices (`fused`, `foreach`, ...) and keys `flat`
-    lacks stay the optimizer's own. A `created` state still all zeros is a never-stepped
-    placeholder and is dropped, so the next step is the optimizer's first.
+    State and hyperparameters come from `flat` by FQN, as in torch's `load_state_dict`; kernel
+    choices and keys `flat` lacks stay the optimizer's own. A `created` state still all zeros
+    is a never-stepped placeholder and is dropped, so the next step is the optimizer's first.
 
     Args:
         layout: per optimizer, each parameter's state (live or initial), for keys and shapes.
         created: each parameter's state names that its optimizer's first update creates.
-        sliced: keys of which `flat` holds only this rank's slice (FSDP1), whose slice
-            alone cannot tell whether the whole tensor is a placeholder;
-        zeros: those of them whose whole tensor is all zeros.
+        sliced: keys of which `flat` holds only this rank's slice (FSDP1); `zeros`: those
+            whose whole tensor is all zeros.
     """
     expected: dict[str, Any] = {}
     for states in layout:
@@ -194,7 +185,6 @@ def plan_load(
 def _loaded_settings(
     group: dict[str, Any], fqns: Mapping[torch.Tensor, str], flat: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """`group`'s settings as `flat` holds them; ValueError if its parameters disagree."""
     loaded = {k: v for k, v in group.items() if k != "params"}
     names = [fqns[p] for p in group["params"]]
     prefix = f"{PG}.{names[0]}." if names else None
@@ -221,11 +211,8 @@ def _loaded_settings(
 def setting_changes(
     optimizers: Sequence[Optimizer], before: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """How the groups' settings differ from `before` (per group), one line per setting.
-
-    E.g. ``weight_decay 0.01 -> 0.1 (3 params)`` or ``optimizer Adam -> AdamW``. Under an LR
-    scheduler ``lr`` compares the base lrs (``initial_lr``), which the scheduler derives from.
-    """
+    """How the groups' settings differ from `before`, one line per setting (e.g.
+    ``optimizer Adam -> AdamW``); under an LR scheduler ``lr`` compares ``initial_lr``."""
     changes: dict[str, Counter[tuple[str, str]]] = {}
     groups = [(opt, g) for opt in optimizers for g in opt.param_groups]
     for (opt, group), then in zip(groups, before, strict=True):
@@ -252,7 +239,6 @@ def setting_changes(
 
 
 def _group_fqns(keys: Iterable[str]) -> set[str]:
-    """The FQNs that `param_groups.<fqn>.<key>` entries among `keys` name."""
     return {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in keys if k.startswith(f"{PG}.")}
 
 
@@ -267,7 +253,6 @@ def _show(value: Any) -> str:
 
 
 def _all_zero(value: Any) -> bool:
-    """Whether a state tensor is all zeros (over every shard of a DTensor)."""
     if not isinstance(value, torch.Tensor):
         return False
     nonzero = value.ne(0).any()

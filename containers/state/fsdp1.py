@@ -1,13 +1,5 @@
-"""FSDP1 model parts: `FullyShardedDataParallel(use_orig_params=True)` in the flat DCP format.
-
-FSDP1 hands the optimizer each parameter as a 1-D view of its part in this rank's padded
-slice of the flat parameter (possibly empty, cut anywhere): a layout no other run could load.
-`FlatShards` saves what FSDP2 writes instead, as torch's FSDP1 state dict does: per-element
-entries all-gathered over the shard group into full-shape DTensors placed `Shard(0)` (HSDP:
-`(Replicate(), Shard(0))`), scalars from a rank holding elements of the parameter; a load
-cuts each rank's range back out. So checkpoints move between FSDP1 and FSDP2 at any world
-size. Only elementwise optimizers can step such slices (`refuse_optimizers`).
-"""
+"""FSDP1 model parts (`use_orig_params=True`) saved in the flat format FSDP2 writes, so
+checkpoints move between them at any world size (ARCHITECTURE.md: "FSDP1 model parts")."""
 
 from __future__ import annotations
 
@@ -37,8 +29,7 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.RMSprop,
     torch.optim.Rprop,
     torch.optim.ASGD,
-)
-"""Optimizers whose update of an element depends on it alone (and per-parameter scalars)."""
+)  # an element's update depends on it alone (and per-parameter scalars)
 
 _STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
@@ -50,10 +41,8 @@ class _Unit:
     group: dist.ProcessGroup
     mesh: DeviceMesh
     placements: tuple[Shard | Replicate, ...]
-    shard_numel: int
-    """Elements of each rank's padded slice (the same on every rank)."""
-    begins: list[int]
-    """Each parameter's first element in the unsharded, padded flat parameter."""
+    shard_numel: int  # elements of each rank's padded slice
+    begins: list[int]  # each parameter's first element in the unsharded padded flat parameter
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,15 +51,11 @@ class _Piece:
 
     unit: _Unit
     shape: torch.Size
-    offset: int
-    """Where the part lies in this rank's slice of the flat parameter."""
-    start: int
-    """Its first element in the flattened full parameter."""
+    offset: int  # where the part lies in this rank's slice of the flat parameter
+    start: int  # its first element in the flattened full parameter
     numel: int
-    begin: int
-    """Where the whole parameter begins in the unsharded, padded flat parameter."""
-    owner: int
-    """The lowest group rank holding elements of the parameter: its scalars are the truth."""
+    begin: int  # where the whole parameter begins in the unsharded padded flat parameter
+    owner: int  # the lowest group rank holding elements of it: its scalars are the truth
 
 
 def _unit(module: FullyShardedDataParallel) -> _Unit:
@@ -137,11 +122,10 @@ class FlatShards:
         return bool(self.pieces)
 
     def name(self, fqn_of: Mapping[torch.Tensor, str]) -> None:
-        """Learn each FSDP1 parameter's FQN (`fqn_of`: model parameter -> FQN)."""
         self._by_fqn = {fqn_of[p]: piece for p, piece in self.pieces.items() if p in fqn_of}
 
     def shard_counts(self) -> dict[torch.Tensor, int]:
-        """Each FSDP1 parameter's shard group size (its distinct pieces, for the norm)."""
+        """Each FSDP1 parameter's shard group size (for the norm)."""
         return {p: piece.unit.group.size() for p, piece in self.pieces.items()}
 
     def _piece_of(self, key: str) -> tuple[_Piece, str] | None:
@@ -159,7 +143,6 @@ class FlatShards:
     @torch.no_grad()
     def export(self, flat: dict[str, Any]) -> dict[str, Any]:
         """`flat` with FSDP1 entries as FSDP2 writes them; every rank must call it."""
-        # Entries by flat parameter (units compare by identity), state name and dtype.
         elements: dict[tuple[_Unit, str, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
         scalars: dict[tuple[_Unit, torch.dtype], list[tuple[str, _Piece, torch.Tensor]]] = {}
         for key, value in flat.items():
@@ -224,7 +207,6 @@ class FlatShards:
 
 
 def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
-    """Raise ValueError for an optimizer class that cannot step FSDP1 slices (None: none)."""
     for cls in classes:
         if cls is not None and not issubclass(cls, ELEMENTWISE):
             raise ValueError(
@@ -237,7 +219,6 @@ def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
 
 
 def refuse_coded(settings: Iterable[Mapping[str, Any] | None]) -> None:
-    """Raise ValueError if any `settings` keep 8-bit moments (blocks of rows FSDP1 lacks)."""
     for kwargs in settings:
         if kwargs and kwargs.get("moment_dtype") == "8bit":
             raise ValueError(

@@ -1,11 +1,7 @@
-"""The state an optimizer gives a parameter before its first step, derived without stepping it.
-
-A container's state dict is DCP's load template, so it holds every optimizer's exact start
-state even for parameters that have not stepped: torch's own `_init_group` on a throwaway
-optimizer gives the values (ASGD's `eta`, Adagrad's accumulator); a throwaway step on meta
-stand-ins finds keys the first update creates (SGD's `momentum_buffer`), which get zero
-placeholders that a load drops while still zero (`Derived.created`, `flat.plan_load`).
-Optimizers without `_init_group` get the meta step's layout with zeros.
+"""The state an optimizer gives a parameter before its first step, for DCP load templates:
+torch's own `_init_group` on a throwaway gives the values (ASGD's `eta`); a throwaway step on
+meta stand-ins finds keys the first update creates (SGD's `momentum_buffer`), which get zero
+placeholders a load drops while still zero. Without `_init_group`: the meta step's, zeros.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ State = dict[str, Any]
 
 @dataclass
 class Derived:
-    """What `derive` found for each parameter asked: its start state, and the top-level state
-    names its first update creates, for which `states` holds zero placeholders."""
+    """Each parameter's start state, and the names its first update creates (placeholders)."""
 
     states: dict[torch.Tensor, State]
     created: dict[torch.Tensor, frozenset[str]]
@@ -70,12 +65,9 @@ def _shadow(
 def _init_group_states(
     opt: Optimizer, params: list[torch.Tensor], materialize: bool
 ) -> dict[torch.Tensor, State]:
-    """Torch's own start state: `_init_group` on a throwaway over stand-ins of `params`.
-
-    `materialize`: aliases of the parameters (states that copy one see its values), with
-    zero gradients that own no memory. Else meta stand-ins placed as the parameters, so state
-    not shaped like them (block scales) takes the whole tensor's shape, as saved.
-    """
+    """Torch's own start state: `_init_group` on a throwaway over stand-ins of `params`
+    (`materialize`: aliases with zero gradients that own no memory; else meta stand-ins placed
+    as the parameters, so state not shaped like them takes the whole tensor's shape)."""
     stand_ins = {}
     for p in params:
         if materialize:
@@ -94,7 +86,7 @@ def _init_group_states(
 
 
 def _meta_step_states(opt: Optimizer, params: list[torch.Tensor]) -> dict[torch.Tensor, State]:
-    """The state one step gives, on meta stand-ins: names, shapes and dtypes, no values."""
+    """The state one step gives on meta stand-ins: names, shapes and dtypes."""
     error: Exception | None = None
     for sparse in (False, True):  # SparseAdam takes sparse gradients only
         stand_ins = {}

@@ -1,10 +1,6 @@
-"""`InBackward` timing: units step during backward and free their gradients at once.
-
-Each unit (an FSDP2 module, else a module owning parameters) has its own inner optimizers. A
-post-accumulate-grad hook counts the unit's ready gradients; once the last arrives in the
-last micro-batch, the unit applies and drops its gradients, so the whole-model gradient
-buffer never exists. `step()` applies what backward could not finish.
-"""
+"""`InBackward` timing: each unit applies in a post-accumulate-grad hook once its last
+gradient of the step's last micro-batch lands, and drops its gradients, so the whole-model
+gradient buffer never exists. `step()` applies what backward could not finish."""
 
 from __future__ import annotations
 
@@ -26,11 +22,8 @@ __all__ = ["InBackward", "OptimizersInBackwardContainer"]
 
 
 class InBackward(Timing):
-    """Apply each unit inside the `gradient_accumulation_steps`-th backward that reaches it.
-
-    Passes are counted per unit (reset by `zero_grad()`), so backward passes that reach only
-    some units (interleaved pipeline stages on one rank) count right.
-    """
+    """Apply each unit inside the `gradient_accumulation_steps`-th backward that reaches it
+    (counted per unit, so interleaved pipeline stages on one rank count right)."""
 
     in_backward = True
 
@@ -99,7 +92,6 @@ class InBackward(Timing):
             self._apply(unit)
 
     def _apply(self, unit: Unit) -> None:
-        """Step `unit` now, unless its gradients are non-finite, and drop its gradients."""
         c = self._container
         grads = [p.grad for p in unit.params if p.grad is not None]
         if c.skip_nonfinite and c.leaves_skip_to_kernels(unit.optimizers, per_unit=True):
@@ -136,7 +128,6 @@ class InBackward(Timing):
                 self._pass_done(unit)
 
     def finish(self, container: OptimizersContainer) -> None:
-        """Apply units whose gradients backward left unapplied; start a new step."""
         for unit in self._ready:
             if unit not in self._stepped and any(p.grad is not None for p in unit.params):
                 self._apply(unit)
@@ -182,16 +173,8 @@ class InBackward(Timing):
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):
-    """An `OptimizersContainer` whose units step inside backward (`InBackward`).
-
-    Args:
-        gradient_accumulation_steps: backward passes per optimizer step; units step in the
-            last one.
-        kwargs: as `OptimizersContainer`'s (a precision e.g. `containers.MasterWeights` with
-            loss scaling 'none'; outer parts, e.g. `containers.LoadBalance`, follow a step
-            whose units all applied; torchft and DiLoCo are refused; inside backward no
-            global norm is measured).
-    """
+    """An `OptimizersContainer` whose units step inside backward (`InBackward`) in the last
+    of `gradient_accumulation_steps` backward passes; no global norm is measured."""
 
     def __init__(
         self,
