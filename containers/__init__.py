@@ -1,8 +1,5 @@
-"""The OptimizersContainer hierarchy: one optimizer object over many model parts.
-
-One class runs one step pipeline; its variants plug parts into it (`containers.parts`). The
-modules, by part kind, are mapped in ARCHITECTURE.md.
-"""
+"""One torch optimizer over many model parts: `OptimizersContainer` and its parts (mapped in
+ARCHITECTURE.md)."""
 
 from containers.container import OptimizersContainer, Unit
 from containers.ema import ShadowWeights

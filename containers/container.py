@@ -1,10 +1,6 @@
-"""`OptimizersContainer`: one `torch.optim.Optimizer` over the optimizers of many model parts.
-
-Every variant is this class with other parts plugged in (`containers.parts`); the step
-pipeline (prepare, commit, measure, decide, apply, report) is drawn in ARCHITECTURE.md. A
-non-finite loss given to `backward()` turns every gradient it reaches into NaN (no host sync),
-so the one finite check catches it too.
-"""
+"""`OptimizersContainer`: one step pipeline (ARCHITECTURE.md, "One step") into which every
+variant plugs its parts. A non-finite loss given to `backward()` turns every gradient it
+reaches into NaN (no host sync), so the one finite check catches it too."""
 
 from __future__ import annotations
 
@@ -50,12 +46,10 @@ class Unit:
 
 
 class OptimizersContainer(Optimizer, Stateful):
-    """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts.
-
-    Each unit (a model part, unless the timing splits finer) gets one inner optimizer per
-    optimizer class. `param_groups` are the inner optimizers' live groups (schedulers reach
-    the real step), step hooks fire once per applied `step()`, and `state_dict()` is torch's
-    flat FQN-keyed format with DTensors kept, so DCP reshards it.
+    """A `torch.optim.Optimizer` and DCP `Stateful` over the optimizers of many model parts:
+    one inner optimizer per class per unit (a model part, unless the timing splits finer),
+    their live `param_groups`, step hooks once per applied `step()`, and torch's flat FQN-keyed
+    `state_dict()` with DTensors kept, so DCP reshards it.
 
     Args:
         param_groups: rules that form param groups by FQN; each parameter may match at most
@@ -96,7 +90,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self.gate = gate if gate is not None else Gate()
         self.timing = timing if timing is not None else Timing()
         self.outer: list[Outer] = (
-            [] if outer is None else [outer] if _is_part(outer) else list(outer)
+            [] if outer is None else list(outer) if isinstance(outer, list | tuple) else [outer]
         )
         self.max_norm = max_norm
         self.skip_nonfinite = skip_nonfinite or "loss_scaling" in self.precision.features
@@ -407,7 +401,3 @@ class OptimizersContainer(Optimizer, Stateful):
         model_param = {id(s): p for u in self.units for p, s in zip(u.params, u.stepped)}
         with self.ema.swapped_into([model_param[id(s)] for s in self.ema.params]):
             yield
-
-
-def _is_part(outer: Outer | Sequence[Outer]) -> bool:
-    return not isinstance(outer, list | tuple)

@@ -1,9 +1,6 @@
-"""The global L2 norm of the gradients over the job's mesh, each element counted once
-(ARCHITECTURE.md: "One step"); the non-finite checks a step without a clip takes instead.
-
-Dividing each piece's squares by its number of copies rather than electing an owner keeps
-every rank's gradients in the sum, so a non-finite one anywhere is non-finite everywhere.
-"""
+"""The global L2 norm over the job's mesh, each element counted once (ARCHITECTURE.md), and
+the non-finite checks a step without a clip takes. Dividing each piece's squares by its copies
+rather than electing an owner keeps a non-finite gradient anywhere in every rank's sum."""
 
 from __future__ import annotations
 
@@ -42,14 +39,8 @@ def _shards(t: DTensor) -> int:
 
 
 class GlobalNorm:
-    """How one rank's gradients add up to the job's global L2 norm.
-
-    Args:
-        mesh: the job's named DeviceMesh; None: one stage over the world, with a collective
-            only if some parameter is a DTensor or in `shards`.
-        shards: plain parameters holding disjoint pieces (FSDP1 slices) -> how many pieces;
-            their gradients must be passed with `params=`.
-    """
+    """How one rank's gradients add up to the job's global L2 norm over `mesh` (None: one
+    stage over the world). `shards`: FSDP1 slices -> how many pieces (pass `params=`)."""
 
     def __init__(
         self,
@@ -191,9 +182,8 @@ def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor
 def all_finite(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] | None = None
 ) -> bool:
-    """Whether every element of `tensors` is finite, agreed across `groups` (default: every
-    dim of the DTensors' mesh). An fp32 sum (one read, no multiply) is non-finite iff an
-    element is or it overflowed; only then an fp64 sum tells the two apart."""
+    """Every element of `tensors` is finite, agreed across `groups` (default: the DTensors'
+    mesh). An fp32 sum is non-finite iff an element is or it overflowed; an fp64 sum tells."""
     pieces, groups, device = _local_pieces(tensors, groups)
     mixed = len({t.device for t in pieces}) > 1
     # Every rank takes part, an empty shard too: the decision must be the same everywhere.

@@ -91,11 +91,11 @@ class Precision:
         return {}
 
     def stepped(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
-        """The tensor the inner optimizer steps for the model parameter `param`."""
+        """The tensor the inner optimizer steps for `param`."""
         return param
 
     def built(self, optimizers: Sequence[Optimizer]) -> None:
-        """Told the inner optimizers, built over the `stepped` tensors."""
+        pass
 
     def update_path(self, opt: Optimizer, index: int) -> str:
         """The update path (`containers.optim.paths.PATHS`) of `opt`'s group `index`."""
@@ -108,10 +108,8 @@ class Precision:
     def grad_norm(
         self, params: Sequence[torch.Tensor], over: GlobalNorm | None = None, exact: bool = False
     ) -> torch.Tensor:
-        """Global L2 norm of `params`' gradients over `over` (None: `GlobalNorm(params)`).
-
-        Non-finite if a gradient is, or (unless `exact`: fp64) if a square overflowed fp32.
-        """
+        """Global L2 norm of `params`' gradients; non-finite if a gradient is, or (unless
+        `exact`: fp64) if a square overflowed fp32."""
         over = over if over is not None else GlobalNorm(params)
         return over([p.grad for p in params], params=params, exact=exact)
 

@@ -27,14 +27,12 @@ _WAITS_FOR = re.compile(r"only have (\d+) participants, need min_replicas (\d+)"
 
 
 def lighthouse_address(address: str | None) -> str | None:
-    """The lighthouse's address: `address`, else `TORCHFT_LIGHTHOUSE` (as torchft reads it)."""
     return address or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
 def lighthouse_status(address: str | None, timeout: float = _STATUS_TIMEOUT_S) -> str | None:
-    """What the torchft lighthouse at `address` says of its next quorum on its `/status` page,
-    e.g. "New quorum not ready, only have 1 participants, need min_replicas 2 [...]"; None
-    where nothing answers within `timeout` seconds."""
+    """What the lighthouse's `/status` page says of its next quorum (e.g. "New quorum not
+    ready, only have 1 participants, need min_replicas 2 [...]"); None if nothing answers."""
     address = lighthouse_address(address)
     if address is None:
         return None

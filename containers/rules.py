@@ -1,10 +1,5 @@
-"""The one table of part compositions that cannot work, each with its reason in plain words.
-
-Each part declares its features (feature -> how a refusal names it); the container adds its
-own (clip, EMA, FSDP1) and refuses a conflicting pair when built (`refuse`). The trainer's
-config check (`config.checks`) reports the same pairs from the job config, before any process
-group exists.
-"""
+"""The one table of part compositions that cannot work, each with its reason, read by the
+container when built (`refuse`) and by the trainer's config check."""
 
 from __future__ import annotations
 
@@ -29,7 +24,6 @@ FEATURES = frozenset(
         "host_skip",  # the precision must see each skip on the host, never in the kernels
     }
 )
-"""The names a part may declare."""
 
 
 @dataclass(frozen=True)
@@ -96,12 +90,10 @@ RULES: tuple[Rule, ...] = (
         "on this group's own fp32 sums",
     ),
 )
-"""Every conflicting pair, the first that applies reported (FSDP1's first, as they are about
-the model rather than the optimizer)."""
+# (the first that applies is reported: FSDP1's first, as they are about the model)
 
 
 def conflict(features: Collection[str]) -> Rule | None:
-    """The first rule of `RULES` that `features` break, or None."""
     return next((r for r in RULES if r.a in features and r.b in features), None)
 
 

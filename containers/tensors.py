@@ -1,5 +1,4 @@
-"""Tensor helpers every part uses: a DTensor's local piece, a flat view shaped back as a
-parameter, a sparse gradient's values, and the fp32 scratch buffer kept per device."""
+"""Tensor helpers every part uses, and the fp32 scratch buffer kept per device."""
 
 from __future__ import annotations
 
@@ -16,24 +15,19 @@ __all__ = [
     "shaped_like",
 ]
 
-SCRATCH_NUMEL = 1 << 20
-"""Elements of the fp32 scratch buffer kept per device (4 MiB), which low-precision tensors
-are widened into a piece at a time."""
-
-CUDA_SCRATCH_NUMEL = 1 << 24
-"""The same on CUDA (64 MiB), where a chunk costs kernel launches rather than cache misses."""
+SCRATCH_NUMEL = 1 << 20  # 4 MiB, which low-precision tensors are widened into piecewise
+CUDA_SCRATCH_NUMEL = 1 << 24  # 64 MiB on CUDA, where a chunk costs launches, not cache misses
 
 _scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def scratch_numel(device: torch.device) -> int:
-    """Elements of the fp32 scratch buffer kept on `device` (the most a chunk may use)."""
     return CUDA_SCRATCH_NUMEL if device.type == "cuda" else SCRATCH_NUMEL
 
 
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of `numel` elements on `device`, valid until the next call: up to
-    `scratch_numel(device)` one kept buffer (a fresh one would be page-faulted in every step)."""
+    """An fp32 buffer valid until the next call: up to `scratch_numel` one kept buffer (a fresh
+    one would be page-faulted in every step)."""
     kept = scratch_numel(device)
     if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)
@@ -48,7 +42,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`view` (a flat slice) shaped as `like`'s local piece, a DTensor placed as `like` if it is."""
+    """`view` (a flat slice) shaped and placed as `like`."""
     view = view.view(local(like).shape)
     if isinstance(like, DTensor):
         return DTensor.from_local(

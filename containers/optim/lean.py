@@ -17,7 +17,6 @@ __all__ = ["MOMENT_DTYPES", "check_moment_dtype", "load_keeping_dtypes", "moment
 logger = logging.getLogger(__name__)
 
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""The `moment_dtype` names a group may take."""
 
 
 def moment_dtype_of(group: dict[str, Any]) -> torch.dtype:
@@ -69,7 +68,6 @@ def load_keeping_dtypes(
 
 
 def _kept_as(policy: str, name: str, value: Any, p: torch.Tensor) -> Any:
-    """State `name` of `p` as a group of `moment_dtype = policy` keeps it."""
     if policy == CODED:
         if isinstance(value, dict) and coded(p):
             if value["code"].shape != p.shape:

@@ -1,11 +1,6 @@
-"""`DiLoCo`: DiLoCo across torchft replica groups, an outer part of the container.
-
-Every `sync_steps` applied inner steps the groups all-reduce their pseudo-gradients (global -
-local weights, one flat collective) and an outer optimizer steps the global weights; the local
-weights restart from them (also when the sync does not commit). With `fragment_sync_delay` d
-(streaming DiLoCo's tau) the all-reduce starts d inner steps before it lands. Its state
-(`outer.global.<fqn>`, `outer.state.<fqn>.<name>`, `outer.pending.<fqn>`, step counts) is flat
-container state placed as the parameters, so it reshards and a restart mid-period goes on.
+"""`DiLoCo`: DiLoCo across torchft replica groups, an outer part of the container. A sync
+that does not commit drops the inner period (local weights back to the global ones). Its state
+is flat container state placed as the parameters (ARCHITECTURE.md), so it reshards.
 """
 
 from __future__ import annotations
@@ -50,11 +45,9 @@ class DiLoCo(Outer):
 
     Args:
         manager: the replica group's `torchft.Manager`; None: it only holds and loads state.
-        sync_steps: applied inner steps between two outer steps of a fragment.
-        outer_kwargs: the outer optimizer's; default torchtitan's Nesterov SGD 0.7 / 0.9.
+        outer_kwargs: default torchtitan's Nesterov SGD 0.7 / 0.9.
         num_fragments: streaming DiLoCo: fragments of about equal size, synced in turn
             `sync_steps / num_fragments` steps apart (`due`).
-        fragment_sync_delay: inner steps between a fragment's average and its outer step.
         fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
         agreement, lighthouse: as `TorchFTGate`'s (asked at each sync's quorum).
     """
@@ -112,12 +105,9 @@ class DiLoCo(Outer):
         )
         self.inner_steps = 0
         self.outer_steps = 0
-        # The fragment whose average has committed and waits to land (-1: none), and that
-        # average by parameter index (or, before a load, templates of it).
-        self.in_flight = -1
-        self.pending: dict[int, torch.Tensor] = {}
-        # With a delay: the average on its way (fragment, flat buffer, torchft work), decided
-        # when it lands, so the inner steps between overlap it.
+        self.in_flight = -1  # the fragment whose committed average waits to land
+        self.pending: dict[int, torch.Tensor] = {}  # that average (or templates) by index
+        # With a delay: the average on its way (fragment, flat buffer, torchft work).
         self._flight: tuple[int, torch.Tensor, Any] | None = None
         self._in_quorum = False  # torchft reads the state for a healing peer only then
         self._served = False

@@ -1,10 +1,6 @@
-"""The mixed-precision step of optimizers without flat buffers (see `flat_adam`).
-
-Gradients are cast to fp32 in chunks of about `CHUNK_NUMEL` elements into the reused scratch
-buffer, smallest tensor first, multiplied (unscale x clip) while in cache, stepped and written
-back; each low-precision gradient is dropped once cast. A `PER_PARAMETER` optimizer steps once
-per chunk; any other once over all its gradients.
-"""
+"""The mixed-precision step of optimizers without flat buffers: gradients cast into fp32
+scratch a chunk at a time, smallest tensor first, multiplied (unscale x clip) while in cache,
+stepped (a `PER_PARAMETER` optimizer per chunk, any other once) and written back."""
 
 from __future__ import annotations
 
@@ -49,12 +45,8 @@ def step_masters(
     sums: bool = False,
     chunk_numel: int = CHUNK_NUMEL,
 ) -> None:
-    """Cast, multiply by `factor` (unscale x clip), step, write back and drop the gradients.
-
-    Args:
-        pairs: per optimizer, (model parameter, master) pairs that have a gradient.
-        sums: the masters' gradients are fp32 sums (`FullPrecisionSums`) to step on.
-    """
+    """Cast, multiply by `factor`, step, write back and drop the gradients of `pairs` (per
+    optimizer, (model parameter, master) with a gradient; `sums`: step on fp32 sums)."""
     if sums:
         for opt, live in zip(optimizers, pairs):
             if live:
@@ -92,8 +84,7 @@ def step_masters(
 def step_whole(
     opt: Optimizer, live: list[tuple[torch.Tensor, torch.Tensor]], factor: float
 ) -> None:
-    """One step of any `opt` for all its `live` (model parameter, master) pairs, on the
-    masters' gradients (fp32 sums) or else `p.grad` cast; drops the low-precision gradients."""
+    """One step of any `opt` for all its `live` (model parameter, master) pairs."""
     for p, m in live:
         if m.grad is None:
             m.grad = p.grad.to(m.dtype)

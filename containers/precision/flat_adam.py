@@ -1,16 +1,10 @@
-"""Masters and Adam state of a param group in flat buffers, stepped a chunk at a time.
-
-Torch's fused Adam makes one kernel call per tensor, a large overhead on CPU for hundreds of
-tensors. Masters are rebound onto flat buffers (`Tensor.set_`) and state entries are views,
-so `state_dict`, DCP, loads and torch's own `step` see torch's layout. A step casts gradients
-into fp32 scratch a chunk at a time, multiplies (unscale x clip) and calls
-`torch._fused_adam(w)_` per chunk; a `compiled` group is one inductor graph, a few ulp off.
-
-Tensors start on `PAD`-element boundaries, so every element takes the kernel's vector path:
-results do not depend on chunking and equal torch's per-tensor fused step bitwise for sizes
-that are multiples of `PAD`. With `remainders` a master is its bf16 parameter plus an int16
-remainder, joined in scratch for the kernel; at rest it is a stride-0 view of one NaN (a
-stray read is loud).
+"""Masters and Adam state of a param group in flat buffers (one fused call per chunk, not per
+tensor). Masters are rebound onto them (`Tensor.set_`) and state entries are views, so
+`state_dict`, DCP, loads and torch's own `step` see torch's layout. Tensors start on
+`PAD`-element boundaries, so every element takes the kernel's vector path: results do not
+depend on chunking and equal torch's per-tensor fused step bitwise for sizes that are
+multiples of `PAD`. A remainder master at rest is a stride-0 view of one NaN (a stray read is
+loud).
 """
 
 from __future__ import annotations
@@ -52,14 +46,8 @@ def _padded(n: int) -> int:
 
 
 class FlatGroup:
-    """One param group's masters and Adam state as views of flat buffers.
-
-    Args:
-        model: the model parameter of each master (the group's params), in order.
-        chunk_numel: fp32 scratch elements a chunk may use (gradients, plus narrower
-            masters and moments); None: `scratch_numel`.
-        remainders: keep the masters as remainders of the bf16 model parameters.
-    """
+    """One param group's masters (`group`'s params, of the parameters `model`) and Adam state
+    as views of flat buffers; a chunk uses up to `chunk_numel` fp32 scratch elements."""
 
     @torch.no_grad()
     def __init__(

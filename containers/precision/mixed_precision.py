@@ -19,19 +19,10 @@ __all__ = ["MixedPrecisionOptimizersContainer", "load_planner"]
 
 
 class MixedPrecisionOptimizersContainer(OptimizersContainer):
-    """An `OptimizersContainer` with the `MasterWeights` precision.
-
-    Call `scale_loss(loss).backward()` (or `backward(loss)`), then `step()`. `offload()` moves
-    masters and optimizer state to CPU; a `step()` while offloaded reloads first.
-
-    Args:
-        settings: dtypes, loss scaling, update path; default `MixedPrecisionSettings()`.
-        precision: a `MasterWeights` built already (e.g. the one the model was cast with);
-            replaces `settings`.
-        max_norm: clip the global gradient norm to this; 0 or None: no clip (the norm is
-            still measured for the overflow check).
-        kwargs: as `OptimizersContainer`'s; model parts' trainable parameters must all be of
-            `settings.param_dtype`, an outer part (`containers.DiLoCo`) steps the masters.
+    """An `OptimizersContainer` with the `MasterWeights` precision (`precision`, e.g. the one
+    the model was cast with, else built of `settings`). Call `backward(loss)` (or
+    `scale_loss(loss).backward()`), then `step()`; a `step()` while `offload()`ed reloads first.
+    `max_norm` defaults to 0: the norm is still measured, for the overflow check.
     """
 
     def __init__(
@@ -54,8 +45,7 @@ class MixedPrecisionOptimizersContainer(OptimizersContainer):
             max_norm=max_norm,
             **kwargs,
         )
-        # drop initial values no master took (other pipeline stages' parameters)
-        self.precision._initial.clear()
+        self.precision._initial.clear()  # (other pipeline stages' parameters)
 
     @property
     def scaler(self) -> LossScaler:

@@ -30,12 +30,8 @@ def adam_ratio_bound(beta1: float, beta2: float, t: int) -> float:
 def overflow_refusal(
     groups: Sequence[tuple[Optimizer, dict, list[torch.Tensor]]], limit: float
 ) -> str | None:
-    """Why the coming step must not apply, or None; one host sync.
-
-    Args:
-        groups: (optimizer, group, local pieces of its stepping low-precision weights).
-        limit: the largest finite weight.
-    """
+    """Why the coming step must not apply, or None; one host sync. `groups`: (optimizer,
+    group, local pieces of its low-precision weights); `limit`: the largest finite weight."""
     checked = []
     for opt, group, weights in groups:
         pieces = [w for w in weights if w.numel()]

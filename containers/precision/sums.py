@@ -1,12 +1,9 @@
 """What the fp32 masters start from (`from_initial`) and step on (`FullPrecisionSums`).
 
-`FullPrecisionSums` (`grad_accumulation_dtype = "float32"`): a bf16 parameter holds only a
-bf16 gradient, so accumulating micro-batches rounds the running sum each time. A hook takes
-each gradient as it lands (after FSDP2's reduce-scatter), adds it into an fp32 sum and drops
-it. Before the step the parameters get the rounded sums back as `.grad` (for the finite
-check, norm and clip) while the masters step on the fp32 sums. Costs 4 bytes/param instead of
-2 until the step; bitwise the same with one micro-batch. The reduce-scatter itself still
-rounds once per micro-batch.
+A bf16 parameter holds only a bf16 gradient, so accumulating micro-batches rounds the running
+sum each time; `FullPrecisionSums` adds each gradient as it lands into an fp32 sum (4 bytes a
+parameter until the step) and gives the parameters the rounded sums back before the step (for
+the finite check, norm and clip) while the masters step on the fp32 sums.
 """
 
 from __future__ import annotations
@@ -20,15 +17,13 @@ __all__ = ["FullPrecisionSums", "from_initial"]
 
 
 class FullPrecisionSums:
-    """fp32 sums of the watched parameters' gradients over one step's micro-batches, kept as
-    their masters' `.grad` (so the inner optimizers' `zero_grad` clears them)."""
+    """fp32 gradient sums over a step's micro-batches, kept as the masters' `.grad`."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.master: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its master
 
     def watch(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        """Sum `param`'s gradients into `master.grad` (a hook after each accumulation)."""
         self.master[param] = master
         param.register_post_accumulate_grad_hook(self._add)
 
@@ -43,7 +38,7 @@ class FullPrecisionSums:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Give each summed parameter the rounding of its sum as `.grad` (in its own dtype)."""
+        """Give each summed parameter the rounding of its sum as `.grad`."""
         for param, master in self.master.items():
             if master.grad is not None:
                 param.grad = shaped_like(local(master.grad).to(param.dtype), param)

@@ -61,8 +61,8 @@ class ContainerState:
         dict[torch.Tensor, frozenset[str]],
         list[tuple[str, str]],
     ]:
-        """Each parameter's live or initial state, moments in the form `keys` hold them; the
-        names the first update creates; the moments whose form `keys` change (name, how)."""
+        """Each parameter's live or initial state (moments in the form `keys` hold them), the
+        names the first update creates and the moments converted, (name, how)."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.

@@ -109,18 +109,11 @@ def plan_load(
     zeros: Collection[str] = frozenset(),
     sliced: Collection[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Validate `flat` against `optimizers` and unflatten it into one torch state dict each.
-
-    State and hyperparameters come from `flat` by FQN, as in torch's `load_state_dict`; kernel
-    choices and keys `flat` lacks stay the optimizer's own. A `created` state still all zeros
-    is a never-stepped placeholder and is dropped, so the next step is the optimizer's first.
-
-    Args:
-        layout: per optimizer, each parameter's state (live or initial), for keys and shapes.
-        created: each parameter's state names that its optimizer's first update creates.
-        sliced: keys of which `flat` holds only this rank's slice (FSDP1); `zeros`: those
-            whose whole tensor is all zeros.
-    """
+    """Validate `flat` and unflatten it into one torch state dict per optimizer, by FQN;
+    kernel choices and keys `flat` lacks stay the optimizer's own. A `created` state (a name
+    the first update creates) still all zeros is a placeholder, dropped. `layout`: each
+    parameter's live or initial state; `sliced`: keys holding only this rank's FSDP1 slice,
+    `zeros` those whose whole tensor is zeros."""
     expected: dict[str, Any] = {}
     for states in layout:
         for p, st in states.items():
@@ -225,7 +218,8 @@ def setting_changes(
                 continue
             if name == "decoupled_weight_decay" and isinstance(opt, torch.optim.Adam):
                 # The one setting that tells Adam from AdamW (their state is the same).
-                name, was, now = "optimizer", _adam_name(was), _adam_name(now)
+                was, now = ("AdamW" if x else "Adam" for x in (was, now))
+                name = "optimizer"
             changes.setdefault(name, Counter())[(_show(was), _show(now))] += n
     lines = []
     for key, pairs in changes.items():
@@ -240,10 +234,6 @@ def setting_changes(
 
 def _group_fqns(keys: Iterable[str]) -> set[str]:
     return {k[len(PG) + 1 :].rsplit(".", 1)[0] for k in keys if k.startswith(f"{PG}.")}
-
-
-def _adam_name(decoupled: Any) -> str:
-    return "AdamW" if decoupled else "Adam"
 
 
 def _show(value: Any) -> str:

@@ -94,8 +94,7 @@ def _unit(module: FullyShardedDataParallel) -> _Unit:
 
 
 class FlatShards:
-    """FSDP1 parameters of `model_parts`; converts their flat state to and from full-shape
-    DTensors."""
+    """FSDP1 parameters of `model_parts`; their flat state to and from full-shape DTensors."""
 
     def __init__(self, model_parts: Sequence[nn.Module]) -> None:
         self.pieces: dict[torch.Tensor, _Piece] = {}
@@ -188,7 +187,7 @@ class FlatShards:
     @torch.no_grad()
     def take_local(self, flat: dict[str, Any]) -> tuple[dict[str, Any], set[str], set[str]]:
         """`flat` with full-shape FSDP1 entries cut to this rank's slice, the keys cut, and those
-        whose whole tensor is all zeros (a placeholder the slice alone cannot tell)."""
+        all zeros (a placeholder the slice alone cannot tell)."""
         out = dict(flat)
         sliced, zeros = set(), set()
         for key, value in flat.items():

@@ -43,8 +43,7 @@ class Derived:
 def _shadow(
     opt: Optimizer, stand_ins: Mapping[torch.Tensor, torch.Tensor], meta: bool
 ) -> Optimizer:
-    """A throwaway optimizer of `opt`'s class and settings over the stand-ins of `opt`'s
-    parameters (meta: kernel flags off, lr 0 so a tensor lr's device does not matter)."""
+    """A throwaway `opt` over stand-ins (meta: kernel flags off, lr 0 wherever it lies)."""
     off = _SHADOW_OFF if meta else {}
     groups = []
     for group in opt.param_groups:
@@ -116,9 +115,8 @@ def _meta_grad(meta: torch.Tensor, sparse: bool) -> torch.Tensor:
 
 
 def derive(opt: Optimizer, params: list[torch.Tensor], materialize: bool) -> Derived:
-    """The start state `opt` would give `params` (their live state ignored) and the names its
-    first update creates. `materialize`: allocate the state (DTensors for sharded parameters)
-    for a state dict; else tensors that carry only shape and dtype, for validation."""
+    """The start state `opt` would give `params` and the names its first update creates;
+    `materialize`: allocated (a state dict), else only shapes and dtypes (validation)."""
     if not params:
         return Derived({}, {})
     exact: dict[torch.Tensor, State] | None = None

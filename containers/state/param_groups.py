@@ -16,25 +16,18 @@ from containers.parts import Named
 __all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPERS = r"_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\."
 
+# One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]);
+# constructor kwargs hold no group's overrides, so a group never inherits another's.
 GroupSpecs = dict[type[Optimizer], tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict]]]]
-"""One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]).
-
-Constructor kwargs hold no group's overrides, so a group never inherits another's."""
 
 
 @dataclass(frozen=True)
 class ParamGroupRule:
-    """Parameters whose FQN matches `pattern` form a param group with their own settings.
-
-    Args:
-        pattern: regular expression searched (`re.search`) in each trainable parameter's FQN.
-        overrides: hyperparameters of this group (e.g. ``{"weight_decay": 0.0}``).
-        optimizer_cls: optimizer for this group if not the container's; such groups get an
-            inner optimizer of their own in each unit.
-        optimizer_kwargs: constructor kwargs for `optimizer_cls` (required with it).
-    """
+    """Parameters whose FQN matches `pattern` (`re.search`) form a param group with their own
+    `overrides` (e.g. ``{"weight_decay": 0.0}``), or their own `optimizer_cls` in each unit
+    (with `optimizer_kwargs`)."""
 
     pattern: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -72,7 +65,6 @@ def _refuse_non_matrices(
     rules: Sequence[ParamGroupRule],
     classes: Sequence[type[Optimizer]],
 ) -> None:
-    """Raise one error naming every non-2-D parameter a matrix-only optimizer was given."""
     if not not_2d:
         return
     where = []
@@ -96,11 +88,8 @@ def assign(
     default_cls: type[Optimizer],
     default_kwargs: Mapping[str, Any],
 ) -> list[GroupSpecs]:
-    """Map each unit's parameters to its inner optimizers' groups by the rules.
-
-    Checks, before any optimizer exists, that each parameter matches at most one rule, every
-    rule matches some parameter, and matrix-only optimizers (Muon) get only 2-D parameters.
-    """
+    """Map each unit's parameters to its inner optimizers' groups by the rules, refusing
+    overlapping or unused rules and parameters Muon cannot step before any optimizer exists."""
     compiled = _compile(rules)
     # By bucket: 0 is the default group, i > 0 rule i - 1's group.
     classes = [default_cls, *(r.optimizer_cls or default_cls for r in rules)]
@@ -143,12 +132,6 @@ def assign(
     return assigned
 
 
-def _fqn(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
 def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
     """Each part's trainable (FQN as DCP writes it, parameter) pairs; unique across parts."""
     owner: dict[torch.Tensor, int] = {}
@@ -159,7 +142,7 @@ def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
         for name, p in part.named_parameters():
             if not p.requires_grad:
                 continue
-            fqn = _fqn(name)
+            fqn = re.sub(_WRAPPERS, "", name)
             if p in owner:
                 raise ValueError(
                     f"parameter {fqn!r} of model part {part_idx} is also in model part "

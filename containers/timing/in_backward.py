@@ -51,8 +51,7 @@ class InBackward(Timing):
         return "steps in backward" + (f" (every {every} passes)" if every > 1 else "")
 
     def units(self, model_parts: Sequence[nn.Module], parts: list[Named]) -> list[Named]:
-        """One unit per FSDP2 module (its gradients arrive together after one reduce-scatter),
-        else one per module that directly owns parameters."""
+        """One unit per FSDP2 module (one reduce-scatter), else per module owning parameters."""
         units: dict[tuple[int, str], Named] = {}
         for part_idx, (part, named) in enumerate(zip(model_parts, parts)):
             key_of: dict[torch.Tensor, str] = {}
