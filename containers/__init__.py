@@ -1,5 +1,4 @@
-"""One torch optimizer over many model parts: `OptimizersContainer` and its parts (mapped in
-ARCHITECTURE.md)."""
+"""One torch optimizer over many model parts (mapped in ARCHITECTURE.md)."""
 
 from containers.container import OptimizersContainer, Unit
 from containers.ema import ShadowWeights

@@ -52,15 +52,11 @@ class OptimizersContainer(Optimizer, Stateful):
     `state_dict()` with DTensors kept, so DCP reshards it.
 
     Args:
-        param_groups: rules that form param groups by FQN; each parameter may match at most
-            one, and every rule must match at least one parameter.
-        precision, gate, timing: the parts (defaults: fp32, always commits, after backward).
-        outer: what follows each committed step, in order (`DiLoCo`, `LoadBalance`).
+        param_groups: rules that form param groups by FQN (each parameter matches at most one).
+        precision, gate, timing, outer: the parts (`containers.parts`).
         max_norm: clip the global gradient norm to this; 0 only measures it; None: no clip.
-        skip_nonfinite: skip a step whose loss or gradients hold inf or NaN.
         mesh: the job's named DeviceMesh (pp, dp_replicate, dp_shard, tp) for the global
             norm; None: one stage over the world.
-        ema: an EMA of the stepped weights (`ema_weights()` swaps it in).
     """
 
     def __init__(
@@ -192,8 +188,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return self.last_report.committed
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: scaled, and NaN if non-finite (where `skip_nonfinite`)
-        so the step is skipped. Pipeline loss functions return it."""
+        """The loss to call backward on: scaled, and NaN if non-finite (the step skips)."""
         if self.skip_nonfinite:
             finite = loss.detach().isfinite()
             loss = loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
@@ -327,8 +322,7 @@ class OptimizersContainer(Optimizer, Stateful):
     def leaves_skip_to_kernels(
         self, optimizers: Sequence[Optimizer], per_unit: bool = False
     ) -> bool:
-        """Whether a step (or a unit's) may leave its non-finite skip to the kernels: only
-        if nothing follows the decision (step hooks, EMA, outer part)."""
+        """Whether the kernels may take the skip: nothing follows (hooks, EMA, outer part)."""
         hooks = not per_unit and (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
         return (
             not hooks
@@ -391,8 +385,7 @@ class OptimizersContainer(Optimizer, Stateful):
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
-        """Inside the block the model parts hold the EMA of their weights; after it, their own
-        again, bitwise."""
+        """The model parts hold the EMA of their weights inside the block."""
         if self.ema is None:
             raise ValueError(
                 f"{type(self).__name__}.ema_weights(): this container keeps no EMA; build it "

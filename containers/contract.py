@@ -52,8 +52,7 @@ def with_step_hooks(
 
 @contextmanager
 def inner_steps() -> Iterator[None]:
-    """Inner optimizers' steps without torch's global step hooks, whose tables torch's step
-    wrapper reads directly: emptied meanwhile."""
+    """Inner steps without torch's global step hooks (their tables emptied meanwhile)."""
     tables = (
         torch_optimizer._global_optimizer_pre_hooks,
         torch_optimizer._global_optimizer_post_hooks,

@@ -1,5 +1,4 @@
-"""The decide stage of the step: whether a step's gradients may apply, agreed by the world
-(ARCHITECTURE.md, "One step": the norm or check, or a device flag for the fused kernels)."""
+"""The decide stage of the step, agreed by the world (ARCHITECTURE.md, "One step")."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ KERNEL_SKIP_DEVICES = frozenset({"cuda"})
 
 
 class Decision:
-    """Whether a step's gradients may apply. `local_norm`: the norm is only this rank's
-    (plain tensors without a mesh); the skip must still be agreed by the world."""
+    """Whether a step's gradients may apply (`local_norm`: this rank's, agreed after)."""
 
     def __init__(
         self, precision: Precision, global_norm: GlobalNorm, device: torch.device, local_norm: bool

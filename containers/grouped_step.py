@@ -39,8 +39,7 @@ _LR, _FOREACH, _FUSED, _DIFFERENTIABLE = (
 
 
 def _mergeable(key: tuple[Any, ...]) -> bool:
-    """An explicit fused or foreach kernel (None: torch picks by device), a float lr, not
-    differentiable."""
+    """An explicit fused or foreach kernel, a float lr, not differentiable."""
     return (
         bool(key[_FUSED] or key[_FOREACH])
         and not key[_DIFFERENTIABLE]
@@ -69,8 +68,7 @@ def _own_step(opt: Optimizer) -> bool:
 
 
 def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
-    """Whether `step_together(optimizers, found_inf)` changes nothing where `found_inf` is set:
-    every group fused (those kernels read the flag), no step hooks, no caller's `GradScaler`."""
+    """Whether a set `found_inf` changes nothing: all fused, no hooks or `GradScaler`."""
     if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
         return False
     return all(_plain(opt) and all(g["fused"] for g in opt.param_groups) for opt in optimizers)

@@ -97,8 +97,7 @@ class GlobalNorm:
         params: Sequence[torch.Tensor] | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
-        """The global norm (fp32; `exact`: fp64, non-finite only if a gradient is) of this
-        rank's `grads` (of `params`, needed for `shards`); every rank must call it."""
+        """The global norm of this rank's `grads` (fp32; `exact`: fp64); every rank calls it."""
         by_copies: dict[int, list[torch.Tensor]] = {}
         if not self.collective:  # every piece counts once (the common one-process case: fast)
             if grads:
@@ -136,8 +135,7 @@ def clip_grads(
 def sum_of_squares(
     tensors: Sequence[torch.Tensor], device: torch.device, exact: bool = False
 ) -> torch.Tensor:
-    """Sum of squares as an fp32 scalar on `device`, without an fp32 copy of any tensor; or
-    (`exact`) in fp64."""
+    """Sum of squares as an fp32 (`exact`: fp64) scalar, without an fp32 copy."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
@@ -157,8 +155,7 @@ def sum_of_squares(
 
 
 def _low_precision_square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 sums of squares of low-precision tensors, widened into scratch a piece at a time
-    and measured by `dot` with itself (faster than `vector_norm`)."""
+    """fp32 sums of squares of low-precision tensors via scratch and `dot` (fast)."""
     norms: list[torch.Tensor] = []
     piece: list[torch.Tensor] = []
     size = 0

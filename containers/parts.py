@@ -1,5 +1,4 @@
-"""The part protocols of a container (precision, gate, timing, outer), each default being
-plain fp32 training; ARCHITECTURE.md lists their hooks and implementations."""
+"""The part protocols of a container, each default being plain fp32 training."""
 
 from __future__ import annotations
 
@@ -39,14 +38,11 @@ class StepReport:
     """What one `step()` did.
 
     Attributes:
-        committed: the step applied (inside backward, finite units may apply regardless).
-        skipped: why it did not apply.
+        skipped: why it did not apply (`committed` False).
         nonfinite: skipped for a non-finite loss or gradients: the batch is spent.
         partial: skipped in some units only (inside backward): the weights did change.
-        backing_off: an overflow skip while the loss scale was above `min_scale` (the scale
-            finding its level, not a failure).
+        backing_off: an overflow skip while the loss scale was above `min_scale`.
         grad_norm: unscaled global norm before clipping, where measured.
-        loss_scale: the scale the next backward uses, where the loss is scaled.
     """
 
     committed: bool = True
@@ -75,10 +71,8 @@ def params_with_grad(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
 class Precision:
     """fp32 training: the inner optimizers step the model's own parameters.
 
-    `features` may declare, beside the `containers.rules` ones: "masters" (fp32 masters are
-    stepped), "overflow_refusal" (`refusal` may answer; agreed across ranks) and "host_skip"
-    (a skip is decided on the host, never in the kernels). The container scales the loss by
-    `loss_scale`; `backing_off`: the last step overflowed above the scale's floor.
+    `features` may declare, beside the `containers.rules` ones: "masters", "overflow_refusal"
+    (`refusal` may answer) and "host_skip" (a skip is decided on the host, not in kernels).
     """
 
     state: PartState | None = None  # checkpoint entries beside the optimizer state
@@ -128,8 +122,7 @@ class Precision:
         max_norm: float | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """Clip to `max_norm` by `grad_norm`, then step; nothing changes where the device flag
-        `found_inf` is set."""
+        """Clip, then step; nothing changes where the device flag `found_inf` is set."""
         if grad_norm is not None:
             clip_grads(params_with_grad(optimizers), grad_norm, max_norm)
         step_together(optimizers, found_inf)
@@ -157,8 +150,7 @@ class PartState(Protocol):
 
 
 class GateLost(RuntimeError):
-    """The gate can no longer decide commits (torchft: no quorum in time); raised by `step()`
-    before anything changed, so the state is safe to save."""
+    """The gate can no longer decide commits; raised before anything changed (safe to save)."""
 
 
 class Gate:

@@ -1,5 +1,4 @@
-"""Waiting for a torchft quorum (`TorchFTGate`, `DiLoCo`); a message about a missing one
-quotes the lighthouse's own `/status` page."""
+"""Waiting for a torchft quorum, quoting the lighthouse's `/status` when none comes."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def _lighthouse_says(address: str | None) -> str:
 
 
 def wait_quorum(manager: Manager, start: bool = False, lighthouse: str | None = None) -> None:
-    """Wait for `manager`'s quorum (`start`: start it too), warning once after the connect
-    timeout (a lighthouse may restart); `GateLost` past the quorum timeout, nothing changed."""
+    """Wait for `manager`'s quorum, warning once; `GateLost` past the quorum timeout."""
     connect = getattr(manager, "_connect_timeout", None)
     quorum = getattr(manager, "_quorum_timeout", None)
 

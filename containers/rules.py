@@ -1,5 +1,4 @@
-"""The one table of part compositions that cannot work, each with its reason, read by the
-container when built (`refuse`) and by the trainer's config check."""
+"""The one table of part compositions that cannot work, each with its reason."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def conflict(features: Collection[str]) -> Rule | None:
 
 
 def refuse(named: Mapping[str, str]) -> None:
-    """Raise ValueError for the first conflict among the features `named` (feature -> how
-    the message names what brings it)."""
+    """Raise ValueError for the first conflict among `named` (feature -> its name)."""
     unknown = sorted(set(named) - FEATURES)
     if unknown:
         raise ValueError(f"unknown features {unknown}: declare some of {sorted(FEATURES)}")

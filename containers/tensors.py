@@ -26,8 +26,7 @@ def scratch_numel(device: torch.device) -> int:
 
 
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer valid until the next call: up to `scratch_numel` one kept buffer (a fresh
-    one would be page-faulted in every step)."""
+    """An fp32 buffer valid until the next call (the kept one if it fits)."""
     kept = scratch_numel(device)
     if numel > kept:
         return torch.empty(numel, dtype=torch.float32, device=device)

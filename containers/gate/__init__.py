@@ -1,5 +1,4 @@
-"""Gates: whether a step commits, and the gradient exchange across replica groups before it.
-`TorchFTGate` is torchft's; the gate that always commits is `containers.parts.Gate`."""
+"""Gates: whether a step commits (`TorchFTGate`; default `containers.parts.Gate`)."""
 
 from containers.gate.fault_tolerant import FTOptimizersContainer, TorchFTGate
 

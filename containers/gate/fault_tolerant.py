@@ -23,15 +23,10 @@ __all__ = ["FTOptimizersContainer", "TorchFTGate"]
 
 
 class TorchFTGate(Gate):
-    """The gate of a torchft replica group, whose `torchft.Manager` is `manager`.
-
-    Args:
-        agreement: called with the manager at each quorum before the average: None when
-            every group may average, else the number of groups left once others are refused
-            (it raises for this group), e.g. the trainer's `SettingsAgreement.check`.
-        lighthouse: the lighthouse's address (None: `TORCHFT_LIGHTHOUSE`), quoted by the
-            messages about a missing quorum.
-    """
+    """The gate of the torchft replica group of `manager`. `agreement(manager)`, asked at each
+    quorum before the average, answers None when every group may average, else the number of
+    groups left once others are refused (it raises for this group); `lighthouse` (None:
+    `TORCHFT_LIGHTHOUSE`) is quoted by the messages about a missing quorum."""
 
     refusal = "not committed by torchft"
 

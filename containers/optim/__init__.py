@@ -1,5 +1,4 @@
-"""Optimizers added to torch.optim: `ShardedMuon` (Newton-Schulz spread over the sharding
-ranks), `LeanAdam(W)` (bf16 or 8-bit moments) and `LeanSGD` (bf16 momentum)."""
+"""Optimizers added to torch.optim: `ShardedMuon`, `LeanAdam(W)`, `LeanSGD`."""
 
 from containers.optim.lean_adam import LeanAdam, LeanAdamW
 from containers.optim.lean_sgd import LeanSGD

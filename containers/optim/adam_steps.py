@@ -29,8 +29,7 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update of a group's tensors through its `adam_path`; a set `found_inf`
-    (fused or compiled paths, as in torch) changes nothing."""
+    """One Adam/AdamW update through the group's `adam_path`; a set `found_inf` no-ops."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -165,8 +164,7 @@ def step_coded(
     settings: dict[str, Any],
     compiled: bool = False,
 ) -> None:
-    """An "8bit" group's update: coded moments via `coded_adam` (or `compiled_coded_adam`),
-    the bf16 moments of small parameters via `lean_adam` (or `step_compiled`)."""
+    """An "8bit" group's update: coded moments, and bf16 ones of small parameters."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     codes, plain = _split(lists, [isinstance(m, dict) for m in exp_avgs])
     if plain[0] and compiled:

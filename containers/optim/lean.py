@@ -48,8 +48,7 @@ def load_keeping_dtypes(
     names: Collection[str],
     load: Callable[[dict[str, Any]], None],
 ) -> None:
-    """Torch's `load` without the state entries `names`, which are then set one tensor at a
-    time in each group's own `moment_dtype` (encoding or decoding codes as needed)."""
+    """Torch's `load`, the entries `names` set in each group's own `moment_dtype`."""
     own = [g.get("moment_dtype", "float32") for g in opt.param_groups]
     state = state_dict["state"]
     # Convert before changing anything, so a failed conversion leaves `opt` as it was.

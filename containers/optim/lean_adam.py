@@ -76,8 +76,7 @@ class _Lean:
         max_exp_avg_sqs: list,
         steps: list,
     ) -> bool:
-        """Torch's `_init_group`, new moments in the group's dtype (the arguments spelled out
-        as torch's: `containers.state.initial` counts them)."""
+        """Torch's `_init_group` (arguments as torch's), new moments in the group's dtype."""
         dtype = moment_dtype_of(group)
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]

@@ -1,5 +1,4 @@
-"""`LeanSGD`: torch's SGD with momentum buffers in bfloat16, each widened for torch's
-single-tensor step and rounded back (at most one tensor's momentum is ever fp32)."""
+"""`LeanSGD`: torch's SGD with momentum buffers in bfloat16, widened one at a time."""
 
 from __future__ import annotations
 

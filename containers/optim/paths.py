@@ -29,8 +29,7 @@ PATHS = (
 
 
 def update_path(opt: Optimizer, group: dict[str, Any]) -> str:
-    """The path (one of `PATHS`) of `group` of `opt`, stepping its own parameters (under fp32
-    masters the precision names it: `MasterWeights.update_path`)."""
+    """The path (one of `PATHS`) of `group` of `opt`, stepping its own parameters."""
     from containers.optim.lean_adam import ADAMS  # (lean_adam steps through this module)
 
     return adam_path(group) if type(opt) in ADAMS else "torch"
@@ -53,8 +52,7 @@ def adam_path(group: dict[str, Any]) -> str:
 def path_lines(
     optimizers: Sequence[Optimizer], path_of: Callable[[Optimizer, int], str]
 ) -> list[str]:
-    """The distinct `update path: <class>[<group index>]: <path>` lines, in order;
-    `path_of(opt, index)` names a group's path (`Precision.update_path`)."""
+    """The distinct `update path: <class>[<index>]: <path>` lines, in order."""
     lines = (
         f"update path: {type(opt).__name__}[{i}]: {path_of(opt, i)}"
         for opt in optimizers

@@ -167,8 +167,7 @@ class DiLoCo(Outer):
 
     @torch.no_grad()
     def _average(self) -> None:
-        """Start averaging the pseudo-gradients of the fragment due `delay` steps from now;
-        they land then if the average commits."""
+        """Start averaging the fragment due `delay` steps from now (lands if committed)."""
         if self.manager is None:
             raise GateLost("DiLoCo's outer step needs a torchft manager (this one only loads)")
         self.manager.allow_state_dict_read()
@@ -215,8 +214,7 @@ class DiLoCo(Outer):
 
     @torch.no_grad()
     def _land(self, fragment: int) -> None:
-        """Outer-step `fragment` if its average committed, then restart its local weights
-        from the global ones (mixed by `fragment_update_alpha` if it landed)."""
+        """Outer-step `fragment` if its average committed; restart its local weights."""
         if self._flight is not None:
             self._decide()
         members = self.fragments[fragment]
@@ -350,8 +348,7 @@ class DiLoCo(Outer):
 
 
 def fragments(sizes: list[int], n: int) -> list[list[int]]:
-    """`n` runs of consecutive indices of `sizes` (global numels) of about equal total size,
-    the same on every rank and replica group."""
+    """`n` runs of indices of `sizes` of about equal total size (same on every rank)."""
     total, cuts, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes[:-1]):
         acc += size

@@ -113,8 +113,7 @@ class FlatGroup:
         self._views_of: dict[tuple, tuple] = {}
 
     def _plan(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-        """Chunks (start, stop, pieces) of at most `limit` elements, cut between tensors where
-        possible; a piece (i, lo, hi) is elements lo:hi of tensor i."""
+        """Chunks (start, stop, pieces (i, lo, hi)) of at most `limit`, cut between tensors."""
         chunks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         start, pieces = 0, []
         for i, (begin, n) in enumerate(zip(self.starts, self.sizes)):
@@ -243,8 +242,7 @@ class FlatGroup:
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
-        """With remainders: fp32 masters for the duration (for torch's own step), split back
-        into parameters and remainders after."""
+        """With remainders: fp32 masters for the block (torch's own step), split after."""
         if not self.remainders:
             yield
             return
@@ -267,8 +265,7 @@ class FlatGroup:
         self._rebind()
 
     def ready(self) -> bool:
-        """Every tensor has a gradient and the step counts agree (else torch's own step runs on
-        the same views)."""
+        """All tensors have gradients and equal step counts (else torch's own step)."""
         if self.stale:
             self.adopt()
         if self.uniform is None:

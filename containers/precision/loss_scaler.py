@@ -11,8 +11,7 @@ __all__ = ["LossScaler"]
 
 
 class LossScaler:
-    """Loss scale that adapts ("dynamic"), stays fixed ("static") or is 1.0 ("none"); "auto"
-    scales only `fp16` parameters (bf16 shares fp32's exponent range)."""
+    """Loss scale: "dynamic", "static" or 1.0 ("none"); "auto" scales fp16 only."""
 
     def __init__(
         self, settings: MixedPrecisionSettings | None = None, *, fp16: bool = True

@@ -133,8 +133,7 @@ class MasterWeights(Precision):
                     self.flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
 
     def update_path(self, opt: Optimizer, index: int) -> str:
-        """What steps the group: in flat buffers where this precision holds it so (its
-        remainders at rest are stride-0 views, not contiguous masters), else per tensor."""
+        """Flat where this precision holds the group so (remainders at rest are stride 0)."""
         if not any(flat.index == index for flat in self._flat.get(id(opt), ())):
             return "masters per tensor"
         compiled = opt.param_groups[index].get("compiled")
@@ -293,8 +292,7 @@ class MasterWeights(Precision):
 
 
 def _mark_stale(flats: list[FlatGroup]):
-    """A post-load hook: flat groups adopt the state at next use, so a load that fails in a
-    later optimizer can be rolled back."""
+    """Flat groups adopt a load at next use, so a later failure can roll back."""
 
     def hook(opt: Optimizer) -> None:
         for flat in flats:

@@ -1,5 +1,4 @@
-"""`MixedPrecisionSettings`: what `MasterWeights` and `LossScaler` are built from (the
-trainer's `[mixed_precision]` section converts into them)."""
+"""`MixedPrecisionSettings`: what `MasterWeights` and `LossScaler` are built from."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`ContainerState`: the container's flat FQN-keyed state dict (the inner optimizers' and
-its parts'), its load and key check."""
+"""`ContainerState`: the container's flat state dict, its load and key check."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class ContainerState:
         dict[torch.Tensor, frozenset[str]],
         list[tuple[str, str]],
     ]:
-        """Each parameter's live or initial state (moments in the form `keys` hold them), the
-        names the first update creates and the moments converted, (name, how)."""
+        """Live or initial states (moments as `keys` hold them), created names, conversions."""
         params = [p for g in opt.param_groups for p in g["params"]]
         fresh = [p for p in params if not opt.state.get(p)]
         # Unmaterialized derivation is meta-only: cheap enough to learn `created` for all.
@@ -75,8 +73,7 @@ class ContainerState:
         return states, derived.created, changes
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters not stepped yet hold their optimizer's initial state, so the dict is
-        DCP's load template."""
+        """Parameters not stepped yet hold their initial state: DCP's load template."""
         for hook in self.owner._optimizer_state_dict_pre_hooks.values():
             hook(self.owner)
         flat: dict[str, Any] = {}

@@ -1,5 +1,4 @@
-"""Torch's flat optimizer state-dict format: `plan_load` validates a flat dict and unflattens
-it per optimizer; `setting_changes` says how groups' settings differ from a snapshot."""
+"""Torch's flat optimizer state-dict format: validate, unflatten, compare settings."""
 
 from __future__ import annotations
 
@@ -204,8 +203,7 @@ def _loaded_settings(
 def setting_changes(
     optimizers: Sequence[Optimizer], before: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """How the groups' settings differ from `before`, one line per setting (e.g.
-    ``optimizer Adam -> AdamW``); under an LR scheduler ``lr`` compares ``initial_lr``."""
+    """How the groups' settings differ from `before`, one line per setting."""
     changes: dict[str, Counter[tuple[str, str]]] = {}
     groups = [(opt, g) for opt in optimizers for g in opt.param_groups]
     for (opt, group), then in zip(groups, before, strict=True):

@@ -1,5 +1,4 @@
-"""FSDP1 model parts (`use_orig_params=True`) saved in the flat format FSDP2 writes, so
-checkpoints move between them at any world size (ARCHITECTURE.md: "FSDP1 model parts")."""
+"""FSDP1 model parts saved as FSDP2 writes them (ARCHITECTURE.md, "FSDP1 ...")."""
 
 from __future__ import annotations
 

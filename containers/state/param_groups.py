@@ -88,8 +88,7 @@ def assign(
     default_cls: type[Optimizer],
     default_kwargs: Mapping[str, Any],
 ) -> list[GroupSpecs]:
-    """Map each unit's parameters to its inner optimizers' groups by the rules, refusing
-    overlapping or unused rules and parameters Muon cannot step before any optimizer exists."""
+    """Map each unit's parameters to groups by the rules; refuse what cannot step."""
     compiled = _compile(rules)
     # By bucket: 0 is the default group, i > 0 rule i - 1's group.
     classes = [default_cls, *(r.optimizer_cls or default_cls for r in rules)]

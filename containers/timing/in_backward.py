@@ -22,8 +22,7 @@ __all__ = ["InBackward", "OptimizersInBackwardContainer"]
 
 
 class InBackward(Timing):
-    """Apply each unit inside the `gradient_accumulation_steps`-th backward that reaches it
-    (counted per unit, so interleaved pipeline stages on one rank count right)."""
+    """Apply each unit inside the last backward of the step that reaches it."""
 
     in_backward = True
 
@@ -172,8 +171,7 @@ class InBackward(Timing):
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):
-    """An `OptimizersContainer` whose units step inside backward (`InBackward`) in the last
-    of `gradient_accumulation_steps` backward passes; no global norm is measured."""
+    """An `OptimizersContainer` whose units step inside backward (`InBackward`)."""
 
     def __init__(
         self,
