@@ -132,11 +132,9 @@ class Precision:
 
 
 class PartState(Protocol):
-    """Flat checkpoint entries `<kind>.<fqn>` of a part beside the optimizer state (tensors as
-    held, so DCP loads in place); `fqn_of` maps each stepped tensor to its FQN. `fit_template`
-    makes `state_dict()` a template for a checkpoint's keys (`forget_template` undoes it);
-    `take_state` removes and validates the part's entries, changing nothing; `load_state`
-    applies them once the optimizer state has loaded."""
+    """Flat checkpoint entries `<kind>.<fqn>` of a part (tensors as held: DCP loads in place).
+    `fit_template` fits `state_dict()` to a checkpoint's keys; `take_state` removes and checks
+    the part's entries, changing nothing; `load_state` applies them after the optimizers'."""
 
     def state_dict(self, fqn_of: dict[torch.Tensor, str]) -> dict[str, Any]: ...
 

@@ -41,16 +41,10 @@ class OtherFragments(ValueError):
 
 
 class DiLoCo(Outer):
-    """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`.
-
-    Args:
-        manager: the replica group's `torchft.Manager`; None: it only holds and loads state.
-        outer_kwargs: default torchtitan's Nesterov SGD 0.7 / 0.9.
-        num_fragments: streaming DiLoCo: fragments of about equal size, synced in turn
-            `sync_steps / num_fragments` steps apart (`due`).
-        fragment_update_alpha: after a sync, local = alpha * local + (1 - alpha) * global.
-        agreement, lighthouse: as `TorchFTGate`'s (asked at each sync's quorum).
-    """
+    """Local inner steps; an outer step on the averaged pseudo-gradient every `sync_steps`
+    (`manager` None: it only holds and loads state). `num_fragments` (streaming DiLoCo) are
+    synced in turn `sync_steps / num_fragments` steps apart; after a sync local = alpha * local
+    + (1 - alpha) * global; `agreement` and `lighthouse` as `TorchFTGate`'s."""
 
     def __init__(
         self,

@@ -2,11 +2,8 @@
 
 bf16 is the upper half of fp32. Rounding a master by adding half a bf16 ulp to its bits and
 keeping the upper half (round half away from zero; torch's `.to` rounds ties to even) leaves
-a lower half that, as a signed int16, restores the master exactly:
-
-    master_bits = (param_bits << 16) + remainder      (int32, two's complement)
-
-The arithmetic is int32 on views of fp32 scratch; both halves lie in [-32768, 32767].
+a lower half that, as a signed int16, restores the master exactly: master_bits = (param_bits
+<< 16) + remainder (int32 on views of fp32 scratch; both halves lie in [-32768, 32767]).
 """
 
 from __future__ import annotations

@@ -23,14 +23,9 @@ GradAccumulationDtype = Literal["param_dtype", "float32"]
 class MixedPrecisionSettings:
     """Dtypes and loss scaling of a `MasterWeights` precision.
 
-    Attributes:
-        loss_scaling: "dynamic" adapts to overflows, "static" keeps `initial_scale`, "none"
-            scales by 1; "auto" is "dynamic" for float16 and "none" for bfloat16.
-        growth_factor, backoff_factor: scale multipliers after `growth_interval` steps
-            without overflow and after `hysteresis` overflows.
-        store_param_remainders: keep each float32 master as its bfloat16 parameter plus a
-            16-bit remainder.
-        grad_accumulation_dtype: what a step's micro-batches' gradients are summed in.
+    `loss_scaling` "auto" is "dynamic" for float16 and "none" (a scale of 1) for bfloat16;
+    `store_param_remainders` keeps each float32 master as its bfloat16 parameter plus a 16-bit
+    remainder; `grad_accumulation_dtype` is what micro-batches' gradients are summed in.
     """
 
     param_dtype: ParamDtype = "bfloat16"
