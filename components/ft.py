@@ -9,7 +9,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -118,14 +117,9 @@ def build_load_balance(
     each group balances on its own tokens between syncs, as its weights drift on their own,
     and each committed outer step averages the biases over the groups.
     """
-    across = None
-    if manager is not None and cfg.fault_tolerance.semi_sync_method == "none":
-
-        def across(counts: torch.Tensor) -> None:
-            manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
-
+    every_step = manager is not None and cfg.fault_tolerance.semi_sync_method == "none"
     coeff, group = cfg.model.load_balance_coeff, stage_group(mesh)
-    return LoadBalance(layers, coeff, group, across, diloco=diloco)
+    return LoadBalance(layers, coeff, group, manager if every_step else None, diloco)
 
 
 def _outer_optimizer(cfg: JobConfig) -> tuple[type[Optimizer], dict[str, Any]]:

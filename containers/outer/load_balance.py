@@ -4,7 +4,7 @@ part of the container.
 Each MoE layer adds a per-expert bias to its routing scores for the top-k selection only, and
 its forward adds the token selections each expert received to a count. After a committed step
 the counts are summed over every rank of the stage (`group`) and of every replica group that
-trains in step with this one (`across`), and each bias moves by
+trains in step with this one (torchft's every-step gate: `manager`), and each bias moves by
 `coeff * sign(mean load - load of expert e)`, as torchtitan does in an optimizer step pre-hook.
 A step that does not apply leaves the biases as they were, and its counts are dropped when the
 next step begins (`on_zero_grad`), so an uncommitted or non-finite step changes nothing. Under
@@ -18,7 +18,7 @@ the load imbalance (max over mean tokens per expert).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,8 @@ from containers.parts import Outer
 from containers.state.flat import describe_keys
 
 if TYPE_CHECKING:
+    from torchft import Manager
+
     from containers.container import OptimizersContainer
     from containers.outer.diloco import DiLoCo
 
@@ -46,8 +48,9 @@ class LoadBalance(Outer):
         coeff: how far a bias moves per step; 0 only counts (the imbalance is still reported).
         group: the ranks whose counts add up to the step's (those of this pipeline stage);
             None: the world.
-        across: sums a tensor in place over the replica groups that train together (torchft's
-            every-step gate), after `group`; None: one replica group.
+        manager: the replica group's torchft manager under the every-step gate: the counts
+            are also summed over the groups of the step's quorum (a healing group adds zeros;
+            a failed sum moves no bias); None: one replica group.
         diloco: the job's `DiLoCo` (before this part in the container's outer parts): each of
             its committed outer steps also averages the biases over the replica groups, which
             balance on their own tokens between syncs as their weights drift on their own.
@@ -58,7 +61,7 @@ class LoadBalance(Outer):
         layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         coeff: float,
         group: dist.ProcessGroup | None = None,
-        across: Callable[[torch.Tensor], None] | None = None,
+        manager: Manager | None = None,
         diloco: DiLoCo | None = None,
     ) -> None:
         if not coeff >= 0:
@@ -68,7 +71,7 @@ class LoadBalance(Outer):
         self.counts = [count for _, count in layers.values()]
         self.coeff = coeff
         self.group = group
-        self.across = across
+        self.manager = manager
         self.diloco = diloco
         self._outer_steps = 0  # DiLoCo's outer steps when this step began
         sizes = {t.numel() for t in self.biases + self.counts}
@@ -106,8 +109,10 @@ class LoadBalance(Outer):
         counts = torch.stack(self.counts)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
-        if self.across is not None:
-            self.across(counts)
+        if self.manager is not None:
+            self.manager.allreduce(counts, reduce_op=dist.ReduceOp.SUM).wait()
+            if self.manager.errored() is not None:
+                counts.zero_()  # (the sum may be torn: no expert is behind another)
         if self.coeff:
             moves = torch.sign(counts.mean(dim=1, keepdim=True) - counts) * self.coeff
             for bias, move in zip(self.biases, moves):

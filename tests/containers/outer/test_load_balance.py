@@ -15,7 +15,9 @@ from containers import (
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
     OptimizersInBackwardContainer,
+    TorchFTGate,
 )
+from tests.containers.gate.test_fault_tolerant import manager  # noqa: F401 (a fixture)
 from tests.harness.dist import run_ranks
 
 E, DIM, K = 4, 8, 2
@@ -223,3 +225,25 @@ def test_counts_add_up_over_ranks_and_every_rank_moves_its_biases_alike():
     assert torch.equal(results[0]["bias"], results[1]["bias"])
     want = torch.stack(_expected(list(torch.zeros(2, E)), list(total), 0.1))
     assert torch.equal(results[0]["bias"], want)
+
+
+def test_under_torchft_a_failed_sum_of_the_counts_moves_no_bias(manager):  # noqa: F811
+    model = _model()
+    balance = LoadBalance(
+        {n: (m.expert_bias, m.tokens_per_expert) for n, m in model.named_children()},
+        0.1,
+        manager=manager,
+    )
+    opt = OptimizersContainer(
+        [model], torch.optim.AdamW, {"lr": 1e-2}, gate=TorchFTGate(manager), outer=balance
+    )
+    _step(opt, model, _batch(0))  # a real quorum of one group: its own counts
+    assert opt.last_report.committed and any(m.expert_bias.any() for m in _routers(model))
+    assert all(c.any() for c in balance.committed)
+    biases = [m.expert_bias.clone() for m in _routers(model)]
+    # The step commits, then the collective that sums the counts fails.
+    opt.register_step_post_hook(lambda *_: manager.report_error(RuntimeError("peer died")))
+    _step(opt, model, _batch(1))
+    assert opt.last_report.committed
+    assert all(torch.equal(m.expert_bias, b) for m, b in zip(_routers(model), biases))
+    assert all(not c.any() for c in balance.committed)
