@@ -82,7 +82,8 @@ def data_parallel_mesh(mesh: DeviceMesh, shard: str = "dp_shard") -> DeviceMesh 
     size 1 (nothing to shard)."""
     if mesh["dp_replicate"].size() > 1:
         return sub_mesh(mesh, "dp_replicate", shard)
-    return sub_mesh(mesh, shard) if sub_mesh(mesh, shard).size() > 1 else None
+    alone = sub_mesh(mesh, shard)
+    return alone if alone.size() > 1 else None
 
 
 def _fsdp1(part: nn.Module, mesh: DeviceMesh, units: set[nn.Module]) -> nn.Module:
