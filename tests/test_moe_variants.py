@@ -1,15 +1,19 @@
 """The mixture of experts at EP 2 through train.py with the containers and optimizers that
 the reshard and torchft tests do not cover: in-backward steps, Muon on each expert, 8-bit
-moments."""
+moments; and a skipped step, which leaves the load balancing as it was."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness.dist import REPO, launch
+from tests.test_reshard import _stored
 
 ARGS = [
     "--job.config_file", "config/moe.toml", "--model.flavor", "tiny",
@@ -48,3 +52,28 @@ def test_an_ep2_job_trains_with(name, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert all(r["load_imbalance"] >= 1.0 for r in rows)
+
+
+def test_a_skipped_step_leaves_the_expert_biases_and_counts_as_they_were(tmp_path):
+    """Gradients of step 3 hold inf (tests.harness.faults): the step is skipped, and the
+    checkpoint written after it holds step 2's biases and load-balancing counts."""
+    dump = tmp_path / "run"
+    args = [*ARGS, "--training.steps", "3", "--checkpoint.enable", "true"]
+    args += ["--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    cmd = [sys.executable, "-m", "tests.harness.faults", "overflow", "3", *args]
+    result = subprocess.run(
+        [*cmd, "--nproc_per_node", "2"], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "step 3 skipped: non-finite" in result.stdout + result.stderr
+    before, after = _stored(dump, 2), _stored(dump, 3)
+    kept = {
+        k: v
+        for part in ("model", "optimizer")
+        for k, v in before[part].items()
+        if k.endswith("expert_bias") or k.startswith("load_balance.")
+    }
+    assert len(kept) == 4 and any(v.any() for v in kept.values())
+    for key, value in kept.items():
+        part = "model" if key.endswith("expert_bias") else "optimizer"
+        assert torch.equal(after[part][key], value), key
