@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from components.job import build_job, validate_job
 from config import ConfigError, load_job_config
-from tests.harness.dist import REPO, free_port, kill_tree, launch
+from tests.harness.dist import REPO, free_port, kill_tree, launch, run_here, train_ranks
 from tests.test_train import BASE
 
 
@@ -40,17 +40,8 @@ def test_help_lists_the_keys_and_reads_nothing(flag, capsys):
 def test_no_arguments_run_the_debug_job(tmp_path):
     """The defaults alone (no config file) train; an empty TOML gives the same config
     (tests/config/test_defaults.py)."""
-    result = launch(
-        0,
-        [
-            "--training.steps",
-            "2",
-            "--lr_scheduler.warmup_steps",
-            "1",
-            "--job.dump_folder",
-            str(tmp_path),
-        ],
-    )
+    argv = ["--training.steps", "2", "--lr_scheduler.warmup_steps", "1"]
+    result = train_ranks(1, [*argv, "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, result.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
@@ -147,15 +138,19 @@ def test_a_refused_ft_job_never_connects(tmp_path):
     assert not dist.is_initialized() and os.environ.get("MASTER_PORT") == store_port
 
 
-def _refused_line(args: list[str], dump: Path) -> str:
+def _refused_line(args: list[str], dump: Path, process: bool = False) -> str:
     """The one line `train.py --nproc_per_node 2 args` prints when the launcher refuses the
     config (exit 2, before any rank starts): stderr alone, with its final newline, nothing on
-    stdout and nothing written under `dump`."""
-    cmd = [sys.executable, "train.py", "--nproc_per_node", "2", *args]
-    result = subprocess.run(
-        [*cmd, "--job.dump_folder", str(dump)], cwd=REPO, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    stdout and nothing written under `dump`. In this process (the launcher's check is
+    `train.run`'s), or as a `process` of its own."""
+    argv = ["--nproc_per_node", "2", *args, "--job.dump_folder", str(dump)]
+    if process:
+        result = subprocess.run(
+            [sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    else:
+        result = run_here(argv)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.endswith("\n") and not dump.exists()
@@ -166,7 +161,7 @@ def test_a_retired_key_is_one_line_naming_its_replacement_before_any_rank(tmp_pa
     """`[mixed_precision] compile` went: `[optimizer] implementation = "compiled"` is the one
     compile knob. The launcher refuses it (exit 2) before it starts a rank or a folder."""
     args = ["--job.config_file", "config/mixed_precision.toml", "--mixed_precision.compile"]
-    assert _refused_line(args, tmp_path / "run") == (
+    assert _refused_line(args, tmp_path / "run", process=True) == (
         "[mixed_precision] compile: retired; set [optimizer] implementation = "
         "'compiled' (one inductor graph a param group, under every container) instead, and "
         "leave this key out"

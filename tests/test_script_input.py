@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from tests.harness.dist import REPO, launch, run_script
+from tests.harness.dist import REPO, run_script, train_ranks
 from tests.harness.ftjob import FTJob
 from tests.test_migrating import _trained
 from tests.test_train import BASE
@@ -33,14 +33,14 @@ CONFIG = [str(Path(REPO, a)) if a.endswith(".toml") else a for a in BASE]  # fro
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dump folder of a 2-step train.py run (one process) saving both steps."""
     dump = tmp_path_factory.mktemp("scripts") / "run"
-    result = launch(0, [*ARGS, "--job.dump_folder", str(dump)])
+    result = train_ranks(1, [*ARGS, "--job.dump_folder", str(dump)])
     assert result.returncode == 0, result.stdout[-3000:]
     return dump
 
 
-def _refused(name: str, *args: str, cwd: Path) -> str:
+def _refused(name: str, *args: str, cwd: Path, process: bool = False) -> str:
     """The one error line that `python -m scripts.<name> args` ends with, exit 2."""
-    out = run_script(name, *args, cwd=cwd)
+    out = run_script(name, *args, cwd=cwd, process=process)
     lines = out.stderr.strip().splitlines()
     errors = [line for line in lines if "error: " in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -76,7 +76,7 @@ def _nan_into(step: Path, key: str) -> None:
 def _train_refusal(step: Path) -> str:
     """What train.py says resuming the dump folder that holds `step` (it must refuse it)."""
     resume = ["--training.steps", "3", "--job.dump_folder", str(step.parents[1])]
-    refused = launch(0, [*ARGS, *resume])
+    refused = train_ranks(1, [*ARGS, *resume])
     assert refused.returncode == 2, refused.stdout[-3000:]
     return refused.stdout
 
@@ -176,9 +176,11 @@ def test_convert_says_in_one_line_what_a_source_is_not(run, tmp_path):
     _overwrite(overwritten)
     (tmp_path / "a_file").touch()
 
-    def refused(src: Path, dst: Path | None = None, config: list[str] = CONFIG) -> str:
+    def refused(
+        src: Path, dst: Path | None = None, config: list[str] = CONFIG, process: bool = False
+    ) -> str:
         dst = dst or tmp_path / "out"
-        line = _refused("convert", str(src), str(dst), *config, cwd=tmp_path)
+        line = _refused("convert", str(src), str(dst), *config, cwd=tmp_path, process=process)
         assert not dst.exists()
         return line.removeprefix("ERROR error: ")
 
@@ -186,7 +188,7 @@ def test_convert_says_in_one_line_what_a_source_is_not(run, tmp_path):
         "expected a dict with 'model' (a model state_dict) and 'optimizer' (torch's "
         "Optimizer.state_dict()), as torch.save wrote them"
     )
-    assert refused(garbage) == (
+    assert refused(garbage, process=True) == (  # as a process of its own, once
         f"{garbage}: torch.load(weights_only=True) cannot read it (UnpicklingError); {expected}"
     )
     assert refused(dcp_flat).startswith(

@@ -3,6 +3,7 @@ across layouts: test_reshard.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import torch
 
 from components.checkpoint import complete_checkpoints
 from config import ConfigError
-from tests.harness.dist import finish, kill_tree, launch, start, worker_pids
+from tests.harness.dist import finish, kill_tree, run_here, start, train_ranks, worker_pids
 from tests.harness.ftjob import FTJob
 
 BASE = [
@@ -47,7 +48,7 @@ def _losses(dump: Path) -> dict[int, float]:
 
 
 def _run(nproc: int, dump: Path, *extra: str) -> str:
-    result = launch(nproc, [*BASE, "--job.dump_folder", str(dump), *extra])
+    result = train_ranks(nproc, [*BASE, "--job.dump_folder", str(dump), *extra])
     assert result.returncode == 0, result.stdout[-6000:]
     return result.stdout
 
@@ -59,6 +60,15 @@ def _resume_copy(src: Path, dst: Path, step: int) -> None:
 
 def _final_model(dump: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(dump / "checkpoint" / f"model-step-{step}.pt", weights_only=True)
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` but the run lock (each run writes its record)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "run.lock"
+    }
 
 
 def _mtimes(folder: Path) -> dict[Path, int]:
@@ -111,7 +121,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
         proc.wait(timeout=30)
     assert (ckpt / "step-2").is_dir() and not (ckpt / "step-4").exists()
 
-    out = launch(2, args).stdout
+    out = train_ranks(2, args).stdout
     assert "resumed from" in out and "step-2" in out, out[-4000:]
     # The rows of steps 3-4 from before the kill were dropped on resume: none is there twice.
     rows = (dump / "metrics.jsonl").read_text().splitlines()
@@ -119,37 +129,69 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     assert {p.name for p in ckpt.iterdir()} == {"run.lock", "step-2", "step-4", "step-6"}
 
 
-def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(tmp_path):
-    args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
-    first = start(2, [*args, "--checkpoint.interval", "2"])
-    lock = tmp_path / "run.lock"
+def test_a_second_run_on_a_live_dump_or_checkpoint_folder_exits_2_and_changes_no_byte(tmp_path):
+    """One live run (train.py's launcher, paused while the others try): a second run on its
+    dump folder, and one on its checkpoint folder named by another path (a symlink), each exit
+    2 in one line and change no byte; the first finishes untouched."""
+    dump, shared, link = tmp_path / "a", tmp_path / "shared", tmp_path / "link"
+    link.symlink_to(shared)  # the third run names the same folder by another path
+    common = [*BASE, "--training.steps", "12", "--checkpoint.interval", "2"]
+    common += ["--checkpoint.keep_latest_k", "3"]
+    first = start(
+        2,
+        [*common, "--job.dump_folder", str(dump), "--checkpoint.folder", str(shared)],
+        torchrun=False,
+    )
+    lock = dump / "run.lock"
     try:
         deadline = time.monotonic() + 120
-        while not (lock.exists() and lock.read_text().endswith("\n")):
-            assert first.poll() is None and time.monotonic() < deadline, "run 1 never locked"
-            time.sleep(0.05)
-        holder = json.loads(lock.read_text())
-        # Paused, so it is surely still live while the second run starts; nothing else.
+        while not (shared / "step-2").is_dir():
+            assert first.poll() is None and time.monotonic() < deadline, "run 1 saved no step-2"
+            time.sleep(0.02)
+        # Paused, so it is surely still live while the others start; nothing else.
         kill_tree(first.pid, signal.SIGSTOP)
+        holder = json.loads(lock.read_text())
+        holder_of_shared = json.loads((shared / "run.lock").read_text())
+        before = _hashes(shared)
         t0 = time.monotonic()
-        second = launch(0, args, timeout=60)
+        same_dump = train_ranks(1, [*common, "--job.dump_folder", str(dump)], timeout=60)
         elapsed = time.monotonic() - t0
+        other = [
+            *common,
+            "--job.dump_folder",
+            str(tmp_path / "b"),
+            "--checkpoint.folder",
+            str(link),
+        ]
+        same_folder = train_ranks(1, other, timeout=120)
+        after = _hashes(shared)
     finally:
         kill_tree(first.pid, signal.SIGCONT)
     out, _ = first.communicate(timeout=240)
-    assert second.returncode == 2 and elapsed < 30, (elapsed, second.stdout[-3000:])
-    errors = [line for line in second.stdout.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "Traceback" not in second.stdout, second.stdout
-    assert f"dump_folder: {tmp_path} is in use by a live run (pid {holder['pid']} " in errors[0]
+    assert same_dump.returncode == 2 and elapsed < 30, (elapsed, same_dump.stdout[-3000:])
+    errors = [line for line in same_dump.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in same_dump.stdout, same_dump.stdout
+    assert f"dump_folder: {dump} is in use by a live run (pid {holder['pid']} " in errors[0]
     assert f"on host {holder['host']}, started {holder['started']}" in errors[0]
 
-    assert first.returncode == 0, out[-4000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
-    assert sorted(complete_checkpoints(tmp_path / "checkpoint")) == [2, 4]
+    holder = holder_of_shared
+    assert same_folder.returncode == 2 and "Traceback" not in same_folder.stdout
+    errors = [line for line in same_folder.stdout.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, same_folder.stdout[-3000:]
+    assert (
+        f"[checkpoint] folder: {shared} is in use by a live run (pid {holder['pid']} on host "
+        f"{holder['host']}, started {holder['started']}, dump folder {dump}; lock "
+    ) in errors[0]
+    assert after == before and any(k.startswith("step-2/") for k in before)
+    assert (tmp_path / "b" / "run.lock").read_text() == ""  # its dump folder freed again
+
+    assert first.returncode == 0 and "Traceback" not in out, out[-4000:]
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 13))
+    assert sorted(complete_checkpoints(shared)) == [8, 10, 12]
     assert lock.read_text() == ""  # released at exit
     # The refused run logged before it knew the folder was not its own: none of it there.
-    assert "step     4" in (log := (tmp_path / "train.log").read_text()) and "in use" not in log
+    assert "step    12" in (log := (dump / "train.log").read_text()) and "in use" not in log
 
 
 @pytest.mark.parametrize(
@@ -167,7 +209,7 @@ def test_a_second_run_on_a_live_folder_exits_2_and_the_first_finishes_untouched(
     ],
 )
 def test_bad_config_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):
-    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), *args], timeout=60)
+    result = train_ranks(1, [*BASE, "--job.dump_folder", str(tmp_path), *args], timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stdout
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
@@ -180,8 +222,7 @@ def test_an_older_load_step_leaves_every_newer_file_byte_identical(tmp_path):
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     assert {p.parent.name for p in before} >= {"step-2", "step-4"}
     args = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.load_step", "2"]
-    result = launch(2, [*BASE, "--job.dump_folder", str(tmp_path), *args])
-    # torchrun still prints its ChildFailedError block after the ranks' one line (issue 13).
+    result = train_ranks(2, [*BASE, "--job.dump_folder", str(tmp_path), *args])
     assert result.returncode != 0, result.stdout[-3000:]
     assert "load_step = 2:" in result.stdout and "also holds step-4" in result.stdout
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
@@ -190,7 +231,7 @@ def test_an_older_load_step_leaves_every_newer_file_byte_identical(tmp_path):
 def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
     _run(0, tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
     before = _mtimes(tmp_path / "checkpoint")
-    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--model.flavor", "debug"])
+    result = train_ranks(1, [*BASE, "--job.dump_folder", str(tmp_path), "--model.flavor", "debug"])
     assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
     assert "does not match this job" in result.stdout
     assert "missing keys [model.layers.2.attention.wk.weight" in result.stdout
@@ -204,7 +245,7 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
     log = tmp_path / "train.log"  # the one file that changes: it says why
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != log}
     logged = log.read_text()
-    result = launch(0, [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
+    result = train_ranks(1, [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
     assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1, result.stdout
@@ -276,7 +317,7 @@ def test_lr_1e30_stops_at_the_skip_cap_with_exit_1_and_only_finite_checkpoints(
     args += ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
     args += ["--training.steps", "40", "--training.max_consecutive_skips", "3"]
     args += ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
-    result = launch(2, args)
+    result = train_ranks(2, args)
     assert result.returncode == 1, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
     expected = f"steps {last - 2}-{last} were all skipped"
@@ -305,15 +346,17 @@ def _wait_for_steps(proc: subprocess.Popen, dump: Path, steps: int = 3) -> None:
         time.sleep(0.02)
 
 
-def _stop_while_training(dump: Path, signal_to: str) -> tuple[subprocess.CompletedProcess, int]:
-    """Start a 2-rank run, send SIGTERM to `signal_to` once it trains: "launcher" (train.py's
+def _stop_while_training(
+    dump: Path, signal_to: str, sig: signal.Signals
+) -> tuple[subprocess.CompletedProcess, int]:
+    """Start a 2-rank run, send `sig` to `signal_to` once it trains: "launcher" (train.py's
     own) or "rank1" (under torchrun, which exits 1 when signalled itself)."""
     args = [*BASE, "--job.dump_folder", str(dump), *LONG]
     proc = start(2, args, torchrun=signal_to != "launcher")
     try:
         _wait_for_steps(proc, dump)
         pid = proc.pid if signal_to == "launcher" else worker_pids(proc.pid)[1]
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
         result = finish(proc, timeout=120)
     finally:
         kill_tree(proc.pid)
@@ -328,16 +371,23 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return _losses(ref)
 
 
-@pytest.mark.parametrize("signal_to", ["launcher", "rank1"])
-def test_sigterm_saves_the_step_reached_exits_0_and_the_same_command_resumes_bitwise(
-    tmp_path, signal_to, uninterrupted
+@pytest.mark.parametrize(
+    "signal_to, sig, said",
+    [("rank1", signal.SIGTERM, "a signal to another rank"), ("launcher", signal.SIGHUP, "SIGHUP")],
+    ids=["sigterm_to_rank1_under_torchrun", "sighup_to_the_launcher"],
+)
+def test_a_stop_signal_saves_the_step_reached_exits_0_and_the_same_command_resumes_bitwise(
+    tmp_path, signal_to, sig, said, uninterrupted
 ):
+    """SIGTERM to one rank under torchrun, or SIGHUP (the terminal closed) to train.py's
+    launcher, which passes it on to every rank."""
     run = tmp_path / "run"
-    result, reached = _stop_while_training(run, signal_to)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert reached < 60 and (run / "checkpoint" / f"step-{reached}").is_dir()
+    result, reached = _stop_while_training(run, signal_to, sig)
+    assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert reached < 60 and list(complete_checkpoints(run / "checkpoint")) == [reached]
     lines = [line for line in result.stdout.splitlines() if "stopped by" in line]
-    assert len(lines) == 1 and f"at step {reached} of 60" in lines[0], result.stdout[-3000:]
+    assert len(lines) == 1, result.stdout[-3000:]
+    assert f"stopped by {said} at step {reached} of 60" in lines[0], lines[0]
     out = _run(2, run, *LONG)
     assert f"step-{reached}" in out
     assert _losses(run) == uninterrupted  # bitwise, every step
@@ -433,7 +483,7 @@ def test_a_resume_takes_every_optimizer_setting_from_the_config(tmp_path):
     # Another state layout: refused before anything changes, in one line.
     before = _mtimes(dump / "checkpoint")
     sgd = ["--training.steps", "3", "--optimizer.name", "SGD", "--optimizer.momentum", "0.9"]
-    result = launch(0, [*BASE, "--job.dump_folder", str(dump), *sgd], timeout=120)
+    result = train_ranks(1, [*BASE, "--job.dump_folder", str(dump), *sgd], timeout=120)
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
     assert len(errors) == 1, result.stdout[-3000:]
@@ -480,11 +530,12 @@ def test_a_resume_takes_every_optimizer_setting_from_the_config(tmp_path):
 
 
 def test_the_launcher_refuses_a_bad_config_in_one_line_before_any_rank_starts(tmp_path):
-    args = [*BASE, "--job.dump_folder", str(tmp_path), "--model.flavor", "nope"]
-    result = launch(2, args, timeout=60, torchrun=False)
-    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1 and "ERROR" in lines[0] and "flavor" in lines[0], result.stdout
+    args = ["--nproc_per_node", "2", *BASE, "--job.dump_folder", str(tmp_path)]
+    result = run_here([*args, "--model.flavor", "nope"])
+    said = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in said, said[-3000:]
+    lines = [line for line in said.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ERROR" in lines[0] and "flavor" in lines[0], said
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no rank ran
 
 
@@ -495,7 +546,7 @@ def test_muon_toml_trains_with_muon_on_the_block_matrices_and_checkpoints_its_mo
     feed-forward matrices with Muon and the rest with AdamW; its momentum is in the checkpoint
     under the flat keys."""
     args = ["config/muon.toml" if a == "config/debug.toml" else a for a in BASE]
-    result = launch(0, [*args, "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
+    result = train_ranks(1, [*args, "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert "OptimizersContainer([ShardedMuon (float32 state) x2, AdamW (float32 state) x3]" in (
         result.stdout

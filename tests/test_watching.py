@@ -10,7 +10,7 @@ import time
 import pytest
 
 from config import load_job_config
-from tests.harness.dist import launch, run_script
+from tests.harness.dist import run_script, train_ranks
 
 ARGS = [
     *("--job.config_file", "config/debug.toml", "--model.flavor", "tiny"),
@@ -27,14 +27,15 @@ def run(tmp_path_factory: pytest.TempPathFactory):
     dump = tmp_path_factory.mktemp("watched") / "run"
     argv = [*ARGS, "--job.dump_folder", str(dump)]
     started = time.time()
-    result = launch(2, argv, torchrun=False)
+    result = train_ranks(2, argv)
     assert result.returncode == 0, result.stdout[-6000:]
     return dump, argv, started, time.time()
 
 
 def _tool(name: str, *args: str, cwd) -> str:
-    """What `python -m scripts.<name>` prints, run from another directory; it must exit 0."""
-    out = run_script(name, *args, cwd=cwd)
+    """What `python -m scripts.<name>` prints, run from another directory as a process of its
+    own (the scripts' smoke test); it must exit 0."""
+    out = run_script(name, *args, cwd=cwd, process=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

@@ -9,11 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,20 +33,23 @@ def free_port() -> int:
 def _child(
     rank: int, world_size: int, port: int, results: Any, fn: Callable, args: tuple, env: dict
 ) -> None:
+    """Rank `rank` of `world_size` (0: a plain process, no process group) runs `fn(*args)`."""
     os.environ.clear()  # the caller's, also in a rank forked from a server started earlier
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+    if world_size:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+        )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-        )
+        if world_size:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+            )
         try:
             # Bytes, not tensors: torch's queue would share tensor memory with a process that
             # exits right after putting them.
@@ -92,27 +97,38 @@ def _forkserver() -> Any:
     return ctx
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(
+    world_size: int,
+    fn: Callable,
+    *args: Any,
+    timeout: float = 180.0,
+    ends_all: Callable[[Any], bool] | None = None,
+) -> list[Any]:
     """Run `fn(*args)` on `world_size` gloo ranks and return each rank's result, by rank.
 
     `fn` must be importable (module level). Any rank's exception, a rank that dies, or the
-    timeout fails the call with the ranks' tracebacks; every process is ended by pid.
+    timeout fails the call with the ranks' tracebacks; every process is ended by pid. A
+    result for which `ends_all` is true ends the other ranks at once (as a launcher ends a
+    job when one rank fails); theirs are then None. `world_size` 0: one plain process, in no
+    process group.
     """
+    nproc = max(world_size, 1)
     ctx = _forkserver()
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, results, fn, args, env), daemon=True)
-        for r in range(world_size)
+        for r in range(nproc)
     ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
     errors: dict[int | str, str] = {}
+    ended = False
     deadline = time.monotonic() + timeout
     try:
-        while len(got) + len(errors) < world_size:
+        while len(got) + len(errors) < nproc and not ended:
             try:
                 rank, ok, payload = results.get(timeout=0.5)
             except queue.Empty:
@@ -129,6 +145,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
                 continue
             if ok:
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                ended = ends_all is not None and ends_all(got[rank])
             else:
                 errors[rank] = payload
                 # The other ranks usually fail next (a peer hung up); give them a moment so
@@ -136,7 +153,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
                 deadline = min(deadline, time.monotonic() + 5)
     finally:
         for p in procs:
-            p.join(timeout=1 if errors else 10)
+            p.join(timeout=0 if ended else 1 if errors else 10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -146,7 +163,72 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
             f"rank {k}:\n{v}" if isinstance(k, int) else v for k, v in errors.items()
         )
         raise RuntimeError(f"distributed test failed:\n{report}")
-    return [got[r] for r in range(world_size)]
+    return [got.get(r) for r in range(nproc)]
+
+
+def _train_rank(argv: list[str], out_dir: str) -> int:
+    """`python train.py argv` as one of its ranks runs it (`train.run`, no launcher), in this
+    process, its output (console log lines, stdout and stderr) to `out_dir/<rank>`: the exit
+    code."""
+    import contextlib
+    import logging
+
+    import train
+    from components.logs import FORMAT
+    from components.run_lock import release_held
+
+    path = os.path.join(out_dir, os.environ["RANK"])
+    # By line: a rank that another's failure ended keeps what it said.
+    with (
+        open(path, "w", buffering=1) as out,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
+        logging.basicConfig(level=logging.INFO, format=FORMAT, stream=out, force=True)
+        code = train.run(argv)
+        release_held()  # what `train.exit_now` does before the process exits
+        logging.shutdown()
+    return code
+
+
+def train_ranks(nproc: int, argv: list[str], timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run train.py's ranks on `nproc` (1 for a plain `python train.py`) forked gloo ranks, as
+    `launch` runs them, without a fresh interpreter per rank: the CompletedProcess a launch by
+    train.py's launcher gives (a rank that fails ends the others; the first failed rank's exit
+    code; the ranks' output, rank 0's first).
+
+    For every test whose subject is the run, not the process (signals, launchers, locks
+    between processes and exits of a dead parent keep `launch`).
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        codes = run_ranks(max(nproc, 1), _train_rank, argv, out_dir, timeout=timeout, ends_all=bool)
+        out = "".join(Path(out_dir, str(r)).read_text() for r in range(max(nproc, 1)))
+    failed = [code for code in codes if code]
+    return subprocess.CompletedProcess(["train.py", *argv], failed[0] if failed else 0, out)
+
+
+def run_here(argv: list[str]) -> subprocess.CompletedProcess:
+    """`python train.py argv` in this process where it ends before any rank starts (the
+    launcher's config check, `--help`): exit code, stdout and stderr (its log lines)."""
+    import contextlib
+    import logging
+
+    import train
+    from components.logs import FORMAT
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    root = logging.getLogger()
+    level, root.level = root.level, logging.INFO
+    root.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train.run(argv)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["train.py", *argv], code, out.getvalue(), err.getvalue())
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -180,9 +262,33 @@ def start(
     )
 
 
-def run_script(name: str, *args: str, cwd: Any) -> subprocess.CompletedProcess:
-    """`python -m scripts.<name> args` from another directory `cwd`, with the checkout on
-    PYTHONPATH (the installed distribution holds the library only); output captured."""
+def _script(name: str, args: tuple[str, ...], cwd: str) -> tuple[int, str, str]:
+    """`python -m scripts.<name> args` in this (forked) process, from `cwd`: exit code,
+    stdout, stderr."""
+    import contextlib
+    import runpy
+
+    os.chdir(cwd)
+    sys.argv = [f"scripts/{name}.py", *args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(f"scripts.{name}", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_script(
+    name: str, *args: str, cwd: Any, process: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m scripts.<name> args` from another directory `cwd`, output captured: in a
+    process forked from the test server (its `__main__` as written), or a `process` of its
+    own with the checkout on PYTHONPATH (the installed distribution holds the library only)."""
+    if not process:
+        ((code, out, err),) = run_ranks(0, _script, name, args, str(cwd), timeout=120)
+        return subprocess.CompletedProcess([name, *args], code, out, err)
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-m", f"scripts.{name}", *args],
