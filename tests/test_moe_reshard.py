@@ -10,13 +10,11 @@ element. At the saving layout the resumed run is the uninterrupted one, bitwise.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness.dist import REPO, launch, run_ranks
+from tests.harness.dist import REPO, run_ranks, run_script, train_ranks
 from tests.harness.helpers import train_resumed
 from tests.test_reshard import _merged, _metrics, _mismatches, _stored
 from tests.test_train import _resume_copy
@@ -58,7 +56,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runs = {}
     for states in STATES:
         dump = root / states
-        result = launch(4, _argv(states, "ep2_dp2", 6, dump))
+        result = train_ranks(4, _argv(states, "ep2_dp2", 6, dump))
         assert result.returncode == 0, result.stdout[-6000:]
         runs[states] = dump
     return runs
@@ -111,8 +109,9 @@ def test_an_ep2_dp2_checkpoint_resumes_element_for_element_at(states, layout, sa
 
 def test_inspect_lists_the_expert_tensors_biases_and_load_balancing_counts(saved):
     step = saved["masters_ema"] / "checkpoint" / "step-4"
-    cmd = [sys.executable, "-m", "scripts.inspect", str(step)]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    done = run_script("inspect", str(step), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
     assert "layers.0.moe.experts.w1" in out and "(4, 64, 32)" in out  # [E, dim, hidden]
     assert "layers.0.moe.expert_bias" in out
     assert "optimizer load_balance" in out and "layers.0.moe.tokens_per_expert" in out

@@ -5,14 +5,12 @@ moments; and a skipped step, which leaves the load balancing as it was."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness.dist import REPO, launch
+from tests.harness.dist import REPO, train_ranks
 from tests.test_reshard import _stored
 
 ARGS = [
@@ -45,7 +43,7 @@ def _variant(name: str, tmp_path: Path) -> tuple[list[str], str]:
 def test_an_ep2_job_trains_with(name, tmp_path):
     extra, named = _variant(name, tmp_path)
     dump = tmp_path / "run"
-    result = launch(2, [*ARGS, *extra, "--job.dump_folder", str(dump)])
+    result = train_ranks(2, [*ARGS, *extra, "--job.dump_folder", str(dump)])
     assert result.returncode == 0, result.stdout[-4000:]
     assert named in result.stdout
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -60,12 +58,9 @@ def test_a_skipped_step_leaves_the_expert_biases_and_counts_as_they_were(tmp_pat
     dump = tmp_path / "run"
     args = [*ARGS, "--training.steps", "3", "--checkpoint.enable", "true"]
     args += ["--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
-    cmd = [sys.executable, "-m", "tests.harness.faults", "overflow", "3", *args]
-    result = subprocess.run(
-        [*cmd, "--nproc_per_node", "2"], cwd=REPO, capture_output=True, text=True, timeout=240
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "step 3 skipped: non-finite" in result.stdout + result.stderr
+    result = train_ranks(2, args, faults=("overflow", "3"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "step 3 skipped: non-finite" in result.stdout
     before, after = _stored(dump, 2), _stored(dump, 3)
     kept = {
         k: v

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.harness.dist import launch, run_ranks
+from tests.harness.dist import run_ranks, train_ranks
 from tests.harness.helpers import train_resumed
 from tests.test_train import BASE, _resume_copy
 
@@ -70,7 +70,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     root = tmp_path_factory.mktemp("reshard")
     ref = root / "pp2_dp2"
     nproc, flags = LAYOUTS["pp2_dp2"]
-    result = launch(nproc, [*ARGS, *flags, "--training.steps", "8", "--job.dump_folder", str(ref)])
+    argv = [*ARGS, *flags, "--training.steps", "8", "--job.dump_folder", str(ref)]
+    result = train_ranks(nproc, argv)
     assert result.returncode == 0, result.stdout[-6000:]
     return Saved(ref, _resume(ref, 4, root / "dp4", "dp4", steps=6))
 

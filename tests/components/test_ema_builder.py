@@ -9,7 +9,7 @@ import torch
 
 from components.ema_builder import build_ema
 from config import EMA, load_job_config
-from tests.harness.dist import launch
+from tests.harness.dist import train_ranks
 from tests.harness.helpers import load_job_state
 from tests.test_train import BASE
 
@@ -32,7 +32,7 @@ def test_train_py_logs_held_out_losses_and_exports_the_averaged_weights(tmp_path
     args = [*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "6"]
     args += ["--ema.enable", "--ema.decay", "0.5", "--ema.eval_every", "3", "--ema.export"]
     args += ["--checkpoint.enable", "--checkpoint.export_model"]
-    result = launch(1, args, torchrun=False)
+    result = train_ranks(1, args)
     assert result.returncode == 0, result.stdout[-4000:]
     held_out = [line for line in result.stdout.splitlines() if "held-out loss" in line]
     assert len(held_out) == 2 and "step     3" in held_out[0], held_out
@@ -53,7 +53,7 @@ def seed_without_ema(tmp_path_factory) -> str:
     """A checkpoint of 2 steps of a run without an EMA."""
     seed = tmp_path_factory.mktemp("seed")
     args = [*BASE, "--job.dump_folder", str(seed), "--training.steps", "2"]
-    assert launch(1, [*args, "--checkpoint.enable"], torchrun=False).returncode == 0
+    assert train_ranks(1, [*args, "--checkpoint.enable"]).returncode == 0
     return str(seed / "checkpoint" / "step-2")
 
 

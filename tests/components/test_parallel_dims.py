@@ -10,7 +10,7 @@ import pytest
 from components.job import validate_job
 from components.parallel_dims import ParallelDims
 from config import ConfigError, load_job_config
-from tests.harness.dist import launch
+from tests.harness.dist import run_here
 
 
 def _cfg(*overrides: str):
@@ -91,10 +91,10 @@ def test_a_layout_that_cannot_run_is_one_config_error_naming_keys_and_fix(case):
 
 def test_the_launcher_refuses_a_bad_layout_in_one_line_before_any_rank_starts(tmp_path):
     argv = ["--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", str(tmp_path)]
-    result = launch(2, argv, torchrun=False)
+    result = run_here(["--nproc_per_node", "2", *argv])
     assert result.returncode == 2
-    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "tensor_parallel_degree" in errors[0], result.stdout
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "tensor_parallel_degree" in errors[0], result.stderr
     assert not (tmp_path / "run.lock").exists()  # no rank started
 
 

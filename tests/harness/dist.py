@@ -166,10 +166,10 @@ def run_ranks(
     return [got.get(r) for r in range(nproc)]
 
 
-def _train_rank(argv: list[str], out_dir: str) -> int:
+def _train_rank(argv: list[str], out_dir: str, faults: list[str]) -> int:
     """`python train.py argv` as one of its ranks runs it (`train.run`, no launcher), in this
     process, its output (console log lines, stdout and stderr) to `out_dir/<rank>`: the exit
-    code."""
+    code. `faults`: those of `python -m tests.harness.faults` to inject."""
     import contextlib
     import logging
 
@@ -185,23 +185,32 @@ def _train_rank(argv: list[str], out_dir: str) -> int:
         contextlib.redirect_stderr(out),
     ):
         logging.basicConfig(level=logging.INFO, format=FORMAT, stream=out, force=True)
-        code = train.run(argv)
+        if faults:
+            from tests.harness import faults as harness
+
+            code = train.run([*faults, *argv], entry=harness.main)
+        else:
+            code = train.run(argv)
         release_held()  # what `train.exit_now` does before the process exits
         logging.shutdown()
     return code
 
 
-def train_ranks(nproc: int, argv: list[str], timeout: float = 240.0) -> subprocess.CompletedProcess:
+def train_ranks(
+    nproc: int, argv: list[str], timeout: float = 240.0, faults: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run train.py's ranks on `nproc` (1 for a plain `python train.py`) forked gloo ranks, as
     `launch` runs them, without a fresh interpreter per rank: the CompletedProcess a launch by
     train.py's launcher gives (a rank that fails ends the others; the first failed rank's exit
     code; the ranks' output, rank 0's first).
 
     For every test whose subject is the run, not the process (signals, launchers, locks
-    between processes and exits of a dead parent keep `launch`).
+    between processes and exits of a dead parent keep `launch`). `faults`: as
+    `python -m tests.harness.faults FAULT... argv` runs.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        codes = run_ranks(max(nproc, 1), _train_rank, argv, out_dir, timeout=timeout, ends_all=bool)
+        args = (argv, out_dir, list(faults))
+        codes = run_ranks(max(nproc, 1), _train_rank, *args, timeout=timeout, ends_all=bool)
         out = "".join(Path(out_dir, str(r)).read_text() for r in range(max(nproc, 1)))
     failed = [code for code in codes if code]
     return subprocess.CompletedProcess(["train.py", *argv], failed[0] if failed else 0, out)

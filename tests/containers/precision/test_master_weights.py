@@ -28,7 +28,7 @@ from containers import (
 from containers import (
     MixedPrecisionSettings as MP,
 )
-from tests.harness.dist import launch, run_ranks
+from tests.harness.dist import run_ranks, train_ranks
 from tests.harness.helpers import (
     assert_same,
     assert_skipped_alike,
@@ -499,7 +499,7 @@ def test_train_py_runs_it_and_logs_scale_and_skips(tmp_path):
     args += ["--training.steps", "4", "--lr_scheduler.warmup_steps", "2"]
     args += ["--training.seq_len", "32", "--metrics.log_freq", "1"]
     args += ["--job.dump_folder", str(tmp_path), "--mixed_precision.param_dtype", "float16"]
-    result = launch(0, args)
+    result = train_ranks(1, args)
     assert result.returncode == 0, result.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

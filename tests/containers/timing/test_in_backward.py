@@ -27,7 +27,7 @@ from containers import (
     OptimizersInBackwardContainer,
     ParamGroupRule,
 )
-from tests.harness.dist import launch, run_ranks
+from tests.harness.dist import run_ranks, train_ranks
 from tests.harness.helpers import assert_same, full
 
 KW = {"lr": 3e-3, "weight_decay": 0.1, "fused": True}
@@ -340,7 +340,7 @@ def test_train_py_with_in_backward_matches_the_default_container(tmp_path):
     for container in ("in_backward", "default"):
         dump = tmp_path / container
         extra = ["--job.dump_folder", str(dump), "--optimizer.container", container]
-        result = launch(0, [*args, *extra])
+        result = train_ranks(1, [*args, *extra])
         assert result.returncode == 0, result.stdout[-3000:]
         lines = (dump / "metrics.jsonl").read_text().splitlines()
         losses[container] = [json.loads(line)["loss"] for line in lines]
