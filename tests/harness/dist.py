@@ -271,6 +271,107 @@ def start(
     )
 
 
+def _output_to(log: str, env: dict) -> None:
+    """This (forked) process as one started from the checkout with `env`, its file
+    descriptors 1 and 2 appended to `log`."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _replica(argv: list[str], faults: list[str], log: str, env: dict) -> None:
+    """`python train.py argv` (or `python -m tests.harness.faults faults... argv`) as its
+    process runs it, output to `log`, exit code as the process's (`train.exit_now`)."""
+    import logging
+
+    import train
+    from components.logs import FORMAT
+
+    _output_to(log, env)
+    logging.basicConfig(level=logging.INFO, format=FORMAT, force=True)
+    if faults:
+        from tests.harness import faults as harness
+
+        args = lambda a: harness.parse(a)[2]  # noqa: E731
+        code = train.run([*faults, *argv], harness.__file__, harness.main, train_args=args)
+    else:
+        code = train.run(argv)
+    train.exit_now(code)
+
+
+def _module(args: list[str], log: str, env: dict) -> None:
+    """`python -m args...` as its process runs it (its `__main__`), output to `log`."""
+    import runpy
+
+    _output_to(log, env)
+    sys.argv = list(args)
+    try:
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _lighthouse(settings: dict, log: str, env: dict) -> None:
+    """torchft's lighthouse server (what `torchft_lighthouse` runs) until killed."""
+    from torchft._torchft import LighthouseServer
+
+    _output_to(log, env)
+    server = LighthouseServer(**settings)  # noqa: F841  (serves while referenced)
+    while True:
+        time.sleep(3600)
+
+
+class Forked:
+    """A process forked from the test server (`forked`), waited for as a Popen is."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        return self.process.exitcode
+
+
+def forked(
+    argv: list[str],
+    log: Any,
+    faults: tuple[str, ...] = (),
+    lighthouse: dict | None = None,
+    module: str = "",
+) -> Forked:
+    """Start `python train.py argv` (`faults`: `python -m tests.harness.faults faults...
+    argv`; `module`: `python -m module argv`; `lighthouse`: torchft's lighthouse with these
+    settings) from the checkout, forked from the test server instead of a fresh interpreter,
+    output appended to the file `log`; do not wait. Its ranks, where `--nproc_per_node` asks
+    for several, are train.py's launcher's own processes."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    Path(log).touch()  # there to read from the start
+    if lighthouse is not None:
+        target, args = _lighthouse, (lighthouse, str(log), env)
+    elif module:
+        target, args = _module, ([module, *argv], str(log), env)
+    else:
+        target, args = _replica, (argv, list(faults), str(log), env)
+    process = _forkserver().Process(target=target, args=args, daemon=True)
+    process.start()
+    return Forked(process)
+
+
 def _script(name: str, args: tuple[str, ...], cwd: str) -> tuple[int, str, str]:
     """`python -m scripts.<name> args` in this (forked) process, from `cwd`: exit code,
     stdout, stderr."""

@@ -1,17 +1,13 @@
-"""A real torchft job on loopback: a lighthouse and replica groups running train.py."""
+"""A real torchft job on loopback: a lighthouse and replica groups running train.py, each a
+process forked from the test server (`tests.harness.dist.forked`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.harness.dist import REPO, free_port, kill_tree
-
-LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
+from tests.harness.dist import Forked, forked, free_port, kill_tree
 
 
 def read_metrics(folder: Path) -> dict[int, dict]:
@@ -57,7 +53,7 @@ class FTJob:
             "--fault_tolerance.process_group_timeout_ms", "5000",
             *extra,
         ]  # fmt: skip
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Forked] = {}
         self.killed: set[str] = set()
         self.start_lighthouse()
 
@@ -69,35 +65,36 @@ class FTJob:
         1 the first group to reach it forms a quorum alone and trains on while the other
         catches up (and heals); with the number of live groups, they rejoin together.
         """
-        lighthouse = [LIGHTHOUSE, "--bind", f"127.0.0.1:{self.port}"]
-        lighthouse += ["--min_replicas", str(self.min_replicas)]
-        lighthouse += ["--join_timeout_ms", "500", "--quorum_tick_ms", "50"]
-        self._start("lighthouse", [*lighthouse, "--heartbeat_timeout_ms", "1000"])
+        settings = {"bind": f"127.0.0.1:{self.port}", "min_replicas": self.min_replicas}
+        settings |= {"join_timeout_ms": 500, "quorum_tick_ms": 50, "heartbeat_timeout_ms": 1000}
+        self.procs["lighthouse"] = forked([], self.folder / "lighthouse.log", lighthouse=settings)
         self.killed.discard("lighthouse")
 
-    def _start(self, name: str, cmd: list[str]) -> None:
-        log = open(self.folder / f"{name}.log", "a")  # noqa: SIM115  (closed with the process)
-        self.procs[name] = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        log.close()
+    def start_module(self, name: str, module: str, args: list[str]) -> None:
+        """Start `python -m module args` as the process `name` (a user's own loop)."""
+        self.procs[name] = forked(args, self.folder / f"{name}.log", module=module)
+        self.killed.discard(name)
 
     def start_replica(self, replica: int, script: tuple[str, ...] = ("train.py",)) -> None:
         """Start replica group `replica` as `python *script args` (with `--nproc_per_node`
-        when the groups have several ranks: train.py's launcher, or `tests.harness.faults`)."""
-        cmd = [sys.executable, *script, *self.args]
+        when the groups have several ranks: train.py's launcher, or `tests.harness.faults`),
+        forked from the test server (`tests.harness.dist.forked`)."""
+        argv = list(self.args)
         if self.nproc > 1:
-            cmd += ["--nproc_per_node", str(self.nproc)]
-        cmd += ["--fault_tolerance.replica_id", str(replica)]
+            argv += ["--nproc_per_node", str(self.nproc)]
+        argv += ["--fault_tolerance.replica_id", str(replica)]
         # Any free port, bound at once (torchft finds a group by the address it reports); a
         # port chosen here and bound seconds later may be taken meanwhile.
-        cmd += ["--fault_tolerance.manager_port", "0"]
-        self._start(f"replica_{replica}", cmd)
-        self.killed.discard(f"replica_{replica}")
+        argv += ["--fault_tolerance.manager_port", "0"]
+        if script == ("train.py",):
+            faults: tuple[str, ...] = ()
+        elif script[:2] == ("-m", "tests.harness.faults"):
+            faults = script[2:]
+        else:
+            raise ValueError(f"a replica runs train.py or tests.harness.faults, not {script}")
+        name = f"replica_{replica}"
+        self.procs[name] = forked(argv, self.folder / f"{name}.log", faults)
+        self.killed.discard(name)
 
     def kill(self, name: str) -> None:
         kill_tree(self.procs[name].pid)

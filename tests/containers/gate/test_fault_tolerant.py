@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 
 import pytest
@@ -575,13 +574,11 @@ def test_a_users_own_loop_with_a_plain_lambda_lr_heals_bitwise(tmp_path):
     job = FTJob(tmp_path, 1)
     both, hold = tmp_path / "both", tmp_path / "hold"
     both.touch(), hold.touch()
-    script = [sys.executable, "-m", "tests.harness.plain_ft"]
 
     def start(replica: int, *extra: str) -> None:
         address = f"http://127.0.0.1:{job.port}"
-        job._start(
-            f"replica_{replica}", [*script, str(replica), address, "10", str(tmp_path), *extra]
-        )
+        args = [str(replica), address, "10", str(tmp_path), *extra]
+        job.start_module(f"replica_{replica}", "tests.harness.plain_ft", args)
 
     def rows(replica: int) -> dict[int, dict]:
         path = tmp_path / f"replica_{replica}.jsonl"
