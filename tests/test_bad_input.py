@@ -157,6 +157,7 @@ def _refused_line(args: list[str], dump: Path, process: bool = False) -> str:
     return result.stderr.partition(" ERROR error: ")[2].removesuffix("\n")
 
 
+@pytest.mark.slow
 def test_a_retired_key_is_one_line_naming_its_replacement_before_any_rank(tmp_path):
     """`[mixed_precision] compile` went: `[optimizer] implementation = "compiled"` is the one
     compile knob. The launcher refuses it (exit 2) before it starts a rank or a folder."""
@@ -255,6 +256,7 @@ def test_a_config_decision_is_one_line_under_its_key_before_any_rank_or_connecti
     assert _refused_line(args, tmp_path / "run") == line
 
 
+@pytest.mark.slow
 def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path):
     result = launch(2, [*BASE, "--job.dump_folder", str(tmp_path), "--training.seq_len", "300"])
     out = result.stdout
@@ -284,6 +286,7 @@ def _worker_pid(launcher: int, local_rank: int) -> int:
 
 
 @pytest.mark.parametrize("when", ["start-up", "training"])
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_as_not_answering_within_the_timeout(tmp_path, when):
     """SIGSTOP one rank while the processes start (then `init_timeout_seconds` holds) or
     after the first step (`train_timeout_seconds`, not gloo's 30 min): the other says that a

@@ -6,7 +6,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_bench_step_quick_prints_its_table(capsys):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
     spec = importlib.util.spec_from_file_location("bench_step", path)
@@ -18,6 +21,7 @@ def test_bench_step_quick_prints_its_table(capsys):
     assert "container, skip_nonfinite=False / per-part loop" in out and "copy bandwidth" in out
 
 
+@pytest.mark.slow
 def test_bench_cuda_quick_passes_its_checks_on_this_machine(capsys):
     """Its checks (parity, skips, the flag, offload, remainders) run on a CPU too."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,6 +68,7 @@ def test_bench_experts_quick_prints_its_table(capsys):
     assert out.count("<= 1.05") == len(bench_experts.OPTIMIZERS)
 
 
+@pytest.mark.slow
 def test_bench_moe_quick_counts_all_to_all_bytes_only_with_expert_parallelism(capsys):
     from benchmarks import bench_moe
 

@@ -393,6 +393,7 @@ sys.exit(failed)
 """
 
 
+@pytest.mark.slow
 def test_the_python_blocks_marked_ci_run(checkout: Path):
     names = []
     for i, block in enumerate(CI_PYTHON):
@@ -413,6 +414,7 @@ def test_the_python_blocks_marked_ci_run(checkout: Path):
 
 
 @pytest.mark.parametrize("block", CI_SHELL, ids=str)
+@pytest.mark.slow
 def test_the_commands_marked_ci_run_as_written(block: Block, checkout: Path):
     done = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", block.body],

@@ -58,6 +58,7 @@ def test_the_floors_are_checked_at_all():
     assert _floor("containers.container") < _floor("config.loader")
 
 
+@pytest.mark.slow
 def test_containers_imports_without_the_trainers_packages():
     """A project with its own `config` (or `components`) package imports the library."""
     code = "import sys; sys.modules['config'] = sys.modules['components'] = None; import containers"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.containers.gate.test_fault_tolerant import _final_states, _kill_and_heal
@@ -22,6 +23,7 @@ def _moe_job(folder: Path, steps: int, extra: list[str], **kwargs) -> FTJob:
     return job
 
 
+@pytest.mark.slow
 def test_a_killed_ep_group_heals_and_every_group_ends_with_the_same_experts_and_biases(tmp_path):
     """Group 1 is killed, group 0 commits alone, group 1 restarts and heals from it; every
     committed step is the same on both (weights and the load-balancing counts, summed over
@@ -38,6 +40,7 @@ def test_a_killed_ep_group_heals_and_every_group_ends_with_the_same_experts_and_
     assert any(k.startswith("load_balance.") for k in optim)
 
 
+@pytest.mark.slow
 def test_diloco_with_ep_groups_syncs_their_weights(tmp_path):
     """DiLoCo over two groups of 2 ranks at EP 2: the inner steps drift apart, each outer step
     brings every weight, experts included, back to the same values, and averages the expert

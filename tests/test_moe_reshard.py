@@ -74,6 +74,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("remainders_bf16", "dp3"),
     ],
 )
+@pytest.mark.slow
 def test_an_ep2_dp2_checkpoint_resumes_element_for_element_at(states, layout, saved, tmp_path):
     src, dump = saved[states], tmp_path / layout
     _resume_copy(src, dump, 4)

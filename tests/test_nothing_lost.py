@@ -200,6 +200,7 @@ def small_disk(tmp_path: Path):
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.slow
 def test_a_save_that_runs_out_of_disk_is_one_line_exit_1_and_the_older_one_intact(small_disk, mode):
     folder = small_disk / "checkpoint"
     args = [*BASE, "--job.dump_folder", str(small_disk), "--training.steps", "4"]
@@ -290,6 +291,7 @@ def _started(proc: subprocess.Popen, phase: str) -> bool:
     return len(ranks) == 2 and all(_catches(p, signal.SIGTERM) for p in ranks)
 
 
+@pytest.mark.slow
 def test_a_signal_during_start_up_exits_0_in_one_line(tmp_path):
     # While the launcher, then while the ranks, import torch and build: exit 0, one line.
     for phase, said in [("launcher", "before the ranks started"), ("ranks", "before step 1")]:

@@ -143,6 +143,7 @@ def _check(run: Resumed, src: Path, step: int, steps: int, reference: Path) -> N
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp3", "dp1", "pp2_dp1"])
+@pytest.mark.slow
 def test_a_pp2_dp2_checkpoint_resumes_at(layout, saved, tmp_path):
     if layout == "dp4":
         run = saved.dp4
@@ -152,6 +153,7 @@ def test_a_pp2_dp2_checkpoint_resumes_at(layout, saved, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_dp2", "fsdp1_dp3"])
+@pytest.mark.slow
 def test_a_dp4_checkpoint_resumes_at(layout, saved, tmp_path):
     run = _resume(saved.dp4.dump, 6, tmp_path / layout, layout, steps=8)
     _check(run, saved.dp4.dump, 6, 8, reference=saved.ref)

@@ -160,6 +160,7 @@ def test_inspect_names_torchft_manager_state_as_torchft(tmp_path):
     assert "torchtitan" not in out.stdout and "ft_manager" not in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_convert_says_in_one_line_what_a_source_is_not(run, tmp_path):
     model, opt = _trained()
     flat = get_optimizer_state_dict(

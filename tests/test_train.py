@@ -1,5 +1,9 @@
-"""train.py end to end under torchrun: resume, crash during a save, bad input (resharding
-across layouts: test_reshard.py)."""
+"""train.py end to end: resume, crash during a save, bad input, signals, a live folder
+(resharding across layouts: test_reshard.py).
+
+A run whose subject is the run is train.py's ranks forked from the test server
+(`train_ranks`); a kill, a signal, a lock between processes or a launcher is tested on
+processes started as a user starts them (`start`: torchrun or train.py's launcher)."""
 
 from __future__ import annotations
 
@@ -90,6 +94,7 @@ def test_resume_at_the_same_world_size_is_bitwise(tmp_path):
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     dump = tmp_path / "run"
     args = [
@@ -129,6 +134,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
     assert {p.name for p in ckpt.iterdir()} == {"run.lock", "step-2", "step-4", "step-6"}
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_dump_or_checkpoint_folder_exits_2_and_changes_no_byte(tmp_path):
     """One live run (train.py's launcher, paused while the others try): a second run on its
     dump folder, and one on its checkpoint folder named by another path (a symlink), each exit
@@ -376,6 +382,7 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     [("rank1", signal.SIGTERM, "a signal to another rank"), ("launcher", signal.SIGHUP, "SIGHUP")],
     ids=["sigterm_to_rank1_under_torchrun", "sighup_to_the_launcher"],
 )
+@pytest.mark.slow
 def test_a_stop_signal_saves_the_step_reached_exits_0_and_the_same_command_resumes_bitwise(
     tmp_path, signal_to, sig, said, uninterrupted
 ):
@@ -412,6 +419,7 @@ def test_a_step_torchft_does_not_commit_is_retried_on_the_same_batch_bitwise(tmp
 
 
 @pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "train.py"])
+@pytest.mark.slow
 def test_sigkill_of_the_launcher_alone_leaves_no_rank_alive(tmp_path, torchrun):
     proc = start(2, [*BASE, "--job.dump_folder", str(tmp_path), *LONG], torchrun=torchrun)
     ranks: dict[int, int] = {}
@@ -424,6 +432,7 @@ def test_sigkill_of_the_launcher_alone_leaves_no_rank_alive(tmp_path, torchrun):
         _end(proc, ranks)
 
 
+@pytest.mark.slow
 def test_ranks_whose_launcher_died_while_they_started_exit(tmp_path):
     """train.py's launcher SIGKILLed as soon as its ranks exist (still importing torch): they
     exit as they reach train.main, rather than wait for the process group until the init

@@ -67,6 +67,7 @@ def test_the_dump_folder_holds_log_config_metrics_and_tensorboard_events(run):
     assert {"grad_norm", "tokens_per_s", "lr/AdamW-default"} <= set(events.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_plot_and_inspect_read_the_run(run, tmp_path):
     dump = run[0]
     printed = _tool("plot", str(dump), str(dump), cwd=tmp_path)

@@ -78,6 +78,7 @@ def reference(tmp_path_factory) -> dict[str, list[float]]:
     return run_ranks(1, _runs, runs, dump)[0]
 
 
+@pytest.mark.slow
 def test_two_pipeline_or_tensor_parallel_ranks_match_one_process_for_every_container(
     reference, tmp_path
 ):
@@ -108,6 +109,7 @@ def test_two_pipeline_or_tensor_parallel_ranks_match_one_process_for_every_conta
         assert losses[-1] < losses[0] - 0.5, (name, losses)  # it really trains
 
 
+@pytest.mark.slow
 def test_stages_sharded_with_fsdp2_match_fsdp2_alone(tmp_path):
     """PP2 x DP2 against DP2: the same data-parallel batches, stages sharded over dp_shard
     (FSDP2 reduces once per schedule step there, after every micro-batch's backward)."""

@@ -61,6 +61,7 @@ def test_duplicates_refused_and_unknown_lists_known(restore):
         register_train_spec("toy")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_generic_modules_never_import_a_model_family():
     """`import components` and its generic modules leave `components.models` unimported;
     the first `get_train_spec` registers the built-ins."""
@@ -120,6 +121,7 @@ def test_llama_builders_take_their_own_sections():
     assert schedulers.get_last_lr() == pytest.approx(1e-2 / 2)
 
 
+@pytest.mark.slow
 def test_the_built_in_family_registers_from_a_checkout_without_package_metadata(tmp_path):
     """A source checkout on PYTHONPATH, not installed: the base interpreter (normal site
     set-up, no -S) sees this venv's packages but not this project's distribution, whose
@@ -153,6 +155,7 @@ def test_the_built_in_family_registers_from_a_checkout_without_package_metadata(
     assert out.returncode == 0 and out.stdout.split() == ["llama"], out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_quickstart_help_prints_usage():
     out = subprocess.run(
         [sys.executable, "examples/quickstart.py", "--help"],

@@ -366,6 +366,7 @@ def test_a_fresh_container_resumes_every_torch_optimizer(cls, desc, kwargs):
     importlib.util.find_spec("expecttest") is None,
     reason="reading torch's optim_db needs expecttest (pip install -e '.[test]')",
 )
+@pytest.mark.slow
 def test_the_optimizer_table_is_torchs_own():
     theirs = optim_db.read_torch_optim_db()
     assert set(theirs) - set(optim_db.CASES) == optim_db.LEFT_OUT

@@ -29,9 +29,10 @@ class FTJob:
         extra: list[str] = (),
         nproc: int = 1,
         min_replicas: int = 1,
+        join_timeout_ms: int = 500,
     ) -> None:
         self.folder, self.steps, self.nproc = folder, steps, nproc
-        self.min_replicas = min_replicas
+        self.min_replicas, self.join_timeout_ms = min_replicas, join_timeout_ms
         self.port = free_port()
         self.train_args = [
             "--job.config_file", "config/debug.toml",
@@ -66,7 +67,8 @@ class FTJob:
         catches up (and heals); with the number of live groups, they rejoin together.
         """
         settings = {"bind": f"127.0.0.1:{self.port}", "min_replicas": self.min_replicas}
-        settings |= {"join_timeout_ms": 500, "quorum_tick_ms": 50, "heartbeat_timeout_ms": 1000}
+        settings |= {"join_timeout_ms": self.join_timeout_ms, "quorum_tick_ms": 50}
+        settings |= {"heartbeat_timeout_ms": 1000}
         self.procs["lighthouse"] = forked([], self.folder / "lighthouse.log", lighthouse=settings)
         self.killed.discard("lighthouse")
 

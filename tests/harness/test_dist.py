@@ -47,6 +47,7 @@ def test_results_come_back_by_rank():
         (_die_on_rank_one, 60, "died without a result"),
     ],
 )
+@pytest.mark.slow
 def test_failures_are_reported_and_processes_ended(fn, timeout, match):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=match) as info:

@@ -103,6 +103,7 @@ def _final_states(job: FTJob) -> list[dict]:
     return final
 
 
+@pytest.mark.slow
 def test_kill_a_replica_group_of_2_fsdp_ranks_survivor_commits_restarted_one_heals_identical(
     tmp_path,
 ):
@@ -147,6 +148,7 @@ MP_STEPS, MP_HOLD, OVERFLOW, HEALED_OVERFLOW = 12, 7, 3, 10
 SCALES = [1024.0] * 2 + [512.0] * 6 + [1024.0] + [512.0] * 3  # steps 1..12
 
 
+@pytest.mark.slow
 def test_mixed_precision_overflow_on_one_group_skips_on_both_and_a_killed_group_heals_scaler(
     tmp_path,
 ):
@@ -348,6 +350,7 @@ def test_builder_wiring_and_refusals(monkeypatch):
     assert manager_port(FaultTolerance(replica_id=3, manager_port=4000)) == 4000
 
 
+@pytest.mark.slow
 def test_a_replica_group_without_a_live_peer_resumes_from_disk(tmp_path):
     job = FTJob(tmp_path, 12, ["--fault_tolerance.group_size", "1", "--checkpoint.interval", "6"])
     try:
@@ -373,13 +376,14 @@ def _errors(log: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_live_one_trains_on(
     tmp_path,
 ):
     """Group 0 trains (held at step 4 until group 1 is up); group 1 starts with another lr
     and max_norm: when it joins it is refused, naming both keys and both values, before it
     loads or commits anything (exit 2); group 0 commits every step and says so once."""
-    job = FTJob(tmp_path, 10, nproc=2)
+    job = FTJob(tmp_path, 10, nproc=2, join_timeout_ms=60_000)  # they surely meet
     codes = job.join_late(4, ["--optimizer.lr", "1e-3", "--training.max_norm", "0.5"])
     assert codes == (0, 2), job.tails()
     [line] = _errors(job.log("replica_1"))
@@ -394,6 +398,7 @@ def test_a_group_started_with_another_lr_and_clip_is_refused_in_one_line_the_liv
     assert not _errors(job.log("replica_0"))
 
 
+@pytest.mark.slow
 def test_a_survivor_whose_peer_was_refused_names_the_lighthouse_waiting_for_min_replicas(
     tmp_path,
 ):
@@ -438,6 +443,7 @@ def test_a_survivor_whose_peer_was_refused_names_the_lighthouse_waiting_for_min_
 
 
 @pytest.mark.parametrize("mode", ["every_step", "diloco"])
+@pytest.mark.slow
 def test_a_healed_groups_row_holds_no_loss_of_an_earlier_step(tmp_path, mode):
     """A lighthouse that needs both groups; group 1 is held at step 6 and killed, group 0
     waits for a quorum (every step: at step 6; DiLoCo, 4 inner steps a sync: at its sync
@@ -479,6 +485,7 @@ def test_a_healed_groups_row_holds_no_loss_of_an_earlier_step(tmp_path, mode):
     assert all(isinstance(rows[s]["loss"], float) for s in rows if s != step), rows
 
 
+@pytest.mark.slow
 def test_a_rank_late_to_the_commit_within_the_quorum_timeout_is_waited_for(tmp_path):
     """Rank 1 of a 2-rank group reaches step 2's commit 7 s late (as a rank still configuring
     the quorum's process group after a stale peer address does): past the 5 s process-group
@@ -495,6 +502,7 @@ def test_a_rank_late_to_the_commit_within_the_quorum_timeout_is_waited_for(tmp_p
     assert "Traceback" not in job.log("replica_0") and "not committed" not in job.log("replica_0")
 
 
+@pytest.mark.slow
 def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_ends_in_a_save(
     tmp_path,
 ):
@@ -553,6 +561,7 @@ def test_a_lighthouse_restarted_on_its_port_is_waited_for_and_one_gone_for_good_
         assert survivor[step]["param_checksum"] == other[step]["param_checksum"], step
 
 
+@pytest.mark.slow
 def test_no_lighthouse_is_one_line_within_the_connect_timeout(tmp_path):
     port = free_port()  # nothing listens there
     args = ["--job.config_file", "config/debug.toml", "--job.dump_folder", str(tmp_path)]

@@ -50,6 +50,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     ],
     ids=["AdamW", "Adam-L2-maximize"],
 )
+@pytest.mark.slow
 def test_a_compiled_step_is_the_fused_step_within_a_few_ulp_in_the_moments_dtype(
     cls, kwargs, moment_dtype, monkeypatch
 ):
@@ -77,6 +78,7 @@ def test_a_compiled_step_is_the_fused_step_within_a_few_ulp_in_the_moments_dtype
     assert len(calls) == 4  # one graph call a step for the group
 
 
+@pytest.mark.slow
 def test_a_compiled_8bit_step_is_the_eager_8bit_step_within_a_few_ulp_and_a_flag_skips_it(
     monkeypatch,
 ):
@@ -122,6 +124,7 @@ def test_a_compiled_8bit_step_is_the_eager_8bit_step_within_a_few_ulp_and_a_flag
 
 
 @pytest.mark.parametrize("timing", ["after", "in_backward"])
+@pytest.mark.slow
 def test_containers_step_compiled_groups_and_resume_from_their_checkpoint_bitwise(
     timing, monkeypatch
 ):

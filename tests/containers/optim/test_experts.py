@@ -140,6 +140,7 @@ def _stacked(state: dict, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_grouped_experts_step_as_separate_matrices_bitwise(case, monkeypatch):
     """Scratch of 1024 elements: chunks and runs of rows cut through experts."""
     monkeypatch.setattr(tensors, "SCRATCH_NUMEL", 1 << 10)

@@ -259,6 +259,7 @@ def _load_lean(path: str, moments: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+@pytest.mark.slow
 def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path, moments):
     path = str(tmp_path / "ckpt")
     saved, cut = run_ranks(2, _save_lean, path, moments)[0]

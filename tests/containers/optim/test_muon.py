@@ -159,6 +159,7 @@ def _fsdp_vs_one_process() -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_fsdp2_4_ranks_uneven_shards_match_one_process_and_a_shard_local_step_does_not():
     got = run_ranks(4, _fsdp_vs_one_process)[0]
     ref_net, bf16_net, ref_mixed = _net(), _net(), _net()
@@ -233,6 +234,7 @@ def _load_and_train(path: str) -> dict:
     return {"loaded": loaded, "trained": _weights(net)}
 
 
+@pytest.mark.slow
 def test_saved_at_4_ranks_loads_identically_at_2_and_3(tmp_path):
     saved = run_ranks(4, _save, str(tmp_path))[0]
     for world in (2, 3):

@@ -134,6 +134,7 @@ def test_a_restart_in_the_middle_of_an_inner_period_goes_on_bitwise(manager, tmp
     ],
     ids=["fp32_delay1", "pp2_mixed_precision_bf16_moments", "tp2_8bit"],
 )
+@pytest.mark.slow
 def test_two_replica_groups_agree_at_every_sync_and_part_ways_between(tmp_path, layout, nproc):
     """Two groups through train.py with a real lighthouse (which waits for both): each reads
     its own data, so their weights differ after every inner step and are the same after
@@ -160,6 +161,7 @@ def _two_groups(job: FTJob, script: tuple[str, ...] = ("train.py",)) -> None:
         job.start_replica(r, script)
 
 
+@pytest.mark.slow
 def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitwise(tmp_path):
     """fragment_sync_delay 2: averages after steps 2, 6, 10 land after 4, 8, 12. Both groups
     save at step 6 (an average waiting to land) and are killed while held at step 7;
@@ -192,6 +194,7 @@ def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitw
     assert job.metrics(0)[8]["param_checksum"] == job.metrics(1)[8]["param_checksum"]
 
 
+@pytest.mark.slow
 def test_a_group_killed_mid_inner_period_restarts_fresh_and_heals_at_the_next_sync(tmp_path):
     """fragment_sync_delay 1: averages after steps 3, 7, 11 land after 4, 8, 12. Group 1 is
     killed at step 6; group 0 goes on alone and waits at its average after step 7.
@@ -312,6 +315,7 @@ def test_streaming_fragments_sync_in_turn_as_written_out_by_hand(manager, delay)
     assert opt.state_dict()["outer.outer_steps"] == 4
 
 
+@pytest.mark.slow
 def test_two_groups_stream_two_fragments_each_agreeing_after_its_own_sync(tmp_path):
     """Through train.py, 12 steps, sync_steps 4, 2 fragments: the fragment synced after step
     12 is the same in both groups' last checkpoints; the other, synced after step 10, is not
@@ -396,6 +400,7 @@ def test_train_py_refuses_a_checkpoint_of_other_fragments_in_one_line_before_tra
     assert files() == before and sorted(job.metrics(0)) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_group_with_another_outer_lr_is_refused_at_its_first_sync_the_live_one_trains_on(
     tmp_path,
 ):
@@ -405,7 +410,9 @@ def test_a_group_with_another_outer_lr_is_refused_at_its_first_sync_the_live_one
     from tests.containers.gate.test_fault_tolerant import _errors
 
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
-    job = FTJob(tmp_path, 12, args)
+    # The group first at a sync waits there for the other, however slow the machine: the
+    # lighthouse waits for a live group to join (no race with a short join timeout).
+    job = FTJob(tmp_path, 12, args, join_timeout_ms=60_000)
     codes = job.join_late(8, ["--fault_tolerance.outer_lr", "0.5"], released_at=3)
     assert codes == (0, 2), job.tails()
     [line] = _errors(job.log("replica_1"))

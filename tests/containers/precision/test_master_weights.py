@@ -321,6 +321,7 @@ COMPILED_CASES = [
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), COMPILED_CASES, ids=["AdamW", "Adam-maximize"])
+@pytest.mark.slow
 def test_compiled_flat_step_is_within_a_few_ulp_of_the_eager_one_and_loads_either_way(
     cls, kwargs, monkeypatch
 ):
@@ -484,6 +485,7 @@ def test_masters_start_from_the_full_precision_values_not_the_rounded_ones():
     assert not torch.equal(init["head.weight"].bfloat16().float(), init["head.weight"])
 
 
+@pytest.mark.slow
 def test_dcp_saved_at_4_ranks_loads_masters_and_scaler_at_2_and_3(tmp_path):
     saved = run_ranks(4, _save_mp, str(tmp_path))[0]
     for world in (2, 3):

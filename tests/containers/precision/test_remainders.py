@@ -89,6 +89,7 @@ def _step(mp, model: nn.Module, step: int, unused: int | None = None) -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs"), [(torch.optim.AdamW, KW), (LeanAdamW, LEAN)], ids=["fp32", "bf16_moments"]
 )
+@pytest.mark.slow
 def test_remainders_keep_the_fp32_masters_bitwise_fed_the_same_gradients(
     cls, kwargs, compile, monkeypatch
 ):

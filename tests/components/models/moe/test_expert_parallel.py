@@ -49,6 +49,7 @@ def _dispatch_on_ranks() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_tokens_reach_their_experts_on_other_ranks_and_gradients_come_back():
     """2 ranks, 2 of the 4 tiny experts each: outputs, input and router gradients as with
     every expert local; each rank's expert gradients the sum of both ranks' tokens' ones."""
@@ -145,6 +146,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_ep2_x_dp2_trains_as_ep1_and_as_one_unsharded_process(runs):
     """fp32, the same global batch: every step's loss within 1e-6 relative, and the
     container's global gradient norm (over dense and expert meshes) within fp32 rounding."""
