@@ -19,7 +19,7 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _left_out:
+    if _left_out and "slow" in terminalreporter.config.getoption("markexpr"):
         terminalreporter.write_line(
             f"left out {len(_left_out)} slow tests (marked slow); the README's test command "
             "runs them too"

@@ -166,6 +166,19 @@ def run_ranks(
     return [got.get(r) for r in range(nproc)]
 
 
+def _train_run(argv: list[str], faults: list[str]) -> int:
+    """`train.run` as `python train.py argv` calls it, or with `faults` as
+    `python -m tests.harness.faults faults... argv` does: the exit code."""
+    import train
+
+    if not faults:
+        return train.run(argv)
+    from tests.harness import faults as harness
+
+    args = lambda a: harness.parse(a)[2]  # noqa: E731
+    return train.run([*faults, *argv], harness.__file__, harness.main, train_args=args)
+
+
 def _train_rank(argv: list[str], out_dir: str, faults: list[str]) -> int:
     """`python train.py argv` as one of its ranks runs it (`train.run`, no launcher), in this
     process, its output (console log lines, stdout and stderr) to `out_dir/<rank>`: the exit
@@ -173,7 +186,6 @@ def _train_rank(argv: list[str], out_dir: str, faults: list[str]) -> int:
     import contextlib
     import logging
 
-    import train
     from components.logs import FORMAT
     from components.run_lock import release_held
 
@@ -185,12 +197,7 @@ def _train_rank(argv: list[str], out_dir: str, faults: list[str]) -> int:
         contextlib.redirect_stderr(out),
     ):
         logging.basicConfig(level=logging.INFO, format=FORMAT, stream=out, force=True)
-        if faults:
-            from tests.harness import faults as harness
-
-            code = train.run([*faults, *argv], entry=harness.main)
-        else:
-            code = train.run(argv)
+        code = _train_run(argv, faults)
         release_held()  # what `train.exit_now` does before the process exits
         logging.shutdown()
     return code
@@ -229,7 +236,8 @@ def run_here(argv: list[str]) -> subprocess.CompletedProcess:
     handler = logging.StreamHandler(err)
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
-    level, root.level = root.level, logging.INFO
+    level = root.level
+    root.setLevel(logging.INFO)
     root.addHandler(handler)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -293,27 +301,25 @@ def _replica(argv: list[str], faults: list[str], log: str, env: dict) -> None:
 
     _output_to(log, env)
     logging.basicConfig(level=logging.INFO, format=FORMAT, force=True)
-    if faults:
-        from tests.harness import faults as harness
-
-        args = lambda a: harness.parse(a)[2]  # noqa: E731
-        code = train.run([*faults, *argv], harness.__file__, harness.main, train_args=args)
-    else:
-        code = train.run(argv)
-    train.exit_now(code)
+    train.exit_now(_train_run(argv, faults))
 
 
-def _module(args: list[str], log: str, env: dict) -> None:
-    """`python -m args...` as its process runs it (its `__main__`), output to `log`."""
+def _main_of(args: list[str]) -> int:
+    """`python -m args...` as its `__main__` runs, in this process: the exit code."""
     import runpy
 
-    _output_to(log, env)
     sys.argv = list(args)
     try:
         runpy.run_module(args[0], run_name="__main__", alter_sys=True)
-        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    return 0
+
+
+def _module(args: list[str], log: str, env: dict) -> None:
+    """`python -m args...` as its process runs it, output to `log`."""
+    _output_to(log, env)
+    code = _main_of(args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -376,17 +382,11 @@ def _script(name: str, args: tuple[str, ...], cwd: str) -> tuple[int, str, str]:
     """`python -m scripts.<name> args` in this (forked) process, from `cwd`: exit code,
     stdout, stderr."""
     import contextlib
-    import runpy
 
     os.chdir(cwd)
-    sys.argv = [f"scripts/{name}.py", *args]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module(f"scripts.{name}", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        code = _main_of([f"scripts.{name}", *args])
     return code, out.getvalue(), err.getvalue()
 
 
