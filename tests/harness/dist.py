@@ -152,8 +152,9 @@ def run_ranks(
                 # the root cause and its consequences are reported together.
                 deadline = min(deadline, time.monotonic() + 5)
     finally:
-        for p in procs:
-            p.join(timeout=0 if ended else 1 if errors else 10)
+        for r, p in enumerate(procs):
+            # A rank that gave its result is exiting (its atexit work included): let it.
+            p.join(timeout=0 if ended and r not in got else 1 if errors else 10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
