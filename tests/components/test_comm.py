@@ -17,7 +17,9 @@ from tests.harness.dist import run_ranks
 
 
 def _rank_0_exits_first() -> tuple[str, bool] | None:
-    """Rank 0 leaves at once; rank 1's all-reduce meets a peer that is gone."""
+    """Rank 0 leaves once the group is up (it holds the store the group met through); rank
+    1's next all-reduce meets a peer that is gone."""
+    dist.barrier()
     if dist.get_rank() == 0:
         os._exit(0)  # as a rank that failed and exited does: no goodbye to the group
     try:
