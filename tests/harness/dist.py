@@ -468,11 +468,30 @@ def _descendants(pid: int) -> list[int]:
     return tree
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs: a zombie has closed its files (and released its locks)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL, wait_s: float = 120.0) -> None:
     """Send `sig` (SIGKILL) to `pid` and every process descended from it (torchrun's workers
-    included), workers first, so none outlives its launcher."""
-    for p in reversed(_descendants(pid)):
+    included), workers first, so none outlives its launcher.
+
+    With SIGKILL, returns once every one of them has exited (bounded by `wait_s`): a rank
+    killed in the middle of a disk write exits only when the write ends, and holds its files
+    and its run lock until then."""
+    tree = _descendants(pid)
+    for p in reversed(tree):
         try:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + wait_s
+    while sig == signal.SIGKILL and any(_alive(p) for p in tree):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {[p for p in tree if _alive(p)]} outlived SIGKILL")
+        time.sleep(0.01)

@@ -19,6 +19,10 @@ def read_metrics(folder: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+MOE = {"config/debug.toml": "config/moe.toml", "debug": "tiny"}
+EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32"]
+
+
 class FTJob:
     """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
 
@@ -57,6 +61,13 @@ class FTJob:
         self.procs: dict[str, Forked] = {}
         self.killed: set[str] = set()
         self.start_lighthouse()
+
+    @classmethod
+    def moe(cls, folder: Path, steps: int, extra: list[str], **kwargs) -> FTJob:
+        """A job of the tiny mixture of experts at EP 2 in each replica group of 2 ranks."""
+        job = cls(folder, steps, [*EP2, *extra], nproc=2, **kwargs)
+        job.args = [MOE.get(a, a) for a in job.args]
+        return job
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse on the job's port (again, after `kill("lighthouse")`), needing
@@ -109,6 +120,21 @@ class FTJob:
 
     def log(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text()
+
+    def healed_row(self, restarted_at: int, survivor: dict, healed: dict) -> int:
+        """The step the restarted group healed in: its row holds no loss (its forward ran on its
+        weights from before the heal) and a note saying why, where it had its pre-heal loss under
+        that step's number; every other row of the restarted run holds its own loss. Returns it."""
+        after = self.log("replica_1")[restarted_at:]
+        assert after.count("healed from a peer replica group\n") == 1, after
+        rows = {s: row for s, row in healed.items() if f"step {s:5d}  " in after}
+        [step] = [s for s, row in rows.items() if "note" in row]
+        row, note = rows[step], "healed from a peer replica group in this step: no loss"
+        assert row["loss"] is None and row["note"].startswith(note), row
+        assert f"step {step:5d}  loss -  lr" in after and f"({note}" in after, after
+        assert row["param_checksum"] == survivor[step]["param_checksum"]
+        assert all(isinstance(rows[s]["loss"], float) for s in rows if s != step), rows
+        return step
 
     def wait_for(self, what: str, condition, timeout: float = 120.0) -> float:
         """Poll `condition()` until true; return the seconds it took."""
