@@ -394,9 +394,9 @@ def _coded_steps(device: torch.device) -> str:
 
 @check("8-bit moments compiled: parameters a few ulp from eager's, codes alike (3 steps)")
 def _coded_compiled(device: torch.device) -> str:
-    """The graph (`compiled_coded_adam`) against the eager 8-bit step, each step from the same
-    state (the suite's tolerance, `test_compiled_adam._close`): codes may differ only where a
-    moment lies within a few ulp of a threshold."""
+    """The graph (`containers.update.compiled`) against the eager 8-bit step, each step from
+    the same state (the suite's tolerance, `test_compiled_adam._close`): codes may differ only
+    where a moment lies within a few ulp of a threshold."""
     runs = []
     torch.manual_seed(0)
     shapes = [(1024, 4096), (96, 64), (33, 70)]
@@ -812,7 +812,7 @@ def _host_side(device: torch.device, steps: dict[str, Callable[[], None]]) -> st
     import gc
     import time
 
-    from containers.optim import compiled_adam
+    from containers.update import compiled
 
     cuda = device.type == "cuda"
 
@@ -837,9 +837,9 @@ def _host_side(device: torch.device, steps: dict[str, Callable[[], None]]) -> st
             f"host us a step (no device wait, least of 3 x 5): {name} {min(times):.0f}; "
             f"cudaMalloc {device_calls}, cudaHostAlloc {pinned_calls} in those 15 steps"
         )
+    fn = compiled._update_one
     entries = {
         fn.__name__: len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
-        for fn in (compiled_adam._adam, compiled_adam._coded_adam)
     }
     lines.append(f"dynamo cache entries {entries}; live Python objects {len(gc.get_objects())}")
     return "\n".join(lines)
@@ -854,11 +854,11 @@ def profile(device: torch.device, width: int, layers: int) -> str:
     by their own time on the device (on the CPU without one), after each its step time alone."""
     import torch.profiler as tp
 
-    import containers.optim.compiled_adam as module
+    import containers.update.compiled as module
 
     cuda = device.type == "cuda"
     activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
-    adam = module._adam  # a new code object: dynamo keeps compiled code per code object
+    adam = module._update_one  # a new code object: dynamo keeps compiled code per code object
     combo = type(adam)(adam.__code__.replace(co_name="_adam_combo"), adam.__globals__)
     combo = torch.compile(
         combo, dynamic=True, fullgraph=True, options={"size_asserts": False, "combo_kernels": True}
@@ -883,8 +883,8 @@ def profile(device: torch.device, width: int, layers: int) -> str:
                 p.grad = g
             opt.step()
 
-        kept = module._compiled
-        module._compiled = (lambda c=compiled: c) if compiled is not None else kept
+        kept = module._graph
+        module._graph = (lambda c=compiled: c) if compiled is not None else kept
         try:
             for _ in range(3):  # the state made, the graph compiled
                 step()
@@ -895,7 +895,7 @@ def profile(device: torch.device, width: int, layers: int) -> str:
                 torch.cuda.synchronize() if cuda else None
             wall = statistics.median(_timed(device, step, 10) for _ in range(5))
         finally:
-            module._compiled = kept
+            module._graph = kept
         by = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=by, row_limit=15, max_name_column_width=60)
         out.append(f"{name}: {wall * 1e3:.3f} ms a step (5 steps profiled)\n{table}")

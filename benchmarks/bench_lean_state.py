@@ -277,21 +277,20 @@ GRAPHS = {
 
 
 def graph_table(numel: int, repeats: int) -> str:
-    """The compiled update alone (`containers.optim.compiled_adam`) over one tensor of `numel`
+    """The compiled update alone (`containers.update.compiled`) over one tensor of `numel`
     for each kind of state, against `torch._fused_adamw_` in fp32, 1 thread, interleaved; and
     each graph with a 16-bit tensor once more with inductor's loop tiled at the bf16 vector
     width (a patch of inductor's choice, in this process only: a measurement of what its
     heuristic costs, not a path)."""
     import torch._inductor.codegen.cpp as cpp
 
-    import containers.optim.compiled_adam as module
+    import containers.update.compiled as module
+    from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
+    from containers.update.driver import Slot, Update
 
     torch.set_num_threads(1)
     torch._inductor.config.force_disable_caches = True  # the patched graphs are compiled anew
-    settings = dict(
-        lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
-        decoupled_weight_decay=True,
-    )  # fmt: skip
+    settings = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False)
 
     def graph(kind: str, compiled: Callable) -> Callable[[], None]:
         param_dtype, master_dtype, moment_dtype, grad_dtype = GRAPHS[kind]
@@ -299,32 +298,30 @@ def graph_table(numel: int, repeats: int) -> str:
         value = torch.randn(numel)
         grad = (torch.randn(numel) * 1e-2).to(grad_dtype)
         moments = [(torch.rand(numel) * 1e-4).to(moment_dtype) for _ in range(2)]
-        params, remainders = None, master_dtype == "remainders"
-        if param_dtype is None:
-            master = value
-        elif remainders:
-            params, master = [value.bfloat16()], torch.zeros(numel, dtype=torch.int16)
-        else:
-            params, master = [value.bfloat16()], value
-        steps = torch.ones(1)
+        low, master = None, "param"
+        if master_dtype == "remainders":
+            low, master = value.bfloat16(), "remainders"
+            value = torch.zeros(numel, dtype=torch.int16)
+        elif param_dtype is not None:
+            low, master = value.bfloat16(), "fp32"
+        codec = MOMENT_CODECS[str(moment_dtype).removeprefix("torch.")]
+        codecs = [("exp_avg", codec), ("exp_avg_sq", codec)]
+        slot = Slot(value, grad, moments, torch.ones(()), low=low)
 
         def step() -> None:
-            kept, module._compiled = module._compiled, lambda: compiled
+            kept, module._graph = module._graph, lambda: compiled
             try:
-                module.compiled_adam(
-                    [grad], params, [master], *([m] for m in moments), steps,
-                    remainders=remainders, **settings,
-                )  # fmt: skip
+                update = Update(MASTER_CODECS[master], codecs, settings, decoupled=True)
+                module.step_compiled([slot], update)
             finally:
-                module._compiled = kept
+                module._graph = kept
 
         return step
 
     def fused() -> Callable[[], None]:
         torch.manual_seed(0)
         p, g, m, v = torch.randn(numel), torch.randn(numel) * 1e-2, *torch.rand(2, numel) * 1e-4
-        kw = {k: settings[k] for k in ("lr", "weight_decay", "eps", "maximize")}
-        kw |= {"beta1": 0.9, "beta2": 0.999, "amsgrad": False}
+        kw = {**settings, "amsgrad": False}
         return lambda: torch._fused_adamw_([p], [g], [m], [v], [], [torch.ones(())], **kw)
 
     def forced(body: Any) -> tuple[torch.dtype | None, bool]:
@@ -332,11 +329,11 @@ def graph_table(numel: int, repeats: int) -> str:
         return (torch.bfloat16, fp32) if dtype is None else (dtype, fp32)
 
     # A new code object: dynamo keeps compiled code per code object, and this one's differs.
-    adam = module._adam
+    adam = module._update_one
     tiled = type(adam)(adam.__code__.replace(co_name="_adam_bf16_tiles"), adam.__globals__)
     tiled = torch.compile(tiled, dynamic=True, fullgraph=True, options={"size_asserts": False})
     base = "torch._fused_adamw_, fp32 moments"
-    runs = {base: fused()} | {kind: graph(kind, module._compiled()) for kind in GRAPHS}
+    runs = {base: fused()} | {kind: graph(kind, module._graph()) for kind in GRAPHS}
     patched = {f"{kind}, tiled at the bf16 width (patched)": graph(kind, tiled) for kind in GRAPHS}
     del patched["AdamW, fp32 moments, tiled at the bf16 width (patched)"]  # no 16-bit tensor
     heuristic = cpp.get_loop_body_lowp_fp

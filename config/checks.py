@@ -186,22 +186,6 @@ def _section_and_groups(cfg: OptimizerConfig, key: str) -> list[tuple[str, Any]]
     return found
 
 
-def _codes_under_masters(cfg: JobConfig) -> str | None:
-    """8-bit moments asked for in the section or a param group of the mixed-precision
-    container, which keeps Adam's moments in flat buffers (`containers.precision.flat_adam`)."""
-    if cfg.optimizer.container != "mixed_precision":
-        return None
-    for where, dtype in _section_and_groups(cfg.optimizer, "moment_dtype"):
-        if dtype == "8bit":
-            return (
-                f"{where} = '8bit': container 'mixed_precision' keeps the moments in flat "
-                "buffers that a chunk cuts anywhere, not in rows of 8-bit blocks; use "
-                "'bfloat16' there (with [mixed_precision] store_param_remainders: 8 bytes a "
-                "parameter) or container 'default'"
-            )
-    return None
-
-
 def _fsdp_policy_set(cfg: Training) -> tuple[str, str] | None:
     """The first of `mixed_precision_param` / `_reduce` that asks FSDP2 for a cast, as
     (key, value); None when both are float32 (nothing to apply)."""
@@ -279,9 +263,8 @@ def cross_check(cfg: JobConfig) -> None:
     if (composition := _composition_conflict(cfg)) is not None:
         problems.append(composition)
     problems += _unread(cfg)
-    for rule in (_policy_conflict, _codes_under_masters):
-        if (line := rule(cfg)) is not None:
-            problems.append(line)
+    if (line := _policy_conflict(cfg)) is not None:
+        problems.append(line)
     if cfg.optimizer.container == "fault_tolerant" and not ft.enable:
         problems.append(
             "[optimizer] container = 'fault_tolerant': needs a torchft manager; set "

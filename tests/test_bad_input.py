@@ -172,16 +172,6 @@ def test_a_retired_key_is_one_line_naming_its_replacement_before_any_rank(tmp_pa
 DILOCO = ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"]
 DILOCO += ["--fault_tolerance.sync_steps", "4"]
 OFF = "(with the feature off, only its default {} is accepted)"
-GROUPS = """
-[optimizer]
-container = "mixed_precision"
-[[optimizer.param_groups]]
-pattern = "norm"
-weight_decay = 0.0
-[[optimizer.param_groups]]
-pattern = "attention\\\\.w"
-moment_dtype = "8bit"
-"""
 
 
 @pytest.mark.parametrize(
@@ -220,13 +210,6 @@ moment_dtype = "8bit"
             "Nesterov momentum, the default)",
         ),
         (
-            ["--job.config_file", "{toml}"],
-            "[optimizer.param_groups[1]] moment_dtype = '8bit': container 'mixed_precision' "
-            "keeps the moments in flat buffers that a chunk cuts anywhere, not in rows of 8-bit "
-            "blocks; use 'bfloat16' there (with [mixed_precision] store_param_remainders: 8 "
-            "bytes a parameter) or container 'default'",
-        ),
-        (
             ["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"],
             "[lr_scheduler] warmup_steps = 10: more than [training] steps = 5, so the lr would "
             "never reach its peak; use warmup_steps <= 5 or train longer",
@@ -238,20 +221,16 @@ moment_dtype = "8bit"
         "diloco_key_without_diloco",
         "unknown_outer_optimizer",
         "muon_outer_optimizer",
-        "8bit_group_under_mixed_precision",
         "warmup_above_steps",
     ],
 )
 def test_a_config_decision_is_one_line_under_its_key_before_any_rank_or_connection(
     tmp_path, args, line
 ):
-    """Issue 47 (7, 8): a key set for a feature that is off, DiLoCo's outer optimizer (a
-    closed lighthouse port: checked before torchft would wait for it), and an 8-bit group
-    under mixed precision are refused by the launcher, named where they were written."""
-    toml = tmp_path / "groups.toml"
-    toml.write_text(GROUPS, encoding="utf-8")
+    """Issue 47 (7, 8): a key set for a feature that is off and DiLoCo's outer optimizer (a
+    closed lighthouse port: checked before torchft would wait for it) are refused by the
+    launcher, named where they were written."""
     lighthouse = ["--fault_tolerance.lighthouse", f"http://127.0.0.1:{free_port()}"]
-    args = [str(toml) if a == "{toml}" else a for a in args]
     args += lighthouse if "--fault_tolerance.enable" in args else []
     assert _refused_line(args, tmp_path / "run") == line
 

@@ -33,7 +33,7 @@ __all__ = [
 
 
 COMPILED = (LeanAdam, LeanAdamW)
-"""The classes `implementation = "compiled"` steps (`containers.optim.compiled_adam`)."""
+"""The classes `implementation = "compiled"` steps (`containers.update.compiled`)."""
 
 
 def slower_than_compiled(cls: type[Optimizer], kwargs: dict[str, Any], device: torch.device) -> str:

@@ -28,12 +28,11 @@ from containers.optim.moment_codes import (
     encode_signed,
     scale_shape,
 )
-from containers.tensors import local, scratch, scratch_numel
+from containers.tensors import local
 
 __all__ = [
     "CODED",
     "coded",
-    "coded_adam",
     "decode_moment",
     "encode_moment",
     "in_form_of",
@@ -201,54 +200,3 @@ def in_form_of(
             continue
         out = {**out, name: template}
     return out, changed
-
-
-@torch.no_grad()
-def coded_adam(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    codes: list[list[torch.Tensor]],
-    steps: list[torch.Tensor],
-    *,
-    kernel: Callable[..., None],
-    settings: dict[str, Any],
-) -> None:
-    """Torch's fused `kernel` over coded moments, a run of rows at a time.
-
-    Local tensors; `codes` per parameter: m code, m scale, v code, v top. `steps` already hold
-    this update's count (the caller advances and restores them)."""
-    for p, g, moments, step in zip(params, grads, codes, steps):
-        if not p.numel():
-            continue
-        if not all(t.is_contiguous() for t in (p, g, *moments)):
-            _step_rows(kernel, settings, p, g, moments, step)
-            continue
-        last = p.shape[-1]
-        rows = p.numel() // last
-        per = max(1, scratch_numel(p.device) // (2 * last))
-        flat = [t.view(rows, -1) for t in (p, g, *moments)]
-        for start in range(0, rows, per):
-            run = [t[start : start + per] for t in flat]
-            _step_rows(kernel, settings, run[0], run[1], run[2:], step)
-
-
-def _step_rows(
-    kernel: Callable[..., None],
-    settings: dict[str, Any],
-    p: torch.Tensor,
-    g: torch.Tensor,
-    codes: list[torch.Tensor],
-    step: torch.Tensor,
-) -> None:
-    """Decode, step and encode one run of rows (`codes`: m code, m scale, v code, v top)."""
-    if p.is_contiguous():
-        n = p.numel()
-        buffer = scratch(p.device, 2 * n)
-        m, v = buffer[:n].view(p.shape), buffer[n:].view(p.shape)
-    else:  # the fused kernel pairs elements in memory order: lay moments out as `p`
-        m, v = (torch.empty_like(p, dtype=torch.float32) for _ in range(2))
-    decode_signed(codes[0], codes[1], m)
-    decode_log(codes[2], codes[3], v)
-    kernel([p], [g], [m], [v], [], [step], **settings)
-    encode_signed(m, codes[0], codes[1])
-    encode_log(v, codes[2], codes[3], checked=False)  # Adam's second moment is >= 0

@@ -457,10 +457,6 @@ CLI_ERRORS = [
         ["--checkpoint.load_step", "4"],
         r"^\[checkpoint\] load_step = 4: only \[checkpoint\] enable = true reads it",
     ),
-    (
-        ["--optimizer.container=mixed_precision", "--optimizer.moment_dtype=8bit"],
-        r"^\[optimizer\] moment_dtype = '8bit': container 'mixed_precision' keeps the moments",
-    ),
     # Missing or unreadable file.
     (["--job.config_file", "/nonexistent/job.toml"], r"config_file = '/nonexistent/job\.toml'"),
     (["--job.config_file", "/"], r"\[job\] config_file = '/': cannot read it"),

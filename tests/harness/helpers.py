@@ -140,18 +140,18 @@ def lean_compiled(
     return lean, {**kwargs, "compiled": compiled}
 
 
-def compiled_calls(monkeypatch: Any, graph: str = "_compiled") -> list[int]:
-    """A list that grows by one at each call of a compiled Adam graph
-    (`containers.optim.compiled_adam`'s `_compiled`, or its 8-bit `_compiled_coded`)."""
-    from containers.optim import compiled_adam
+def compiled_calls(monkeypatch: Any) -> list[int]:
+    """A list that grows by one at each call of the compiled update's graph (one call a
+    tensor: `containers.update.compiled`)."""
+    from containers.update import compiled
 
-    compiled, calls = getattr(compiled_adam, graph)(), []
+    graph, calls = compiled._graph(), []
 
     def counted(*args: Any) -> None:
         calls.append(1)
-        compiled(*args)
+        graph(*args)
 
-    monkeypatch.setattr(compiled_adam, graph, lambda: counted)
+    monkeypatch.setattr(compiled, "_graph", lambda: counted)
     return calls
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import containers.optim.coded_adam as coded_adam
+import containers.update.driver as driver
 from containers import LeanAdam, LeanAdamW, OptimizersContainer
 from containers.optim import moment_codes
 from tests.harness.helpers import (
@@ -57,7 +58,7 @@ def test_an_8bit_step_is_torchs_fused_step_on_the_decoded_moments_coded_again(
     cls, kwargs, monkeypatch
 ):
     """Decode a run of rows into scratch, torch's kernel, encode: torch's bits."""
-    monkeypatch.setattr(coded_adam, "scratch_numel", lambda _: 1 << 13)  # 40 rows a run
+    monkeypatch.setattr(driver, "scratch_numel", lambda _: 1 << 13)  # 40 rows a run
     coded_params, ref_params = loose_params(SHAPES), loose_params(SHAPES)
     opt = cls(coded_params, moment_dtype="8bit", **kwargs)
     torch_cls = torch.optim.AdamW if cls is LeanAdamW else torch.optim.Adam

@@ -60,8 +60,8 @@ def test_flat_steps_equal_torch_fused_per_tensor_bitwise_across_chunks(cls, kw):
     model = _model(ALIGNED)
     mp = _container(model, cls, chunk_numel=2 * PAD, **kw)
     (flat,) = mp.precision._flat[id(mp.optimizers[0])]
-    assert len(flat.chunks) > len(ALIGNED)  # split
-    assert flat.buffers["exp_avg"].dtype == getattr(torch, kw.get("moment_dtype", "float32"))
+    assert flat.budget < 3 * PAD  # the (3 * PAD,) tensor steps in pieces
+    assert flat.moments["exp_avg"][0].dtype == getattr(torch, kw.get("moment_dtype", "float32"))
     masters = [nn.Parameter(p.detach().float()) for p in _model(ALIGNED).parameters()]
     ref = cls(masters, lr=1e-2, weight_decay=0.1, fused=True, **kw)
     for step in range(3):
@@ -106,7 +106,7 @@ def test_state_is_torch_layout_as_views_and_a_load_lands_in_the_buffers():
     mp = _container(model)
     opt = mp.optimizers[0]
     (flat,) = mp.precision._flat[id(opt)]
-    storage = flat.buffers["exp_avg"].untyped_storage()
+    kept = [m.untyped_storage() for m in flat.moments["exp_avg"]]
     for step in range(2):
         _step(mp, model, _grads(ALIGNED, step))
     saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mp.state_dict().items()}
@@ -122,8 +122,8 @@ def test_state_is_torch_layout_as_views_and_a_load_lands_in_the_buffers():
     for (key, a), b in zip(mp.state_dict().items(), other.state_dict().values()):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), key
-    # Torch's own layout, held in the buffers: no step made a tensor of its own.
-    assert all(opt.state[m]["exp_avg"].untyped_storage() is storage for m in flat.masters)
+    # Torch's own layout, held where the group keeps it: no step or load made another.
+    assert [opt.state[m]["exp_avg"].untyped_storage() for m in flat.masters] == kept
     (other_flat,) = other.precision._flat[id(other.optimizers[0])]
     other_storage = other_flat.buffers["master"].untyped_storage()
     assert all(m.untyped_storage() is other_storage for m in other_flat.masters)
@@ -206,8 +206,7 @@ def test_bf16_moments_load_into_the_flat_buffers_in_their_dtype_and_resume_bitwi
     other = _container(other_model, LeanAdamW, moment_dtype="bfloat16")
     (flat,) = other.precision._flat[id(other.optimizers[0])]
     template = other.state_dict()  # DCP loads into these views in place
-    storage = flat.buffers["exp_avg"].untyped_storage()
-    assert template["state.w0.exp_avg"].untyped_storage() is storage
+    assert template["state.w0.exp_avg"] is flat.moments["exp_avg"][0]
     other.load_state_dict(saved)
     for step in (2, 3):
         _step(mp, model, _grads(ALIGNED, step))
@@ -216,3 +215,74 @@ def test_bf16_moments_load_into_the_flat_buffers_in_their_dtype_and_resume_bitwi
     for key, a in mp.state_dict().items():
         if isinstance(a, torch.Tensor):
             assert a.dtype == got[key].dtype and torch.equal(a, got[key]), key
+
+
+# Rows of whole blocks, a row cut inside its last block, a 3-D stack, a vector (bf16 moments).
+CODED = [(8, 2 * PAD), (3, 40), (2, 3, PAD), (PAD,)]
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "remainders"),
+    [("bfloat16", False), ("bfloat16", True), ("float16", False)],
+    ids=["bf16", "bf16_remainders", "fp16"],
+)
+def test_8bit_moments_under_masters_step_as_the_8bit_step_of_the_masters_bitwise(
+    param_dtype, remainders
+):
+    """8-bit moments compose with every master codec: the masters and codes are the 8-bit
+    step of plain fp32 parameters fed the same unscaled gradients, bit for bit; a flagged
+    step changes nothing; offloaded and reloaded, the state goes on as before."""
+    dtype = getattr(torch, param_dtype)
+    model = _model(CODED).to(dtype)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True, "moment_dtype": "8bit"}
+    settings = MP(param_dtype=param_dtype, loss_scaling="static",
+                  store_param_remainders=remainders)  # fmt: skip
+    mp = MixedPrecisionOptimizersContainer([model], LeanAdamW, kwargs, settings=settings)
+    (flat,) = mp.precision._flat[id(mp.optimizers[0])]
+    flat.chunk(4 * PAD)  # runs of a few rows
+    masters = [nn.Parameter(p.detach().float()) for p in _model(CODED).to(dtype).parameters()]
+    ref = LeanAdamW(masters, **kwargs)
+    for step in range(4):
+        grads = [g.to(dtype) for g in _grads(CODED, step)]
+        if step == 2:  # a flagged step: nothing moves
+            before = {k: _clone(v) for k, v in mp.state_dict().items()}
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            mp.precision.unscale = FACTOR
+            mp.precision.apply(mp.optimizers, found_inf=torch.ones(()))
+            _same_state(mp.state_dict(), before)
+            mp.precision.offload(mp.optimizers)
+            mp.precision.reload(mp.optimizers)
+        _step(mp, model, grads, FACTOR)
+        for m, g in zip(masters, grads):
+            m.grad = g.float() * FACTOR
+        ref.step()
+    state = mp.state_dict()
+    assert isinstance(state["state.w0.exp_avg.code"], torch.Tensor)  # codes, not bf16
+    assert state["state.w3.exp_avg"].dtype == torch.bfloat16  # a vector: bf16
+    ours = {k.removeprefix("state."): v for k, v in state.items() if k.startswith("state.")}
+    theirs = {}
+    for i, m in enumerate(masters):
+        for name, value in ref.state[m].items():
+            if isinstance(value, dict):
+                theirs |= {f"w{i}.{name}.{k}": v for k, v in value.items()}
+            else:
+                theirs[f"w{i}.{name}"] = value
+    _same_state(ours, theirs)
+    for i, (p, m) in enumerate(zip(model.parameters(), masters)):
+        assert torch.equal(state[f"master_weights.w{i}"], m.detach()), i
+        if not remainders:  # (remainders round half away from zero: their own bf16)
+            assert torch.equal(p, m.detach().to(dtype)), i
+
+
+def _clone(v):
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _same_state(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
