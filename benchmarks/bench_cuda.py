@@ -367,9 +367,9 @@ def _held(name: str, values: torch.Tensor, p: torch.Tensor, moments: str) -> tor
 
 @check("bf16 moments == torch's fused AdamW over bf16 state, or else widened (3 steps)")
 def _lean_is_torchs(device: torch.device) -> str:
-    """Where torch's kernel takes bf16 moments (`paths.BF16_FUSED_DEVICES`), LeanAdamW is it;
+    """Where torch's kernel takes bf16 moments (`moments.BF16_FUSED_DEVICES`), LeanAdamW is it;
     else the fused step on the widened moments, rounded back."""
-    from containers.optim.paths import BF16_FUSED_DEVICES
+    from containers.update.moments import BF16_FUSED_DEVICES
 
     direct = device.type in BF16_FUSED_DEVICES
     _against_fused(device, [3000, 1 << 20, 77], "bfloat16", bf16_state=direct)

@@ -126,11 +126,6 @@ def _features(cfg: JobConfig) -> dict[str, tuple[str, str]]:
             "[mixed_precision] grad_accumulation_dtype = 'float32'",
             "use grad_accumulation_dtype 'param_dtype'",
         )
-    if mp.store_param_remainders:
-        found["remainders"] = (
-            "[mixed_precision] store_param_remainders = true",
-            "set store_param_remainders = false",
-        )
     return found
 
 

@@ -136,8 +136,8 @@ class Optimizer:
     halves their memory (Adam: 4 bytes a parameter instead of 8); the update is still fp32
     math (Adam: torch's fused kernel on each chunk of moments widened to fp32; SGD, Muon: per
     tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
-    AdamW, not under mixed precision or FSDP1): 8-bit codes in blocks of 32 within a row, 2.25
-    bytes a parameter (`containers.optim.coded_adam`; on a GPU step them with implementation
+    AdamW, not under FSDP1): 8-bit codes in blocks of 32 within a row, 2.25 bytes a parameter
+    (`containers.update.codes8`; on a GPU step them with implementation
     "compiled"); 1-D parameters and rows of 4 or fewer keep bf16 moments, and param groups of
     SGD or Muon that inherit it their momentum in bf16."""
 

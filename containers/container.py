@@ -20,16 +20,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from containers.contract import StateView, defaults_of, with_step_hooks
+from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
 from containers.decision import Decision
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
-from containers.optim.paths import path_lines
 from containers.parts import Gate, Outer, Precision, StepReport, Timing, step_report
 from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
+from containers.update.plan import path_lines
 
 __all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
 
@@ -153,7 +153,7 @@ class OptimizersContainer(Optimizer, Stateful):
             part.attach(self)
         self.ema = ema
         if ema is not None:
-            ema.attach([p for g in self.param_groups for p in g["params"]])
+            ema.attach([p for g in self.param_groups for p in g["params"]], self.precision.weight)
         parts = [p for p in (self.precision.state, *self.outer, ema) if p is not None]
         self._state = ContainerState(
             self, self.optimizers, self._fqns, parts, ema is not None, self.flat_shards
@@ -256,7 +256,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._found_inf = self._norm = None
         if not self._paths_said:
             self._paths_said = True
-            for line in path_lines(self.optimizers, self.precision.update_path):
+            for line in path_lines(self.optimizers, self.precision.plan):
                 logger.info("%s", line)
         with record_function(f"Optimizer.step#{type(self).__name__}.step"):
             self.precision.before_step(self.optimizers)
@@ -310,6 +310,27 @@ class OptimizersContainer(Optimizer, Stateful):
             self.ema.update()
             self.ema.count()
         return step_report(self.precision, grad_norm=value)
+
+    def apply_unit(self, unit: Unit) -> bool | torch.Tensor:
+        """The step's pipeline for one unit whose gradients are all in (inside backward):
+        decide (finite, not refused), apply, fold into the EMA. Returns whether it applied,
+        or the device flag the kernels took the skip from (no host sync inside backward)."""
+        grads = [p.grad for p in unit.params if p.grad is not None]
+        if self.skip_nonfinite and self.leaves_skip_to_kernels(unit.optimizers, per_unit=True):
+            found = nonfinite_flag(grads)
+            with inner_steps():
+                self.precision.apply(unit.optimizers, found_inf=found)
+            return found
+        if (self.skip_nonfinite and not all_finite(grads)) or (
+            # (the refusal reads the weights: only for a unit whose gradients could apply)
+            self.decision.may_refuse and self.precision.refusal(unit.optimizers)
+        ):
+            return False
+        with inner_steps():
+            self.precision.apply(unit.optimizers)
+        if self.ema is not None:
+            self.ema.update(unit.stepped)
+        return True
 
     def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
         """Apply with the skip left to the kernels (`found`), clipped by `norm`; no host sync."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from containers.tensors import local
 __all__ = ["EMA", "ShadowWeights"]
 
 EMA = "ema"  # prefix of the average's entries in the flat state dict
+_READ_AT_ONCE = 32  # weights read (maybe decoded) for one foreach call
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,16 @@ class ShadowWeights:
         )
 
     @torch.no_grad()
-    def attach(self, params: Sequence[torch.Tensor]) -> None:
+    def attach(
+        self,
+        params: Sequence[torch.Tensor],
+        read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Average `params`, each read through `read` (the precision's `weight`: fp32
+        masters decoded from remainders; default: the tensor itself)."""
         self.params = list(params)
-        self.shadow = [p.detach().clone() for p in self.params]
+        self.read = read if read is not None else (lambda p: p)
+        self.shadow = [self.read(p).detach().clone() for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
     def _weight(self, n: int) -> float | None:
@@ -75,12 +83,15 @@ class ShadowWeights:
 
     @torch.no_grad()
     def _fold(self, index: Iterable[int], weight: float) -> None:
-        shadow = [local(self.shadow[i]) for i in index]
-        weights = [local(self.params[i]) for i in index]
-        if weight == 1.0:
-            torch._foreach_copy_(shadow, weights)
-        else:
-            torch._foreach_lerp_(shadow, weights, weight)
+        index = list(index)
+        for at in range(0, len(index), _READ_AT_ONCE):  # (a decoded read is a new tensor)
+            run = index[at : at + _READ_AT_ONCE]
+            shadow = [local(self.shadow[i]) for i in run]
+            weights = [local(self.read(self.params[i])) for i in run]
+            if weight == 1.0:
+                torch._foreach_copy_(shadow, weights)
+            else:
+                torch._foreach_lerp_(shadow, weights, weight)
 
     def averages(self) -> list[torch.Tensor]:
         """The average of each of `params` (live tensors)."""

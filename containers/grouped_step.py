@@ -120,4 +120,5 @@ def _step_bucket(
     for opt, group in groups:
         has_complex |= opt._init_group(group, *lists)  # type: ignore[attr-defined]
     if lists[0]:
-        step_group(groups[0][1], *lists, has_complex=has_complex, found_inf=found_inf)
+        cls, group = type(groups[0][0]), groups[0][1]
+        step_group(cls, group, *lists, has_complex=has_complex, found_inf=found_inf)

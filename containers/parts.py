@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from containers.grouped_step import step_together
 from containers.norm import GlobalNorm, clip_grads
-from containers.optim.paths import update_path
+from containers.tensors import local
+from containers.update.plan import Plan, plan_of
 
 if TYPE_CHECKING:
     from containers.container import OptimizersContainer
@@ -91,9 +92,21 @@ class Precision:
     def built(self, optimizers: Sequence[Optimizer]) -> None:
         pass
 
-    def update_path(self, opt: Optimizer, index: int) -> str:
-        """The update path (`containers.optim.paths.PATHS`) of `opt`'s group `index`."""
-        return update_path(opt, opt.param_groups[index])
+    def plan(self, opt: Optimizer, index: int) -> Plan:
+        """How `opt`'s group `index` steps (`containers.update.plan`); its name is the
+        group's `update path` line."""
+        return plan_of(type(opt), opt.param_groups[index])
+
+    def weight(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The value of a tensor the optimizers step (for an EMA, DiLoCo's outer step): the
+        tensor itself, or a new one decoded from the form its precision keeps it in."""
+        return stepped
+
+    @torch.no_grad()
+    def set_weight(self, stepped: torch.Tensor, value: torch.Tensor) -> None:
+        """Set a stepped tensor's local piece to `value` (its model parameter follows)."""
+        if local(stepped).data_ptr() != value.data_ptr():
+            local(stepped).copy_(value)
 
     def before_step(self, optimizers: Sequence[Optimizer]) -> None:
         """Bring what the step needs into place (e.g. offloaded state)."""

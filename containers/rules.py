@@ -16,7 +16,6 @@ FEATURES = frozenset(
         "fsdp1",  # the model parts are FSDP1 (FullyShardedDataParallel)
         "loss_scaling",  # the loss is scaled (fp16), so an overflow skips the step
         "fp32_sums",  # the masters step on fp32 sums of the gradients, kept after backward
-        "remainders",  # fp32 masters kept as bf16 parameters and int16 remainders
         "ema",  # an exponential moving average of the stepped weights
         "masters",  # the inner optimizers step fp32 masters of the model's parameters
         "overflow_refusal",  # the precision may refuse a finite update (fp16 weights)
@@ -33,8 +32,6 @@ class Rule:
     b: str
     reason: str
 
-
-_REMAINDERS = "the fp32 masters then exist only within the flat step (as remainders)"
 
 RULES: tuple[Rule, ...] = (
     Rule("fsdp1", "ema", "FSDP1's flat-parameter slices are not kept as averages yet"),
@@ -57,8 +54,6 @@ RULES: tuple[Rule, ...] = (
         "FSDP1 computes gradients on its flat parameters and gives the original parameters "
         "theirs only when backward has ended, so no unit can step inside backward",
     ),
-    Rule("remainders", "ema", f"{_REMAINDERS}, where an EMA cannot read them"),
-    Rule("remainders", "diloco", f"{_REMAINDERS}, where DiLoCo's outer step cannot write them"),
     Rule("in_backward", "diloco", "DiLoCo's outer step follows the whole inner step"),
     Rule(
         "in_backward",

@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 from torch.optim.adam import adam
 
-from containers.optim.paths import adam_path
 from containers.tensors import local
 from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import Slot, Update, run
+from containers.update.plan import plan_of
 
 __all__ = ["MOMENTS", "step_group"]
 
@@ -21,6 +22,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def step_group(
+    cls: type[Optimizer],
     group: dict[str, Any],
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -32,15 +34,16 @@ def step_group(
     has_complex: bool = False,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW update through the group's `adam_path`; a set `found_inf` no-ops."""
+    """One Adam/AdamW update of `group` of a `cls` optimizer through its plan; a set
+    `found_inf` no-ops."""
     beta1, beta2 = group["betas"]
     settings = dict(
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )  # fmt: skip
-    path = adam_path(group)
-    if path == "torch":
+    plan = plan_of(cls, group)
+    if not plan.engine:
         adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             foreach=group["foreach"], capturable=group["capturable"],
@@ -50,7 +53,7 @@ def step_group(
         return
     torch._foreach_add_(steps, 1)
     moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][: 3 if group["amsgrad"] else 2]
-    codec = MOMENT_CODECS[group["moment_dtype"]]
+    codec = MOMENT_CODECS[plan.moments]
     slots = [
         Slot(local(p), local(g), [_local(m[i]) for m in moments], steps[i])
         for i, (p, g) in enumerate(zip(params, grads))
@@ -59,7 +62,7 @@ def step_group(
     codecs = [(n, codec) for n in MOMENTS[: len(moments)]]
     decoupled = settings["decoupled_weight_decay"]
     update = Update(MASTER_CODECS["param"], codecs, hyper, decoupled, found_inf=found_inf)
-    run(slots, update, compiled=group.get("compiled", False))
+    run(slots, update, compiled=plan.compiled)
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 

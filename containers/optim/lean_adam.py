@@ -107,7 +107,7 @@ class _Lean:
             if lists[0]:
                 # a GradScaler's or the container's skip flag
                 found_inf = getattr(self, "found_inf", None)
-                step_group(group, *lists, has_complex=has_complex, found_inf=found_inf)
+                step_group(type(self), group, *lists, has_complex=has_complex, found_inf=found_inf)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -129,8 +129,9 @@ class DiLoCo(Outer):
                 f"num_fragments = {self.num_fragments}: more fragments than the "
                 f"{len(self.params)} parameters this rank steps; use fewer"
             )
+        self.precision = container.precision
         with torch.no_grad():
-            self.global_ = [p.detach().clone() for p in self.params]
+            self.global_ = [self.precision.weight(p).detach().clone() for p in self.params]
         self.outer = self.outer_cls(self.global_, **self.outer_kwargs)
         self.fragments = fragments([p.numel() for p in self.params], self.num_fragments)
         self.fragment_of = {i: f for f, members in enumerate(self.fragments) for i in members}
@@ -204,7 +205,8 @@ class DiLoCo(Outer):
 
     def pseudo_gradients(self, members: list[int]) -> list[torch.Tensor]:
         """Global - local weights (local pieces) of the parameters at indices `members`."""
-        return [local(self.global_[i]) - local(self.params[i]) for i in members]
+        weight = self.precision.weight
+        return [local(self.global_[i]) - local(weight(self.params[i])) for i in members]
 
     @torch.no_grad()
     def _land(self, fragment: int) -> None:
@@ -221,13 +223,12 @@ class DiLoCo(Outer):
             self.outer_steps += 1
         self.in_flight, self.pending = -1, {}
         for i in members:
-            piece, target = local(self.params[i]), local(self.global_[i])
+            target = local(self.global_[i])
             if landed and self.alpha:
-                piece.lerp_(target, 1.0 - self.alpha)
+                piece = local(self.precision.weight(self.params[i])).lerp_(target, 1 - self.alpha)
             else:
-                piece.copy_(target)
-            if self.model[i] is not self.params[i]:
-                local(self.model[i]).copy_(piece)
+                piece = target
+            self.precision.set_weight(self.params[i], piece)
 
     def _outer_states(self, materialize: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
         """Each global weight's outer state, or its start state (a template before step 1)."""

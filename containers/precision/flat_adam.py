@@ -15,27 +15,15 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from containers.optim.lean_adam import ADAMS
 from containers.precision import remainders as rem
 from containers.tensors import local, scratch_numel, shaped_like
 from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import PAD, Slot, Update, run
+from containers.update.plan import Plan
 
-__all__ = ["PAD", "FlatGroup", "eligible"]
+__all__ = ["PAD", "FlatGroup"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def eligible(opt: Optimizer, group: dict) -> bool:
-    """Whether `group` of `opt` can step flat: fused Adam/AdamW, no amsgrad, not
-    differentiable, its parameters contiguous and on one device."""
-    params = group["params"]
-    if type(opt) not in ADAMS or not params or not group["fused"]:
-        return False
-    if group.get("amsgrad") or group.get("differentiable"):
-        return False
-    pieces = [local(p) for p in params]
-    return all(t.is_contiguous() for t in pieces) and len({t.device for t in pieces}) == 1
 
 
 def _padded(n: int) -> int:
@@ -43,8 +31,9 @@ def _padded(n: int) -> int:
 
 
 class FlatGroup:
-    """One param group's masters (`group`'s params, of the parameters `model`) and Adam state
-    as views of flat buffers; a chunk uses up to `chunk_numel` fp32 scratch elements."""
+    """One param group's masters (`group`'s params, of the parameters `model`) in a flat
+    buffer and its moments in the codec of its `plan`; a step uses up to `chunk_numel` fp32
+    scratch elements."""
 
     @torch.no_grad()
     def __init__(
@@ -52,9 +41,9 @@ class FlatGroup:
         opt: Optimizer,
         group: dict,
         model: Sequence[torch.Tensor],
+        plan: Plan,
         *,
         chunk_numel: int | None = None,
-        remainders: bool = False,
     ) -> None:
         # By position: torch's load_state_dict replaces the group dicts.
         self.opt, self.model = opt, list(model)
@@ -67,9 +56,10 @@ class FlatGroup:
             self.starts.append(self.starts[-1] + _padded(n))
         total, first = self.starts[-1], pieces[0]
         where = first.device
-        self.codec = MOMENT_CODECS[group.get("moment_dtype", "float32")]
-        self.remainders = remainders
-        self.master_codec = MASTER_CODECS["remainders" if remainders else "fp32"]
+        self.plan = plan
+        self.codec = MOMENT_CODECS[plan.moments]
+        self.remainders = remainders = plan.masters == "remainders"
+        self.master_codec = MASTER_CODECS[plan.masters]
         self.buffers = {
             ("remainder" if remainders else "master"): torch.zeros(
                 total, dtype=torch.int16 if remainders else first.dtype, device=where
@@ -249,7 +239,7 @@ class FlatGroup:
 
         codecs = [(k, self.codec) for k in _MOMENTS]
         update = Update(self.master_codec, codecs, hyper, decoupled, factor, found_inf)
-        compiled = bool(group.get("compiled")) and same
+        compiled = self.plan.compiled and same
         run(slots, update, compiled=compiled, release=release, budget=self.budget)
         for p in self.model:
             p.grad = None

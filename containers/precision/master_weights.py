@@ -16,13 +16,14 @@ from torch.optim import Optimizer
 from containers.norm import GlobalNorm
 from containers.parts import Precision
 from containers.precision.eager import step_masters
-from containers.precision.flat_adam import FlatGroup, eligible
+from containers.precision.flat_adam import FlatGroup
 from containers.precision.loss_scaler import LossScaler
 from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
 from containers.precision.settings import MixedPrecisionSettings
 from containers.precision.sums import FullPrecisionSums, from_initial
 from containers.tensors import local
+from containers.update.plan import Plan, engine_takes, plan_of
 
 __all__ = ["MasterWeights"]
 
@@ -71,8 +72,6 @@ class MasterWeights(Precision):
             named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaler.mode!r}"
         if self.sums is not None:
             named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
-        if self.remainders:
-            named["remainders"] = "MasterWeights' store_param_remainders"
         if self.scaler.mode == "dynamic" or self.sums is not None:
             named["host_skip"] = "MasterWeights' dynamic loss scale or fp32 sums"
         return named
@@ -121,23 +120,43 @@ class MasterWeights(Precision):
         if self.remainders:
             self._check_remainders(optimizers)
         for opt in optimizers:
-            flats = [
-                FlatGroup(opt, g, self._model_of(g), remainders=self.remainders)
-                for g in opt.param_groups
-                if eligible(opt, g)
-            ]
+            flats = []
+            for group in opt.param_groups:
+                plan = plan_of(type(opt), group, self.masters)
+                if plan.engine:
+                    flats.append(FlatGroup(opt, group, self._model_of(group), plan))
             if flats:
                 self._flat[id(opt)] = flats
                 opt.register_load_state_dict_post_hook(_mark_stale(flats))
                 for flat in flats:
                     self.flat_of.update({id(m): (flat, i) for i, m in enumerate(flat.masters)})
 
-    def update_path(self, opt: Optimizer, index: int) -> str:
-        """Flat where this precision holds the group so (remainders at rest are stride 0)."""
-        if not any(flat.index == index for flat in self._flat.get(id(opt), ())):
-            return "masters per tensor"
-        compiled = opt.param_groups[index].get("compiled")
-        return "masters flat compiled" if compiled else "masters flat"
+    @property
+    def masters(self) -> str:
+        """The master codec of the groups the engine steps (`containers.update.codecs`)."""
+        return "remainders" if self.remainders else "fp32"
+
+    def plan(self, opt: Optimizer, index: int) -> Plan:
+        """The plan the group was built with (remainder masters at rest are stride 0)."""
+        for flat in self._flat.get(id(opt), ()):
+            if flat.index == index:
+                return flat.plan
+        return plan_of(type(opt), opt.param_groups[index], "fp32")
+
+    def weight(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The fp32 master (decoded where kept as remainders: a new tensor)."""
+        found = self.flat_of.get(id(stepped))
+        return found[0].master_value(found[1]) if found is not None else stepped
+
+    @torch.no_grad()
+    def set_weight(self, stepped: torch.Tensor, value: torch.Tensor) -> None:
+        """Set a master's local piece to `value`, and its model parameter to its rounding."""
+        found = self.flat_of.get(id(stepped))
+        if found is not None:
+            found[0].load_master(found[1], value)
+            return
+        super().set_weight(stepped, value)
+        local(self.model_param[id(stepped)]).copy_(value)
 
     def _check_remainders(self, optimizers: Sequence[Optimizer]) -> None:
         """Refuse remainders for an Adam/AdamW group that cannot step flat, or if none can."""
@@ -146,7 +165,7 @@ class MasterWeights(Precision):
             for group in opt.param_groups:
                 if not group["params"]:
                     continue
-                if eligible(opt, group):
+                if engine_takes(type(opt), group):
                     flat = True
                 elif isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
                     raise ValueError(

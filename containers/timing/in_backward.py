@@ -14,8 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from containers.container import OptimizersContainer, Unit
-from containers.contract import inner_steps
-from containers.norm import all_finite, nonfinite_flag
 from containers.parts import Named, StepReport, Timing, step_report
 
 __all__ = ["InBackward", "OptimizersInBackwardContainer"]
@@ -90,24 +88,11 @@ class InBackward(Timing):
             self._apply(unit)
 
     def _apply(self, unit: Unit) -> None:
-        c = self._container
-        grads = [p.grad for p in unit.params if p.grad is not None]
-        if c.skip_nonfinite and c.leaves_skip_to_kernels(unit.optimizers, per_unit=True):
-            # No host sync inside backward: the kernels read the flag, `report` sums them.
-            found = nonfinite_flag(grads)
-            with inner_steps():
-                c.precision.apply(unit.optimizers, found_inf=found)
-            self._flags.append(found)
-        elif (c.skip_nonfinite and not all_finite(grads)) or (
-            # (the refusal reads the weights: only for a unit whose gradients could apply)
-            c.decision.may_refuse and c.precision.refusal(unit.optimizers)
-        ):
+        applied = self._container.apply_unit(unit)
+        if isinstance(applied, torch.Tensor):  # left to the kernels: `report` sums the flags
+            self._flags.append(applied)
+        elif not applied:
             self._skipped += 1
-        else:
-            with inner_steps():
-                c.precision.apply(unit.optimizers)
-            if c.ema is not None:
-                c.ema.update(unit.stepped)
         for p in unit.params:
             p.grad = None
         self._stepped.add(unit)

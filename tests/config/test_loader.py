@@ -419,24 +419,6 @@ CLI_ERRORS = [
         r"use at most 1",
     ),
     (
-        [
-            "--optimizer.container=mixed_precision",
-            "--mixed_precision.store_param_remainders",
-            "--ema.enable",
-        ],
-        r"\[mixed_precision\] store_param_remainders = true with \[ema\] enable = true: the "
-        r"fp32 masters .* set store_param_remainders = false",
-    ),
-    (
-        [
-            "--optimizer.container=mixed_precision",
-            "--mixed_precision.store_param_remainders",
-            "--fault_tolerance.enable",
-            "--fault_tolerance.semi_sync_method=diloco",
-        ],
-        r"store_param_remainders = true with \[fault_tolerance\] semi_sync_method = 'diloco'",
-    ),
-    (
         ["--mixed_precision.param_dtype", "float16"],
         r"\[mixed_precision\] param_dtype = 'float16': only \[optimizer\] container = "
         r"'mixed_precision' reads it, and container = 'default'; set",

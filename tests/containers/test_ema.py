@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from components.checkpoint import ModelWrapper
 from containers import (
     FTOptimizersContainer,
+    InBackward,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
     MixedPrecisionSettings,
@@ -208,16 +209,38 @@ def test_in_backward_each_unit_updates_its_average_as_it_applies_equal_to_after_
     assert_same(ib.state_dict(), ref.state_dict())
 
 
-def test_bad_settings_and_remainders_are_refused_by_name():
+def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match=r"decay = 1.0: use a weight in \[0, 1\)"):
         ShadowWeights(1.0)
     with pytest.raises(ValueError, match=r"update_every_n_steps = 0: use 1 or more"):
         ShadowWeights(0.9, update_every_n_steps=0)
-    with pytest.raises(ValueError, match=r"remainders with an EMA of the weights: the fp32"):
-        MixedPrecisionOptimizersContainer(
-            three_parts(), torch.optim.AdamW, {**KW, "fused": True},
-            settings=MixedPrecisionSettings(store_param_remainders=True), ema=ShadowWeights(0.9),
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after", "in_backward"])
+def test_an_ema_of_remainder_masters_is_the_ema_of_the_fp32_masters_bitwise(in_backward):
+    """The EMA reads each master through the precision (decoded from its bf16 parameter and
+    remainder): fed the same gradients, the average, its saved entries and the masters are
+    those of fp32 masters, bit for bit, after backward or inside it."""
+    states = []
+    for keep in (False, True):
+        parts = [part.bfloat16() for part in three_parts()]
+        container = MixedPrecisionOptimizersContainer(
+            parts, torch.optim.AdamW, {**KW, "fused": True},
+            settings=MixedPrecisionSettings(store_param_remainders=keep),
+            ema=ShadowWeights(0.5), timing=InBackward() if in_backward else None,
         )  # fmt: skip
+        params = [p for part in parts for p in part.parameters()]
+        g = torch.Generator().manual_seed(7)
+        grads = [[torch.randn(p.shape, generator=g).bfloat16() for p in params] for _ in range(3)]
+        for step in range(3):
+            container.zero_grad()
+            loss = sum((p.float() * d.float()).sum() for p, d in zip(params, grads[step]))
+            loss.backward()
+            container.step()
+        assert container.ema.steps == 3
+        states.append(container.state_dict())
+    assert_same(states[0], states[1])
+    assert any(k.startswith("ema.") for k in states[0])
 
 
 def test_under_torchft_only_committed_steps_update_the_average(manager):  # noqa: F811

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -272,3 +273,16 @@ def poison(step_dir: Path, word: str, last: bool = False) -> str:
     shutil.rmtree(step_dir)
     dcp.save(nested, checkpoint_id=step_dir, no_dist=True)
     return key
+
+
+_PLAN_ROW = re.compile(
+    r"^\| `(?P<name>[^`]+)` \| (?P<masters>[^|]+) \| (?P<moments>[^|]+) \| "
+    r"(?P<driver>[^|]+) \| [^|]+ \| (?P<logged>[^|]+) \|$"
+)
+
+
+def plan_table() -> list[dict[str, str]]:
+    """The rows of ARCHITECTURE.md's table of update plans (name, codecs, driver, configs)."""
+    text = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
+    section = text.split("## Update plans", 1)[1].split("\n## ", 1)[0]
+    return [m.groupdict() for line in section.splitlines() if (m := _PLAN_ROW.match(line))]

@@ -1,5 +1,5 @@
 """Routed experts held as grouped 3-D weights step exactly as the same experts held as E
-separate 2-D matrices, on every update path a CPU runs (`containers.optim.paths.PATHS`)."""
+separate 2-D matrices, on every update plan (ARCHITECTURE.md's table, and more)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from containers import (
     ShardedMuon,
     tensors,
 )
-from containers.optim.paths import PATHS
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import full
+from tests.harness.helpers import full, plan_table
 
 E, DIM, HIDDEN, STEPS = 4, 32, 48, 4  # rows of 32 and 48: whole and partial 8-bit blocks
 SHAPES = {"w1": (E, DIM, HIDDEN), "w3": (E, DIM, HIDDEN), "w2": (E, HIDDEN, DIM)}
@@ -77,46 +76,69 @@ def _grads(grouped: Grouped, separate: Separate, step: int) -> None:
 
 MP = MixedPrecisionOptimizersContainer
 FUSED = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
-CASES = {  # path: (container, optimizer, kwargs, settings); bf16 parameters under a precision
+MP_8BIT = {**FUSED, "moment_dtype": "8bit"}
+REMAINDERS = MixedPrecisionSettings(store_param_remainders=True)
+CASES = {  # plan: (container, optimizer, kwargs, settings); bf16 parameters under a precision
     "torch fused": ("torch", OptimizersContainer, torch.optim.AdamW, FUSED, None),
     "torch foreach": ("torch", OptimizersContainer, torch.optim.AdamW, {"foreach": True}, None),
     "torch for-loop": ("torch", OptimizersContainer, torch.optim.AdamW, {"foreach": False}, None),
     "torch grouped": ("torch", OptimizersContainer, torch.optim.AdamW, FUSED, None),
-    "bf16 scratch": (
-        "bf16 scratch", OptimizersContainer, LeanAdamW, {**FUSED, "moment_dtype": "bfloat16"},
-        None,
+    "bf16": (
+        "chunked, bfloat16 moments", OptimizersContainer, LeanAdamW,
+        {**FUSED, "moment_dtype": "bfloat16"}, None,
     ),
-    "8bit scratch": (
-        "8bit scratch", OptimizersContainer, LeanAdamW, {**FUSED, "moment_dtype": "8bit"}, None,
+    "8bit": ("chunked, 8bit moments", OptimizersContainer, LeanAdamW, MP_8BIT, None),
+    "compiled": (
+        "compiled, float32 moments", OptimizersContainer, LeanAdamW,
+        {**FUSED, "compiled": True}, None,
     ),
-    "compiled": ("compiled", OptimizersContainer, LeanAdamW, {**FUSED, "compiled": True}, None),
+    "compiled bf16": (
+        "compiled, bfloat16 moments", OptimizersContainer, LeanAdamW,
+        {**FUSED, "moment_dtype": "bfloat16", "compiled": True}, None,
+    ),
     "8bit compiled": (
-        "8bit compiled", OptimizersContainer, LeanAdamW,
-        {**FUSED, "moment_dtype": "8bit", "compiled": True}, None,
+        "compiled, 8bit moments", OptimizersContainer, LeanAdamW,
+        {**MP_8BIT, "compiled": True}, None,
     ),
-    "masters flat": ("masters flat", MP, torch.optim.AdamW, FUSED, MixedPrecisionSettings()),
-    "masters flat remainders bf16 moments": (
-        "masters flat", MP, LeanAdamW, {**FUSED, "moment_dtype": "bfloat16"},
-        MixedPrecisionSettings(store_param_remainders=True),
-    ),
-    "masters flat compiled": (
-        "masters flat compiled", MP, LeanAdamW, {**FUSED, "compiled": True},
+    "masters": (
+        "chunked, fp32 masters, float32 moments", MP, torch.optim.AdamW, FUSED,
         MixedPrecisionSettings(),
     ),
-    "masters flat compiled remainders": (
-        "masters flat compiled", MP, LeanAdamW, {**FUSED, "compiled": True},
-        MixedPrecisionSettings(store_param_remainders=True),
+    "masters bf16": (
+        "chunked, fp32 masters, bfloat16 moments", MP, LeanAdamW,
+        {**FUSED, "moment_dtype": "bfloat16"}, MixedPrecisionSettings(),
+    ),
+    "masters 8bit": (
+        "chunked, fp32 masters, 8bit moments", MP, LeanAdamW, MP_8BIT, MixedPrecisionSettings(),
+    ),
+    "remainders bf16": (
+        "chunked, remainders masters, bfloat16 moments", MP, LeanAdamW,
+        {**FUSED, "moment_dtype": "bfloat16"}, REMAINDERS,
+    ),
+    "remainders 8bit": (
+        "chunked, remainders masters, 8bit moments", MP, LeanAdamW, MP_8BIT, REMAINDERS,
+    ),
+    "masters compiled": (
+        "compiled, fp32 masters, float32 moments", MP, LeanAdamW, {**FUSED, "compiled": True},
+        MixedPrecisionSettings(),
+    ),
+    "remainders compiled": (
+        "compiled, remainders masters, float32 moments", MP, LeanAdamW,
+        {**FUSED, "compiled": True}, REMAINDERS,
+    ),
+    "remainders 8bit compiled": (
+        "compiled, remainders masters, 8bit moments", MP, LeanAdamW,
+        {**MP_8BIT, "compiled": True}, REMAINDERS,
     ),
     "masters per tensor": (
-        "masters per tensor", MP, torch.optim.AdamW, {"lr": 1e-2, "foreach": False},
+        "torch, fp32 masters", MP, torch.optim.AdamW, {"lr": 1e-2, "foreach": False},
         MixedPrecisionSettings(),
     ),
 }  # fmt: skip
-CPU_PATHS = set(PATHS) - {"bf16 fused"}  # (CUDA only)
 
 
-def test_every_path_a_cpu_runs_is_covered():
-    assert {case[0] for case in CASES.values()} == CPU_PATHS
+def test_every_plan_of_the_table_is_covered():
+    assert {row["name"] for row in plan_table()} <= {case[0] for case in CASES.values()}
 
 
 def _build(case: str, module: nn.Module) -> OptimizersContainer:
@@ -157,7 +179,7 @@ def test_grouped_experts_step_as_separate_matrices_bitwise(case, monkeypatch):
             opt.zero_grad()
     for opt in opts:
         groups = [(o, i) for o in opt for i in range(len(o.param_groups))]
-        assert {opt.precision.update_path(o, i) for o, i in groups} == {path}
+        assert {opt.precision.plan(o, i).name for o, i in groups} == {path}
     got, want = ({k: full(v) for k, v in o.state_dict().items()} for o in opts)
     for name in SHAPES:
         assert torch.equal(getattr(grouped, name), torch.stack(list(getattr(separate, name))))

@@ -470,15 +470,30 @@ def test_an_outer_optimizer_without_lean_state_keeps_fp32_state_beside_lean_inne
     assert diloco.outer_cls is torch.optim.Adagrad and "moment_dtype" not in diloco.outer_kwargs
 
 
-def test_masters_kept_as_remainders_are_refused_when_built():
-    """The outer step writes the fp32 masters between steps; remainders keep them only
-    inside the flat step: refused by name, before any global weight is cloned."""
+@pytest.mark.parametrize("delay", [0, 1])
+def test_masters_kept_as_remainders_sync_as_fp32_masters_bitwise(manager, delay):
+    """The outer step reads each master decoded from its bf16 parameter and remainder and
+    writes it back split again: fed the same gradients over two syncs, the global weights,
+    outer momentum, masters and parameters are those of fp32 masters, bit for bit."""
     from containers import MasterWeights, MixedPrecisionOptimizersContainer, MixedPrecisionSettings
 
-    precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=True))
-    parts = [precision.cast_model(p) for p in three_parts()]
-    with pytest.raises(ValueError, match=r"remainders with DiLoCo: the fp32 masters"):
-        MixedPrecisionOptimizersContainer(
+    states = []
+    for keep in (False, True):
+        precision = MasterWeights(MixedPrecisionSettings(store_param_remainders=keep))
+        parts = [precision.cast_model(p) for p in three_parts()]
+        opt = MixedPrecisionOptimizersContainer(
             parts, torch.optim.AdamW, {**KW, "fused": True}, precision=precision,
-            outer=DiLoCo(None, sync_steps=4),
+            outer=DiLoCo(manager, sync_steps=3, fragment_sync_delay=delay),
         )  # fmt: skip
+        params = [p for part in parts for p in part.parameters()]
+        g = torch.Generator().manual_seed(3)
+        for _ in range(7):
+            opt.zero_grad()
+            grads = [torch.randn(p.shape, generator=g).bfloat16() for p in params]
+            sum((p.float() * d.float()).sum() for p, d in zip(params, grads)).backward()
+            opt.step()
+        state = {k: full(v) for k, v in opt.state_dict().items()}
+        assert state["outer.outer_steps"] == 2
+        states.append((state, [p.detach().clone() for p in params]))
+    assert_same(states[0][0], states[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(states[0][1], states[1][1]))
