@@ -24,16 +24,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"left out {len(_left_out)} slow tests (marked slow); the README's test command "
             "runs them too"
         )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most slow tests first (each file's tests in their order): the workers
-    (`--dist loadfile`: a file each) start on the long files and end on short ones together,
-    not one worker alone on a long file at the end."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.location[0]] = slow.get(item.location[0], 0) + bool(
-            item.get_closest_marker("slow")
-        )
-    order = {path: i for i, path in enumerate(dict.fromkeys(i.location[0] for i in items))}
-    items.sort(key=lambda item: (-slow[item.location[0]], order[item.location[0]]))
