@@ -67,11 +67,11 @@ def _default(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], Opt
     return lambda m: OptimizersContainer([m], torch.optim.AdamW, kwargs)
 
 
-def _mixed(lean: bool) -> Callable[[nn.Module], OptimizersContainer]:
+def _mixed(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], OptimizersContainer]:
     kwargs = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
     settings = MixedPrecision(store_param_remainders=lean)
     cls = LeanAdamW if lean else torch.optim.AdamW
-    kwargs = {**kwargs, "moment_dtype": "bfloat16"} if lean else kwargs
+    kwargs = {**kwargs, "moment_dtype": moments} if lean else kwargs
     return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
@@ -84,6 +84,9 @@ CONTENDERS = {
     MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", "")),
     "mixed precision, remainders + bf16 moments": (
         torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5")
+    ),
+    "mixed precision, remainders + 8-bit moments": (
+        torch.bfloat16, _mixed(True, "8bit"), MP_TODAY, ("", "<= 6.3")
     ),
 }  # fmt: skip
 

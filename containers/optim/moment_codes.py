@@ -157,17 +157,22 @@ def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Ten
     # Estimate within 0.55 of the code (log2 from the bits), then correct by one step.
     under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
     c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
-    up = thresholds[c0] > ratio
-    down = thresholds[c0 - 1] <= ratio
+    up = _lookup(thresholds, c0) > ratio
+    down = _lookup(thresholds, c0 - 1) <= ratio
     c = c0 + up.int() - down.int()
     c = torch.where(ratio < thresholds[254], 255, c)  # below the window (zeros: next line)
     return torch.where(blocks > 0, c, 0).to(torch.uint8), peak
 
 
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` as one `index_select` (several times faster on a CPU than indexing)."""
+    return torch.index_select(table, 0, index.reshape(-1).int()).view(index.shape)
+
+
 def log_values(codes: torch.Tensor, top: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1);
     `values` as `log_tables` gives them."""
-    return values[codes.int()] * top
+    return _lookup(values, codes) * top
 
 
 def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
