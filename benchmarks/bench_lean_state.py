@@ -170,6 +170,14 @@ QUALITY = {
         ["--optimizer.moment_dtype", "float32"],
         ["--optimizer.moment_dtype", "8bit"],
     ),
+    "mixed precision, remainders + 8-bit": (MP_DEBUG, [], [*LEAN_MP[:1], "8bit", *LEAN_MP[2:]]),
+}
+# each job's runs, by the name its records are kept under (shared where the runs are the same)
+RUN_NAMES = {
+    "AdamW": ("adamw-float32", "adamw-bfloat16"),
+    "mixed precision": ("mp-today", "mp-lean"),
+    "AdamW, 8-bit": ("adamw-float32", "adamw-8bit"),
+    "mixed precision, remainders + 8-bit": ("mp-today", "mp-lean-8bit"),
 }
 
 
@@ -184,11 +192,7 @@ def quality_table(args: argparse.Namespace) -> str:
         means: dict[str, list[float]] = {"today": [], "lean": []}
         for seed in args.seeds:
             loss = {}
-            for policy, argv in (("today", today), ("lean", lean)):
-                # (names as the first AdamW table's runs, so their records are reused)
-                lean_name = "adamw-8bit" if job == "AdamW, 8-bit" else "adamw-bfloat16"
-                name = {"today": "adamw-float32", "lean": lean_name}[policy]
-                name = name if job.startswith("AdamW") else f"mp-{policy}"
+            for policy, argv, name in zip(("today", "lean"), (today, lean), RUN_NAMES[job]):
                 loss[policy] = tail_mean(run_job(name, seed, 1, args, [*base, *argv]), args.window)
                 means[policy].append(loss[policy])
             t, lean_loss = loss["today"], loss["lean"]

@@ -30,6 +30,7 @@ ARGS = [*BASE, "--training.global_batch_size", str(GLOBAL_BATCH), "--checkpoint.
 ARGS += ["--lr_scheduler.warmup_steps", "6", "--lr_scheduler.decay_ratio", "0"]
 LAYOUTS = {  # name: (ranks, [parallelism] flags)
     "dp1": (1, []),
+    "dp2": (2, []),
     "dp3": (3, []),
     "dp4": (4, []),
     "pp2_dp1": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
@@ -47,11 +48,13 @@ class Resumed:
     ranks: list[dict[str, Any]]
 
 
-def _resume(src: Path, step: int, dump: Path, layout: str, steps: int) -> Resumed:
+def _resume(
+    src: Path, step: int, dump: Path, layout: str, steps: int, extra: tuple[str, ...] = ()
+) -> Resumed:
     """Copy `src`'s step-`step` into `dump` and train on from it to `steps` at `layout`."""
     _resume_copy(src, dump, step)
     nproc, flags = LAYOUTS[layout]
-    argv = [*ARGS, *flags, "--training.steps", str(steps), "--job.dump_folder", str(dump)]
+    argv = [*ARGS, *extra, *flags, "--training.steps", str(steps), "--job.dump_folder", str(dump)]
     ranks = run_ranks(nproc, train_resumed, argv, timeout=240)
     assert [r["code"] for r in ranks] == [0] * nproc
     return Resumed(dump, ranks)
@@ -165,3 +168,29 @@ def test_a_dp4_checkpoint_resumes_at(layout, saved, tmp_path):
                 k: (v.shape, v.dtype) for k, v in fsdp2[name].items() if _tensor(v)
             }
             assert fsdp1[name].keys() == fsdp2[name].keys()
+
+
+LEANEST = (
+    "--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "8bit",
+    "--mixed_precision.store_param_remainders",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_remainders_with_8bit_moments_resume_bitwise_and_at_dp1_and_dp3(tmp_path):
+    """The leanest state (bf16 weights, remainders, 8-bit moments) saved at DP2: resumed at
+    DP2 it ends bit for bit as the uninterrupted run; at DP1 and DP3 it loads the checkpoint's
+    bytes element for element (codes and scales resharded) and goes on at the same loss."""
+    ref = tmp_path / "dp2"
+    argv = [*ARGS, *LEANEST, "--training.steps", "6", "--job.dump_folder", str(ref)]
+    result = train_ranks(2, argv)
+    assert result.returncode == 0, result.stdout[-6000:]
+    stored = _stored(ref, 4)["optimizer"]
+    assert stored["state.layers.0.attention.wq.weight.exp_avg.code"].dtype == torch.int8
+    assert "master_weights.layers.0.attention.wq.weight" in stored
+    again = _resume(ref, 4, tmp_path / "again", "dp2", steps=6, extra=LEANEST)
+    for part in ("optimizer", "model"):
+        assert _mismatches(_stored(again.dump, 6)[part], _stored(ref, 6)[part]) == {}, part
+    for layout in ("dp1", "dp3"):
+        run = _resume(ref, 4, tmp_path / layout, layout, steps=6, extra=LEANEST)
+        _check(run, ref, 4, 6, ref)
