@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -10,6 +12,7 @@ __all__ = [
     "SCRATCH_NUMEL",
     "dense",
     "local",
+    "local_form",
     "scratch",
     "scratch_numel",
     "shaped_like",
@@ -38,6 +41,12 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `t` (a DTensor's local shard; a plain tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_form(stored: Any) -> Any:
+    """This rank's piece of a stored form: a tensor, or a dict of tensors (8-bit codes and
+    their scales)."""
+    return {k: local(v) for k, v in stored.items()} if isinstance(stored, dict) else local(stored)
 
 
 def shaped_like(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

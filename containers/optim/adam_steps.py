@@ -11,7 +11,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
-from containers.tensors import local
+from containers.tensors import local, local_form
 from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import Slot, Update, run
 from containers.update.plan import plan_of
@@ -55,7 +55,7 @@ def step_group(
     moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][: 3 if group["amsgrad"] else 2]
     codec = MOMENT_CODECS[plan.moments]
     slots = [
-        Slot(local(p), local(g), [_local(m[i]) for m in moments], steps[i])
+        Slot(local(p), local(g), [local_form(m[i]) for m in moments], steps[i])
         for i, (p, g) in enumerate(zip(params, grads))
     ]
     hyper = {k: v for k, v in settings.items() if k != "decoupled_weight_decay"}
@@ -65,8 +65,3 @@ def step_group(
     run(slots, update, compiled=plan.compiled)
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
-
-
-def _local(stored: Any) -> Any:
-    """This rank's piece of a stored moment (a tensor, or a dict of codes and scales)."""
-    return {k: local(v) for k, v in stored.items()} if isinstance(stored, dict) else local(stored)

@@ -16,7 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from containers.precision import remainders as rem
-from containers.tensors import local, scratch_numel, shaped_like
+from containers.tensors import local, local_form, scratch_numel, shaped_like
 from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import PAD, Slot, Update, run
 from containers.update.plan import Plan
@@ -109,7 +109,7 @@ class FlatGroup:
         self._views["step"] = [self.buffers["step"][i] for i in range(len(self.masters))]
         # Local pieces for the steps: masters (or remainders) and moments by name.
         kept = "remainder" if self.remainders else "master"
-        self.views = {k: [_local(v) for v in self._views[k]] for k in _MOMENTS}
+        self.views = {k: [local_form(v) for v in self._views[k]] for k in _MOMENTS}
         self.views[kept] = [
             self.buffers[kept][s : s + n].view(t.shape)
             for s, n, t in zip(self.starts, self.sizes, self.cast_from)
@@ -245,11 +245,6 @@ class FlatGroup:
             p.grad = None
         if found_inf is not None:
             buf["step"].sub_(found_inf)
-
-
-def _local(stored: Any) -> Any:
-    """This rank's piece of a stored moment (a tensor, or a dict of codes and scales)."""
-    return {k: local(v) for k, v in stored.items()} if isinstance(stored, dict) else local(stored)
 
 
 @torch.no_grad()

@@ -15,21 +15,9 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, ReadItem
 
 from containers.tensors import local
+from containers.update.masters import join, split
 
-__all__ = ["HALF_ULP", "LoadPlanner", "Sink", "join", "masters_of", "split", "store"]
-
-HALF_ULP = 0x8000  # half a bf16 ulp in the low bits of an fp32's bit pattern
-
-
-def join(bits: torch.Tensor, remainder: torch.Tensor) -> None:
-    """Turn `bits` (int32: sign-extended bf16 bits) into fp32 master bits with `remainder`."""
-    torch.add(remainder, bits, alpha=1 << 16, out=bits)  # one pass
-
-
-def split(bits: torch.Tensor, high: torch.Tensor) -> None:
-    """Split fp32 master `bits` (int32) into rounded bf16 bits `high` and remainders `bits`."""
-    torch.add(bits, HALF_ULP, out=high).bitwise_right_shift_(16)
-    bits.sub_(high, alpha=1 << 16)
+__all__ = ["LoadPlanner", "Sink", "masters_of", "store"]
 
 
 def masters_of(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
