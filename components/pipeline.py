@@ -9,12 +9,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from components.parallel_dims import ParallelDims
 from components.train_spec import LossFn
@@ -30,8 +24,6 @@ ranks that hold no last stage."""
 Evaluate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`(inputs, labels) -> loss` of one micro-batch, forward only, without gradients (the loss
 itself, not divided by the accumulation steps); zero on ranks that hold no last stage."""
-
-_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
 
 def backward_passes(dims: ParallelDims, cfg: Parallelism, local_batch_size: int, accum: int) -> int:
@@ -76,6 +68,14 @@ def build_passes(
         return _sequential(parts, loss_fn, optimizers, accumulation_steps)
     if mesh is None:
         raise ValueError(f"{len(parts)} of {num_parts} model parts need a mesh with a pp dim")
+    # (imported here: `torch.distributed.pipelining` brings dynamo, ~0.5 s a process)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     pp = mesh["pp"]
     pipeline_stages = [
         PipelineStage(part, index, num_parts, device, group=pp.get_group())
@@ -97,7 +97,8 @@ def build_passes(
         schedule = ScheduleInterleaved1F1B(pipeline_stages, n_micro, **kwargs)
     else:
         (stage,) = pipeline_stages
-        schedule = _SCHEDULES[cfg.pipeline_parallel_schedule](stage, n_micro, **kwargs)
+        single = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg.pipeline_parallel_schedule]
+        schedule = single(stage, n_micro, **kwargs)
     first, last = 0 in stages, num_parts - 1 in stages
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

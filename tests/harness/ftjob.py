@@ -41,7 +41,7 @@ class FTJob:
         self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
-            "--model.flavor", "debug",
+            "--model.flavor", "tiny",
             "--training.seq_len", "64",
             "--training.local_batch_size", "4",
             "--training.steps", str(steps),
