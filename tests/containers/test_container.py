@@ -696,7 +696,11 @@ class _DecidesOnHost(Precision):
     [
         (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
         (LeanAdamW, {"lr": 1e-2, "moment_dtype": "bfloat16"}),
-        (LeanAdamW, {"lr": 1e-2, "moment_dtype": "bfloat16", "compiled": True}),
+        pytest.param(
+            LeanAdamW,
+            {"lr": 1e-2, "moment_dtype": "bfloat16", "compiled": True},
+            marks=pytest.mark.slow,  # an inductor compile
+        ),
     ],
     ids=["AdamW", "LeanAdamW-bf16", "LeanAdamW-bf16-compiled"],
 )

@@ -378,9 +378,10 @@ class _DecidesOnHost(MasterWeights):
 
 
 @pytest.mark.parametrize(
-    ("compile", "remainders"), [(False, False), (True, False), (True, True)],
+    ("compile", "remainders"),
+    [(False, False), *(pytest.param(True, r, marks=pytest.mark.slow) for r in (False, True))],
     ids=["eager", "compiled", "compiled_remainders"],
-)  # fmt: skip
+)  # fmt: skip  (compiled: inductor compiles)
 @pytest.mark.parametrize(
     ("timing", "max_norm"), [("after", None), ("after", 0.0), ("in_backward", None)],
     ids=["after", "after_norm_measured", "in_backward"],
