@@ -113,15 +113,14 @@ def _features(cfg: JobConfig) -> dict[str, tuple[str, str]]:
         found["ema"] = ("[ema] enable = true", "set [ema] enable = false")
     if opt.container != "mixed_precision":
         return found
-    if mp.loss_scaling in ("dynamic", "static") or (
-        mp.loss_scaling == "auto" and mp.param_dtype == "float16"
-    ):
+    brought = mp.settings().features()  # the precision's own derivation
+    if "loss_scaling" in brought:
         found["loss_scaling"] = (
             f"[mixed_precision] loss_scaling = {mp.loss_scaling!r} with param_dtype "
             f"{mp.param_dtype!r}",
             "use bfloat16 with loss_scaling 'none'",
         )
-    if mp.grad_accumulation_dtype == "float32":
+    if "fp32_sums" in brought:
         found["fp32_sums"] = (
             "[mixed_precision] grad_accumulation_dtype = 'float32'",
             "use grad_accumulation_dtype 'param_dtype'",

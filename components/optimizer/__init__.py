@@ -9,7 +9,6 @@ from components.optimizer.build import (
     build_precision,
     cast_model,
     check_names,
-    mixed_precision_settings,
 )
 from components.optimizer.registry import (
     CONTAINERS,
@@ -43,7 +42,6 @@ __all__ = [
     "check_names",
     "implementation_kwargs",
     "is_sharded",
-    "mixed_precision_settings",
     "refuse_on_shards",
     "register_container",
     "register_optimizer",

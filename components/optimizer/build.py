@@ -40,7 +40,6 @@ from containers import (
     LeanAdamW,
     MasterWeights,
     MixedPrecisionOptimizersContainer,
-    MixedPrecisionSettings,
     OptimizersContainer,
     Outer,
     ParamGroupRule,
@@ -55,7 +54,6 @@ __all__ = [
     "build_optimizers",
     "build_precision",
     "check_names",
-    "mixed_precision_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,9 +106,7 @@ def build_precision(
     `MasterWeights` (`cast_model`) before sharding, then hands it to `build_optimizers`."""
     if cfg.container == "mixed_precision":
         try:
-            return MasterWeights(
-                None if mixed_precision is None else mixed_precision_settings(mixed_precision)
-            )
+            return MasterWeights(None if mixed_precision is None else mixed_precision.settings())
         except ValueError as e:
             raise ConfigError(str(e)) from e
     return Precision()
@@ -120,13 +116,6 @@ def cast_model(precision: Precision, model: nn.Module) -> nn.Module:
     """`model` with the parameter dtype `precision` steps: a `MasterWeights` casts it (before
     sharding, so FSDP2 shards the cast parameters); fp32 leaves it as it is."""
     return precision.cast_model(model) if isinstance(precision, MasterWeights) else model
-
-
-def mixed_precision_settings(section: MixedPrecisionConfig) -> MixedPrecisionSettings:
-    """The library's settings from the `[mixed_precision]` section (the one place it converts:
-    the library never reads the trainer's config)."""
-    names = [f.name for f in dataclasses.fields(MixedPrecisionSettings)]
-    return MixedPrecisionSettings(**{name: getattr(section, name) for name in names})
 
 
 def _rules(

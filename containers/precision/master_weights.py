@@ -65,16 +65,7 @@ class MasterWeights(Precision):
 
     @property
     def features(self) -> dict[str, str]:  # type: ignore[override]
-        named = {"masters": "MasterWeights"}
-        if self.param_dtype == torch.float16:
-            named["overflow_refusal"] = "MasterWeights' float16 weights"
-        if self.scaler.mode != "none":
-            named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaler.mode!r}"
-        if self.sums is not None:
-            named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
-        if self.scaler.mode == "dynamic" or self.sums is not None:
-            named["host_skip"] = "MasterWeights' dynamic loss scale or fp32 sums"
-        return named
+        return self.settings.features()
 
     @property
     def loss_scale(self) -> float:  # type: ignore[override]

@@ -40,3 +40,25 @@ class MixedPrecisionSettings:
     max_scale: float = 2.0**24
     store_param_remainders: bool = False
     grad_accumulation_dtype: GradAccumulationDtype = "param_dtype"
+
+    @property
+    def scaling(self) -> str:
+        """The loss scaling in effect: `loss_scaling`, "auto" resolved by `param_dtype`."""
+        if self.loss_scaling != "auto":
+            return self.loss_scaling
+        return "dynamic" if self.param_dtype == "float16" else "none"
+
+    def features(self) -> dict[str, str]:
+        """The `containers.rules` features a `MasterWeights` of these settings brings, each
+        with what brings it: the one derivation, which the precision and a config check
+        (before anything is built) both ask."""
+        named = {"masters": "MasterWeights"}
+        if self.param_dtype == "float16":
+            named["overflow_refusal"] = "MasterWeights' float16 weights"
+        if self.scaling != "none":
+            named["loss_scaling"] = f"MasterWeights' loss scaling {self.scaling!r}"
+        if self.grad_accumulation_dtype == "float32":
+            named["fp32_sums"] = "MasterWeights' grad_accumulation_dtype 'float32'"
+        if self.scaling == "dynamic" or self.grad_accumulation_dtype == "float32":
+            named["host_skip"] = "MasterWeights' dynamic loss scale or fp32 sums"
+        return named

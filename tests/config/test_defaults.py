@@ -74,7 +74,6 @@ def test_every_key_is_read_somewhere():
 def test_mixed_precision_is_the_librarys_settings_key_for_key():
     """`[mixed_precision]` has the library's keys and defaults, and its values reach the
     library's `MixedPrecisionSettings` as they are."""
-    from components.optimizer import mixed_precision_settings
     from containers import MixedPrecisionSettings
 
     assert dataclasses.asdict(MixedPrecision()) == dataclasses.asdict(MixedPrecisionSettings())
@@ -86,4 +85,4 @@ def test_mixed_precision_is_the_librarys_settings_key_for_key():
         store_param_remainders=False,
         grad_accumulation_dtype="float32",
     )
-    assert dataclasses.asdict(mixed_precision_settings(section)) == dataclasses.asdict(section)
+    assert dataclasses.asdict(section.settings()) == dataclasses.asdict(section)
