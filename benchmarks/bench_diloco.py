@@ -37,7 +37,7 @@ def trainable_params() -> int:
 def run(folder: Path, steps: int, extra: list[str]) -> tuple[float, float]:
     """(mean loss of the last 20 steps over both groups, the groups' wall seconds)."""
     folder.mkdir()
-    job = FTJob(folder, steps, ["--metrics.log_freq", "1", *extra], min_replicas=2)
+    job = FTJob(folder, steps, ["--metrics.log_freq", "1", *extra], min_replicas=2, flavor="debug")
     job.run_both(timeout=1200)
     losses = [job.metrics(r)[s]["loss"] for r in (0, 1) for s in range(steps - 19, steps + 1)]
     seconds = max(sum(m["step_time_s"] for m in job.metrics(r).values()) for r in (0, 1))

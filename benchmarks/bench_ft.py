@@ -45,13 +45,13 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "base").mkdir()
-        base = FTJob(root / "base", args.steps)  # only its arguments: no torchft
+        base = FTJob(root / "base", args.steps, flavor="debug")  # only its arguments: no torchft
         base.close()
         launch(0, base.train_args)
         default_ms, default_text = median_iqr(step_ms(read_metrics(root / "base")))
 
         (root / "one").mkdir()
-        one = FTJob(root / "one", args.steps, ["--fault_tolerance.group_size", "1"])
+        one = FTJob(root / "one", args.steps, ["--fault_tolerance.group_size", "1"], flavor="debug")
         try:
             one.start_replica(0)
             one.wait_exit("replica_0", 300)
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
         one_ms, one_text = median_iqr(step_ms(one.metrics(0)))
 
         (root / "two").mkdir()
-        two = FTJob(root / "two", 10 * args.steps)
+        two = FTJob(root / "two", 10 * args.steps, flavor="debug")
         try:
             two.start_replica(0)
             two.start_replica(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from containers.precision.settings import MixedPrecisionSettings
+from containers.precision.settings import MixedPrecisionSettings, scaling_in_effect
 
 __all__ = ["LossScaler"]
 
@@ -17,7 +17,7 @@ class LossScaler:
         self, settings: MixedPrecisionSettings | None = None, *, fp16: bool = True
     ) -> None:
         s = settings if settings is not None else MixedPrecisionSettings()
-        self.mode = s.loss_scaling if s.loss_scaling != "auto" else ("dynamic" if fp16 else "none")
+        self.mode = scaling_in_effect(s.loss_scaling, fp16=fp16)
         self.scale = s.initial_scale if self.mode != "none" else 1.0
         self.growth_factor, self.backoff_factor = s.growth_factor, s.backoff_factor
         self.growth_interval, self.hysteresis = s.growth_interval, s.hysteresis

@@ -11,12 +11,20 @@ __all__ = [
     "MasterDtype",
     "MixedPrecisionSettings",
     "ParamDtype",
+    "scaling_in_effect",
 ]
 
 ParamDtype = Literal["bfloat16", "float16"]
 MasterDtype = Literal["float32"]
 LossScaling = Literal["auto", "dynamic", "static", "none"]
 GradAccumulationDtype = Literal["param_dtype", "float32"]
+
+
+def scaling_in_effect(loss_scaling: str, *, fp16: bool) -> str:
+    """`loss_scaling` with "auto" resolved: "dynamic" for float16 weights, else "none"."""
+    if loss_scaling != "auto":
+        return loss_scaling
+    return "dynamic" if fp16 else "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +52,7 @@ class MixedPrecisionSettings:
     @property
     def scaling(self) -> str:
         """The loss scaling in effect: `loss_scaling`, "auto" resolved by `param_dtype`."""
-        if self.loss_scaling != "auto":
-            return self.loss_scaling
-        return "dynamic" if self.param_dtype == "float16" else "none"
+        return scaling_in_effect(self.loss_scaling, fp16=self.param_dtype == "float16")
 
     def features(self) -> dict[str, str]:
         """The `containers.rules` features a `MasterWeights` of these settings brings, each

@@ -19,12 +19,13 @@ def read_metrics(folder: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
-MOE = {"config/debug.toml": "config/moe.toml", "debug": "tiny"}
+MOE = {"config/debug.toml": "config/moe.toml"}
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.seq_len", "32"]
 
 
 class FTJob:
-    """Starts a lighthouse and replica groups (train.py with `nproc` ranks each); ends them all."""
+    """Starts a lighthouse and replica groups (train.py with `nproc` ranks each, the llama
+    `flavor`: tests train the tiny one, benchmarks the debug one); ends them all."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class FTJob:
         nproc: int = 1,
         min_replicas: int = 1,
         join_timeout_ms: int = 500,
+        flavor: str = "tiny",
     ) -> None:
         self.folder, self.steps, self.nproc = folder, steps, nproc
         self.min_replicas, self.join_timeout_ms = min_replicas, join_timeout_ms
@@ -41,7 +43,7 @@ class FTJob:
         self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
-            "--model.flavor", "tiny",
+            "--model.flavor", flavor,
             "--training.seq_len", "64",
             "--training.local_batch_size", "4",
             "--training.steps", str(steps),
