@@ -83,6 +83,19 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
             "'fsdp1' with [optimizer] name = 'Muon': FSDP1 hands the optimizer 1-D slices",
         ),
         (
+            [*FSDP1, "--training.mixed_precision_reduce", "bfloat16"],
+            "'fsdp1' with [training] mixed_precision_reduce = 'bfloat16': that is FSDP2's mixed "
+            "precision policy; use data_parallel_shard_impl = 'fsdp2' or set",
+        ),
+        (
+            [
+                *("--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "diloco"),
+                *("--fault_tolerance.sync_steps", "2", "--fault_tolerance.num_fragments", "3"),
+            ],
+            "[fault_tolerance] num_fragments = 3: more than sync_steps = 2 (each fragment syncs "
+            "on a step of its own); use at most 2",
+        ),
+        (
             [
                 "--optimizer.container",
                 "mixed_precision",

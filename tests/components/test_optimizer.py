@@ -132,6 +132,19 @@ def test_register_optimizer_adds_one_and_refuses_duplicates(restore_registries):
         register_optimizer("AdamW", lambda cfg: (torch.optim.AdamW, {}))
     with pytest.raises(ValueError, match="not callable"):
         register_optimizer("Broken", "not a factory")
+    with pytest.raises(ValueError, match="optimizer name '': expected a non-empty string"):
+        register_optimizer("", lambda cfg: (torch.optim.ASGD, {}))
+
+
+def test_the_fault_tolerant_container_without_a_torchft_manager_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"needs a torchft manager; set \[fault_tolerance\]"):
+        build_optimizers(three_parts(), OptimizerConfig(container="fault_tolerant"))
+
+
+def test_parts_with_trainable_parameters_on_two_devices_are_refused_when_built():
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")]
+    with pytest.raises(ValueError, match=r"trainable parameters span devices \['cpu', 'meta'\]"):
+        build_optimizers(parts, OptimizerConfig())
 
 
 def test_register_container_selects_by_name(restore_registries):
