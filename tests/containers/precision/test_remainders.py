@@ -268,14 +268,14 @@ def test_muon_groups_keep_fp32_masters_beside_remainders_of_adamw_groups(caplog)
 
 def test_the_config_builds_remainders_with_bf16_moments_and_refuses_fp16_by_name():
     from components.optimizer import build_optimizers, build_precision
-    from config import ConfigError
+    from config import ConfigError, MixedPrecision
     from config import Optimizer as OptimizerConfig
 
     cfg = OptimizerConfig(container="mixed_precision", moment_dtype="bfloat16")
-    precision = build_precision(cfg, MP(store_param_remainders=True))
+    precision = build_precision(cfg, MixedPrecision(store_param_remainders=True))
     parts = [precision.cast_model(p) for p in three_parts()]
     container = build_optimizers(parts, cfg, precision=precision)
     flats = [f for opt in container for f in container.precision._flat[id(opt)]]
     assert flats and all(f.remainders and f.codec.name == "bfloat16" for f in flats)
     with pytest.raises(ConfigError, match=r"store_param_remainders = true with param_dtype"):
-        build_precision(cfg, MP(store_param_remainders=True, param_dtype="float16"))
+        build_precision(cfg, MixedPrecision(store_param_remainders=True, param_dtype="float16"))
