@@ -325,7 +325,7 @@ def _against_fused(
     of 3 steps, to what the lean ones hold: parameters and held moments bitwise. With
     `bf16_state`, torch's AdamW keeps bf16 moments itself (made before its first step, as
     torchtitan's `fused_opt_states_bf16`), stepped by its own kernel."""
-    from containers.optim.coded_adam import decode_moment
+    from containers.update.forms import to_values
 
     torch.manual_seed(0)
     params = [torch.randn(s, device=device) for s in shapes]
@@ -347,7 +347,7 @@ def _against_fused(
                 kept = lean.state[p][name]
                 if moments == "bfloat16":
                     assert kept.dtype == torch.bfloat16
-                ours = decode_moment(name, kept, torch.float32).float()
+                ours = to_values(name, kept).float()
                 if bf16_state:
                     assert torch.equal(ours, ref.state[q][name].float()), (step, name)
                     continue
@@ -358,18 +358,18 @@ def _against_fused(
 
 def _held(name: str, values: torch.Tensor, p: torch.Tensor, moments: str) -> torch.Tensor:
     """What a group of `moments` holds of fp32 `values` (moment `name` of `p`), as fp32."""
-    from containers.optim.coded_adam import decode_moment, encode_moment
+    from containers.update.forms import MOMENT_CODECS, to_values
 
     if moments == "bfloat16":
         return values.bfloat16().float()
-    return decode_moment(name, encode_moment(name, values, p), torch.float32).float()
+    return to_values(name, MOMENT_CODECS["8bit"].from_values(name, values, p)).float()
 
 
 @check("bf16 moments == torch's fused AdamW over bf16 state, or else widened (3 steps)")
 def _lean_is_torchs(device: torch.device) -> str:
     """Where torch's kernel takes bf16 moments (`moments.BF16_FUSED_DEVICES`), LeanAdamW is it;
     else the fused step on the widened moments, rounded back."""
-    from containers.update.moments import BF16_FUSED_DEVICES
+    from containers.update.codecs import BF16_FUSED_DEVICES
 
     direct = device.type in BF16_FUSED_DEVICES
     _against_fused(device, [3000, 1 << 20, 77], "bfloat16", bf16_state=direct)
@@ -378,7 +378,7 @@ def _lean_is_torchs(device: torch.device) -> str:
 
 @check("8-bit moments: decode, torch's fused kernel, encode, bitwise; codes as the CPU's")
 def _coded_steps(device: torch.device) -> str:
-    from containers.optim import moment_codes
+    from containers.update import codes8 as moment_codes
 
     _against_fused(device, [(300, 100), (33,), (3, 5, 70)], "8bit")
     # The same values code alike here and on the CPU (fixed fp32 thresholds decide).

@@ -60,10 +60,13 @@ def _model(width: int, layers: int, dtype: torch.dtype = torch.float32) -> nn.Mo
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(dtype)
 
 
-def _default(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], OptimizersContainer]:
+def _default(
+    lean: bool, moments: str = "bfloat16", compiled: bool = False
+) -> Callable[[nn.Module], OptimizersContainer]:
     kwargs = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
     if lean:
-        return lambda m: OptimizersContainer([m], LeanAdamW, {**kwargs, "moment_dtype": moments})
+        lean_kwargs = {**kwargs, "moment_dtype": moments, "compiled": compiled}
+        return lambda m: OptimizersContainer([m], LeanAdamW, lean_kwargs)
     return lambda m: OptimizersContainer([m], torch.optim.AdamW, kwargs)
 
 
@@ -75,18 +78,31 @@ def _mixed(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], Optim
     return lambda m: MixedPrecisionOptimizersContainer([m], cls, kwargs, settings=settings)
 
 
-# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param)
+# name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param,
+# step time against the baseline's)
 TODAY, MP_TODAY = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
 CONTENDERS = {
-    TODAY: (torch.float32, _default(False), None, ("", "")),
-    "AdamW, bf16 moments": (torch.float32, _default(True), TODAY, ("<= 4.2", "")),
-    "AdamW, 8-bit moments": (torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", "")),
-    MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", "")),
+    TODAY: (torch.float32, _default(False), None, ("", "", "")),
+    "AdamW, bf16 moments": (torch.float32, _default(True), TODAY, ("<= 4.2", "", "<= 1.45x")),
+    "AdamW, 8-bit moments": (
+        torch.float32, _default(True, "8bit"), TODAY, ("<= 4.2", "", "<= 15x")
+    ),
+    "AdamW, 8-bit moments, compiled": (
+        torch.float32, _default(True, "8bit", compiled=True), TODAY, ("", "", "<= 5x")
+    ),
+    "AdamW, 4-bit moments": (torch.float32, _default(True, "4bit"), TODAY, ("", "", "")),
+    "AdamW, 4-bit moments, compiled": (
+        torch.float32, _default(True, "4bit", compiled=True), TODAY, ("", "", "")
+    ),
+    MP_TODAY: (torch.bfloat16, _mixed(False), None, ("", "", "")),
     "mixed precision, remainders + bf16 moments": (
-        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5")
+        torch.bfloat16, _mixed(True), MP_TODAY, ("", "<= 8.5", "<= 1.9x")
     ),
     "mixed precision, remainders + 8-bit moments": (
-        torch.bfloat16, _mixed(True, "8bit"), MP_TODAY, ("", "<= 6.3")
+        torch.bfloat16, _mixed(True, "8bit"), MP_TODAY, ("", "<= 6.3", "")
+    ),
+    "mixed precision, remainders + 4-bit moments": (
+        torch.bfloat16, _mixed(True, "4bit"), MP_TODAY, ("", "", "")
     ),
 }  # fmt: skip
 
@@ -145,7 +161,7 @@ def step_table(width: int, layers: int, repeats: int, steps: int) -> str:
                 f"{kept / numel:.2f} ({kept / base_kept:.2f}x) {goals[0]}".rstrip(),
                 f"{(param_bytes + kept) / numel:.2f} "
                 f"({(param_bytes + kept) / (base_bytes + base_kept):.2f}x) {goals[1]}".rstrip(),
-                f"{t * 1e3:.2f} ({t / t0:.2f}x){' <= 1.00x' if baseline else ''}",
+                f"{t * 1e3:.2f} ({t / t0:.2f}x) {goals[2]}".rstrip(),
             )
         )
     head = (
@@ -171,6 +187,7 @@ QUALITY = {
         ["--optimizer.moment_dtype", "8bit"],
     ),
     "mixed precision, remainders + 8-bit": (MP_DEBUG, [], [*LEAN_MP[:1], "8bit", *LEAN_MP[2:]]),
+    "mixed precision, remainders + 4-bit": (MP_DEBUG, [], [*LEAN_MP[:1], "4bit", *LEAN_MP[2:]]),
 }
 # each job's runs, by the name its records are kept under (shared where the runs are the same)
 RUN_NAMES = {
@@ -178,6 +195,7 @@ RUN_NAMES = {
     "mixed precision": ("mp-today", "mp-lean"),
     "AdamW, 8-bit": ("adamw-float32", "adamw-8bit"),
     "mixed precision, remainders + 8-bit": ("mp-today", "mp-lean-8bit"),
+    "mixed precision, remainders + 4-bit": ("mp-today", "mp-lean-4bit"),
 }
 
 
@@ -292,8 +310,8 @@ def graph_table(numel: int, repeats: int) -> str:
     import torch._inductor.codegen.cpp as cpp
 
     import containers.update.compiled as module
-    from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
     from containers.update.driver import Slot, Update
+    from containers.update.forms import MASTER_CODECS, MOMENT_CODECS
 
     torch.set_num_threads(1)
     torch._inductor.config.force_disable_caches = True  # the patched graphs are compiled anew

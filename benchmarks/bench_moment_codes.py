@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from containers.optim import moment_codes  # noqa: E402
-from containers.optim.moment_codes import as_blocks, from_blocks  # noqa: E402
+from containers.update import codes8 as moment_codes  # noqa: E402
+from containers.update.codes8 import as_blocks, from_blocks  # noqa: E402
 
 Code = Callable[[torch.Tensor], torch.Tensor]  # fp32 local shard -> the values the code holds
 

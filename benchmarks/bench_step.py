@@ -160,8 +160,9 @@ def all_params(model: Sequence[nn.Module]) -> list[nn.Parameter]:
 
 
 class PerOptimizerSteps(Precision):
-    """The default precision as it was before `containers.grouped_step`: each inner
-    optimizer's own `step()`, one kernel call per part (the "before" of sections 5 and 6)."""
+    """The default precision as it was before the grouped step
+    (`containers.update.driver.step_together`): each inner optimizer's own `step()`, one
+    kernel call per part (the "before" of sections 5 and 6)."""
 
     @property
     def features(self) -> dict[str, str]:

@@ -23,6 +23,7 @@ from config import Optimizer as OptimizerConfig
 from containers import DiLoCo, LoadBalance, TorchFTGate
 from containers.parts import Gate, Outer
 from containers.quorum import lighthouse_address
+from containers.update.forms import CODED
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -130,7 +131,7 @@ def _outer_optimizer(cfg: JobConfig) -> tuple[type[Optimizer], dict[str, Any]]:
     outer = OptimizerConfig(
         name=ft.outer_optimizer, lr=ft.outer_lr, weight_decay=0.0,
         momentum=ft.outer_momentum, nesterov=ft.outer_nesterov,
-        moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) == "8bit" else d,
+        moment_dtype="bfloat16" if (d := cfg.optimizer.moment_dtype) in CODED else d,
     )  # fmt: skip
     factory = OPTIMIZERS.get(outer.name)
     if factory is not None and "moment_dtype" not in factory(outer)[1]:

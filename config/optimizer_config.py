@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from config.fields import bounded
+from containers.update.forms import MOMENT_CODECS
 
 __all__ = ["AdjustLR", "Implementation", "MomentDtype", "NSDtype", "Optimizer", "ParamGroup"]
 
 Implementation = Literal["auto", "fused", "foreach", "for-loop", "compiled"]
 NSDtype = Literal["auto", "bfloat16", "float32"]
 AdjustLR = Literal["original", "match_rms_adamw"]
-MomentDtype = Literal["float32", "bfloat16", "8bit"]
+MomentDtype = Literal[tuple(MOMENT_CODECS)]  # type: ignore[valid-type]  (the library's table)
 
 
 @dataclass(kw_only=True)
@@ -138,8 +139,9 @@ class Optimizer:
     tensor), rounded back to nearest. Checkpoints of either load into either. "8bit" (Adam and
     AdamW, not under FSDP1): 8-bit codes in blocks of 32 within a row, 2.25 bytes a parameter
     (`containers.update.codes8`; on a GPU step them with implementation
-    "compiled"); 1-D parameters and rows of 4 or fewer keep bf16 moments, and param groups of
-    SGD or Muon that inherit it their momentum in bf16."""
+    "compiled"); "4bit": two codes a byte in the same blocks, 1.25 bytes a parameter
+    (`containers.update.codes4`). Under codes, 1-D parameters and rows of 4 or fewer keep
+    bf16 moments, and param groups of SGD or Muon that inherit it their momentum in bf16."""
 
     implementation: Implementation = "auto"
     """Kernel: "auto" picks fused where torch supports it on the parameters' device (and

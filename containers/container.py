@@ -9,7 +9,7 @@ import logging
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,9 +19,9 @@ from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
-from containers.contract import StateView, defaults_of, inner_steps, with_step_hooks
-from containers.decision import Decision
+from containers.contract import StateView, defaults_of
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import Gate, Outer, Precision, StepReport, Timing, step_report
@@ -29,11 +29,93 @@ from containers.rules import refuse
 from containers.state.container_state import ContainerState
 from containers.state.fsdp1 import FlatShards, refuse_coded, refuse_optimizers
 from containers.state.param_groups import ParamGroupRule, assign, trainable
+from containers.update.driver import kernel_skips
 from containers.update.plan import path_lines
 
-__all__ = ["OptimizersContainer", "ParamGroupRule", "Unit"]
+__all__ = ["KERNEL_SKIP_DEVICES", "Decision", "OptimizersContainer", "ParamGroupRule", "Unit"]
 
 logger = logging.getLogger(__name__)
+
+
+# Where a host sync stalls the device; on CPU it is free and torch's found_inf path slower.
+KERNEL_SKIP_DEVICES = frozenset({"cuda"})
+
+
+class Decision:
+    """Whether a step's gradients may apply (`local_norm`: this rank's, agreed after)."""
+
+    def __init__(
+        self, precision: Precision, global_norm: GlobalNorm, device: torch.device, local_norm: bool
+    ) -> None:
+        self.precision = precision
+        self.may_refuse = "overflow_refusal" in precision.features
+        self.host_skip = "host_skip" in precision.features
+        self.global_norm = global_norm
+        self.device = device
+        self.local_norm = local_norm
+
+    def kernels_may_skip(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Whether the precision and device let `optimizers`' kernels take the skip."""
+        return (
+            self.device.type in KERNEL_SKIP_DEVICES
+            and not self.may_refuse
+            and not self.host_skip
+            and kernel_skips(optimizers)
+        )
+
+    def read(
+        self, report: StepReport, found: torch.Tensor | None, norm: torch.Tensor | None
+    ) -> StepReport:
+        """`report` completed by the flag (and norm) a step left to the kernels (one sync)."""
+        if found is None:
+            return report
+        value, skip = torch.stack([norm, found]).tolist() if norm is not None else (None, found)
+        return self.nonfinite(value) if skip else replace(report, grad_norm=value)
+
+    def nonfinite(self, value: float | None) -> StepReport:
+        return step_report(
+            self.precision,
+            committed=False,
+            skipped="non-finite loss or gradients"
+            + (f" (global norm {value})" if value is not None else ""),
+            nonfinite=True,
+            grad_norm=value,
+        )
+
+    def refusal(self, optimizers: Sequence[Optimizer]) -> str | None:
+        """`Precision.refusal`, agreed by the world (ranks hold different shards)."""
+        if not self.may_refuse:
+            return None
+        why = self.precision.refusal(optimizers)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            found = torch.tensor(float(why is not None), device=self.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            if found and why is None:
+                why = "another rank's update could overflow its float16 weights"
+        return why
+
+    def measure(
+        self, params: list[torch.Tensor], skip_nonfinite: bool, exact: bool = False
+    ) -> tuple[Any, float, bool]:
+        """The global norm, its value and whether the step may apply (one host sync). A
+        non-finite norm is measured again in fp64: a finite gradient beyond ~1.8e19 overflows
+        fp32 squares and must neither skip the step nor zero the clip."""
+        norm, bad = self.norm_and_flag(params, skip_nonfinite, exact)
+        value, skip = torch.stack([norm, bad]).tolist()
+        if skip and skip_nonfinite and not exact:
+            return self.measure(params, skip_nonfinite, exact=True)
+        return norm.float(), value, not (skip and skip_nonfinite)
+
+    def norm_and_flag(
+        self, params: list[torch.Tensor], skip_nonfinite: bool, exact: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global norm and a not-finite flag of its dtype; no sync."""
+        norm = self.precision.grad_norm(params, self.global_norm, exact=exact)
+        bad = (~norm.isfinite()).to(norm.dtype)
+        if skip_nonfinite and self.local_norm:
+            # A local norm (as torch's clip keeps); the skip must still be the world's.
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return norm, bad
 
 
 @dataclass(eq=False)
@@ -415,3 +497,43 @@ class OptimizersContainer(Optimizer, Stateful):
         model_param = {id(s): p for u in self.units for p, s in zip(u.params, u.stepped)}
         with self.ema.swapped_into([model_param[id(s)] for s in self.ema.params]):
             yield
+
+
+Hooks = Mapping[int, Callable[..., Any]]
+
+
+def with_step_hooks(
+    optimizer: Optimizer, pre: Hooks, post: Hooks, apply: Callable[[], None]
+) -> None:
+    """Run `apply` as `optimizer`'s step between its step hooks, in torch's order."""
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    for hook in [*torch_optimizer._global_optimizer_pre_hooks.values(), *pre.values()]:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"step pre hook {hook!r} must return None or (args, kwargs), not {result!r}"
+                )
+            args, kwargs = result
+    with inner_steps():
+        apply()
+    for hook in [*post.values(), *torch_optimizer._global_optimizer_post_hooks.values()]:
+        hook(optimizer, args, kwargs)
+
+
+@contextlib.contextmanager
+def inner_steps() -> Iterator[None]:
+    """Inner steps without torch's global step hooks (their tables emptied meanwhile)."""
+    tables = (
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
+    saved = [dict(t) for t in tables]
+    for t in tables:
+        t.clear()
+    try:
+        yield
+    finally:
+        for t, hooks in zip(tables, saved):
+            t.update(hooks)

@@ -1,19 +1,17 @@
 """What torch's `Optimizer` contract needs by hand over inner optimizers: every
-hyperparameter in `defaults` (schedulers look for `betas` there), step hooks (global ones
-too) that see the container once per step, never its inner optimizers, and a state view."""
+hyperparameter in `defaults` (schedulers look for `betas` there) and a state view (the step
+hooks: `containers.container`)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
-from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["StateView", "defaults_of", "inner_steps", "with_step_hooks"]
+__all__ = ["StateView", "defaults_of"]
 
 Hooks = Mapping[int, Callable[..., Any]]
 
@@ -28,43 +26,6 @@ def defaults_of(cls: type[Optimizer], kwargs: Mapping[str, Any]) -> dict[str, An
         and p.kind is not inspect.Parameter.VAR_KEYWORD
     }
     return defaults | dict(kwargs)
-
-
-def with_step_hooks(
-    optimizer: Optimizer, pre: Hooks, post: Hooks, apply: Callable[[], None]
-) -> None:
-    """Run `apply` as `optimizer`'s step between its step hooks, in torch's order."""
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = {}
-    for hook in [*torch_optimizer._global_optimizer_pre_hooks.values(), *pre.values()]:
-        result = hook(optimizer, args, kwargs)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(
-                    f"step pre hook {hook!r} must return None or (args, kwargs), not {result!r}"
-                )
-            args, kwargs = result
-    with inner_steps():
-        apply()
-    for hook in [*post.values(), *torch_optimizer._global_optimizer_post_hooks.values()]:
-        hook(optimizer, args, kwargs)
-
-
-@contextmanager
-def inner_steps() -> Iterator[None]:
-    """Inner steps without torch's global step hooks (their tables emptied meanwhile)."""
-    tables = (
-        torch_optimizer._global_optimizer_pre_hooks,
-        torch_optimizer._global_optimizer_post_hooks,
-    )
-    saved = [dict(t) for t in tables]
-    for t in tables:
-        t.clear()
-    try:
-        yield
-    finally:
-        for t, hooks in zip(tables, saved):
-            t.update(hooks)
 
 
 class StateView(Mapping):

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from containers.grouped_step import step_together
 from containers.norm import GlobalNorm, clip_grads
 from containers.tensors import local
+from containers.update.driver import plan_in, step_together
 from containers.update.plan import Plan, plan_of
 
 if TYPE_CHECKING:
@@ -93,9 +93,10 @@ class Precision:
         pass
 
     def plan(self, opt: Optimizer, index: int) -> Plan:
-        """How `opt`'s group `index` steps (`containers.update.plan`); its name is the
-        group's `update path` line."""
-        return plan_of(type(opt), opt.param_groups[index])
+        """How `opt`'s group `index` steps (`containers.update.plan`): the plan the optimizer
+        made for it, if it keeps plans; its name is the group's `update path` line."""
+        group = opt.param_groups[index]
+        return plan_in(opt, group) or plan_of(type(opt), group)
 
     def weight(self, stepped: torch.Tensor) -> torch.Tensor:
         """The value of a tensor the optimizers step (for an EMA, DiLoCo's outer step): the

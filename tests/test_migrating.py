@@ -28,7 +28,7 @@ from components.checkpoint.seed import open_seed
 from components.job import validate_job
 from components.train_spec import get_train_spec
 from config import ConfigError, load_job_config
-from containers.optim.coded_adam import encode_moment
+from containers.update.forms import MOMENT_CODECS
 from scripts.convert import _read_all
 from scripts.convert import main as convert
 from tests.harness.dist import run_ranks
@@ -237,6 +237,6 @@ def test_a_seed_of_fp32_moments_into_8bit_moments_is_converted_and_said_once(see
                 assert torch.equal(got["optim"][key], value.bfloat16()), key
                 continue
             name = key.rsplit(".", 1)[1]
-            want = encode_moment(name, value, value)
+            want = MOMENT_CODECS["8bit"].from_values(name, value, value)
             assert torch.equal(got["optim"][f"{key}.code"], want["code"]), key
             assert torch.equal(got["optim"][f"{key}.scale"], want["scale"]), key

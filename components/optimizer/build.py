@@ -48,6 +48,7 @@ from containers import (
     Timing,
     TorchFTGate,
 )
+from containers.update.forms import CODED
 
 __all__ = [
     "OptimizersBuilder",
@@ -158,7 +159,7 @@ def _group_config(
     }
     group_cfg = dataclasses.replace(cfg, **overrides)
     factory = OPTIMIZERS.get(group.name or group_cfg.name)
-    if group.moment_dtype is not None or group_cfg.moment_dtype != "8bit" or factory is None:
+    if group.moment_dtype is not None or group_cfg.moment_dtype not in CODED or factory is None:
         return group_cfg
     lean = dataclasses.replace(group_cfg, moment_dtype="bfloat16")
     cls, kwargs = factory(lean)
@@ -166,10 +167,11 @@ def _group_config(
         return group_cfg  # codes, or no lean state at all (refused there)
     if say:
         logger.info(
-            "%s %s keeps its state in bfloat16 ([optimizer] moment_dtype = '8bit': codes are "
+            "%s %s keeps its state in bfloat16 ([optimizer] moment_dtype = %r: codes are "
             "Adam's and AdamW's moments)",
             where,
             cls.__name__,
+            group_cfg.moment_dtype,
         )
     return lean
 

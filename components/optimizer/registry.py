@@ -38,6 +38,7 @@ from containers import (
     ShardedMuon,
     Timing,
 )
+from containers.update.forms import CODED
 
 __all__ = [
     "CONTAINERS",
@@ -177,10 +178,10 @@ def resolve_optimizer(
                 "parameters' dtype here (bf16 state is Adam's, AdamW's, SGD's and Muon's); set "
                 "this group's moment_dtype = 'float32' or use one of those"
             )
-        if cfg.moment_dtype == "8bit" and cls not in (LeanAdam, LeanAdamW):
+        if cfg.moment_dtype in CODED and cls not in (LeanAdam, LeanAdamW):
             raise ConfigError(
-                f"{where} moment_dtype = '8bit': 8-bit codes are Adam's and AdamW's moments, "
-                f"not {name}'s state; use moment_dtype = 'bfloat16' here"
+                f"{where} moment_dtype = {cfg.moment_dtype!r}: codes are Adam's and AdamW's "
+                f"moments, not {name}'s state; use moment_dtype = 'bfloat16' here"
             )
         if cfg.implementation in ("foreach", "for-loop") and cls in (LeanAdam, LeanAdamW):
             raise ConfigError(

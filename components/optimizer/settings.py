@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from config import ConfigError
 from config import Optimizer as OptimizerConfig
 from containers import LeanAdam, LeanAdamW
-from containers.update.moments import BF16_FUSED_DEVICES
+from containers.update.codecs import BF16_FUSED_DEVICES
 
 __all__ = [
     "COMPILED",

@@ -1,7 +1,8 @@
-"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in bfloat16 or 8-bit codes
-(8, 4 or 2.25 bytes a parameter). Each group steps through its `adam_steps` path and a load
-keeps its `moment_dtype`; a lean group always uses the fused kernel (an unset `fused` becomes
-True, which also decides where `step` lives).
+"""`LeanAdam` and `LeanAdamW`: torch's Adam and AdamW with moments in any codec of
+`containers.update.forms` (bfloat16, 8-bit or 4-bit codes: 4, 2.25 or 1.25 bytes a
+parameter). Each group's plan is made when it is added or loaded, and a load keeps its
+`moment_dtype`; a lean group always uses the fused kernel (an unset `fused` becomes True,
+which also decides where `step` lives).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from containers.optim.adam_steps import step_group
-from containers.optim.coded_adam import CODED, new_moments, say_cuts
-from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
+from containers.optim.lean import load_keeping_dtypes
+from containers.update.codecs import RowCodes
+from containers.update.driver import MOMENTS, step_adam
+from containers.update.forms import CODED, MOMENT_CODECS, check_moment_dtype
+from containers.update.plan import Plan, plan_of
 
-__all__ = ["ADAMS", "LeanAdam", "LeanAdamW"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+__all__ = ["LeanAdam", "LeanAdamW"]
 
 
 class _Lean:
@@ -37,6 +38,7 @@ class _Lean:
         check_moment_dtype({"moment_dtype": moment_dtype}, type(self).__name__, codes=True)
         # Set before torch's constructor adds the groups, so each takes the default.
         self._moment_dtype, self._compiled = moment_dtype, compiled
+        self.plans: dict[int, Plan] = {}  # id(group) -> its plan
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
         self.defaults |= {"moment_dtype": moment_dtype, "compiled": compiled}
 
@@ -51,20 +53,24 @@ class _Lean:
                 f"{name}: compiled = True with amsgrad = True: the compiled step is Adam's and "
                 "AdamW's without amsgrad; set compiled = False"
             )
-        if amsgrad and param_group["moment_dtype"] == CODED:
+        moments = param_group["moment_dtype"]
+        if amsgrad and moments in CODED:
             raise ValueError(
-                f"{name}: moment_dtype = '8bit' with amsgrad = True: the codes are of exp_avg "
-                "and exp_avg_sq; set amsgrad = False or moment_dtype = 'bfloat16'"
+                f"{name}: moment_dtype = {moments!r} with amsgrad = True: the codes are of "
+                "exp_avg and exp_avg_sq; set amsgrad = False or moment_dtype = 'bfloat16'"
             )
-        if param_group["moment_dtype"] != "float32" or param_group["compiled"]:
+        if moments != "float32" or param_group["compiled"]:
             params = _read_once(param_group)
-            if param_group["moment_dtype"] == CODED:
+            codec = MOMENT_CODECS[moments]
+            if isinstance(codec, RowCodes):
                 for p in params:
-                    say_cuts(p)
+                    codec.announce(p)
             _refuse_strided(params, param_group, name)
             if param_group.get("fused") is None:
                 param_group["fused"] = True
         super().add_param_group(param_group)  # type: ignore[misc]
+        group = self.param_groups[-1]  # type: ignore[attr-defined]
+        self.plans[id(group)] = plan_of(type(self), group)  # type: ignore[arg-type]
 
     def _init_group(
         self,
@@ -76,8 +82,9 @@ class _Lean:
         max_exp_avg_sqs: list,
         steps: list,
     ) -> bool:
-        """Torch's `_init_group` (arguments as torch's), new moments in the group's dtype."""
-        dtype = moment_dtype_of(group)
+        """Torch's `_init_group` (arguments as torch's), new moments in the group's codec."""
+        codec = MOMENT_CODECS[group["moment_dtype"]]
+        dtype = codec.dtype  # torch's own makes the state where it is the parameters'
         for p in group["params"]:
             if p.grad is None or dtype == p.dtype or len(self.state[p]) != 0:  # type: ignore[attr-defined]
                 continue
@@ -86,11 +93,8 @@ class _Lean:
                 step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
             else:
                 step = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            if group["moment_dtype"] == CODED:
-                moments = new_moments(p)
-            else:
-                names = MOMENTS[: 3 if group["amsgrad"] else 2]
-                moments = {n: torch.zeros_like(p, dtype=dtype) for n in names}
+            names = MOMENTS[: 3 if group["amsgrad"] else 2]
+            moments = {n: codec.new(n, p) for n in names}
             self.state[p] = {"step": step, **moments}  # type: ignore[attr-defined]
         lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         return super()._init_group(group, *lists)  # type: ignore[misc]
@@ -107,7 +111,8 @@ class _Lean:
             if lists[0]:
                 # a GradScaler's or the container's skip flag
                 found_inf = getattr(self, "found_inf", None)
-                step_group(type(self), group, *lists, has_complex=has_complex, found_inf=found_inf)
+                plan = self.plans[id(group)]
+                step_adam(plan, group, *lists, has_complex=has_complex, found_inf=found_inf)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -115,6 +120,7 @@ class _Lean:
         load_keeping_dtypes(self, state_dict, MOMENTS, super().load_state_dict)  # type: ignore[arg-type, misc]
         for group, own in zip(self.param_groups, compiled):  # type: ignore[attr-defined]
             group["compiled"] = own
+        self.plans = {id(g): plan_of(type(self), g) for g in self.param_groups}  # type: ignore[arg-type, attr-defined]
 
 
 def _read_once(group: dict[str, Any]) -> Collection[torch.Tensor]:
@@ -139,12 +145,10 @@ def _refuse_strided(params: Collection[torch.Tensor], group: dict[str, Any], nam
 
 
 class LeanAdam(_Lean, torch.optim.Adam):
-    """`torch.optim.Adam` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
+    """`torch.optim.Adam` with `moment_dtype` ("float32", "bfloat16", "8bit", "4bit") per
+    group."""
 
 
 class LeanAdamW(_Lean, torch.optim.AdamW):
-    """`torch.optim.AdamW` with `moment_dtype` ("float32", "bfloat16", "8bit") per group."""
-
-
-# Classes whose groups a container may step itself (they share torch's `adam`).
-ADAMS = (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
+    """`torch.optim.AdamW` with `moment_dtype` ("float32", "bfloat16", "8bit", "4bit") per
+    group."""

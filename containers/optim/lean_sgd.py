@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch.optim.sgd import sgd
 
-from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
+from containers.optim.lean import load_keeping_dtypes, moment_dtype_of
+from containers.update.forms import check_moment_dtype
 
 __all__ = ["LeanSGD"]
 

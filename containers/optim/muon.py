@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from containers.optim.lean import check_moment_dtype, load_keeping_dtypes, moment_dtype_of
+from containers.optim.lean import load_keeping_dtypes, moment_dtype_of
 from containers.tensors import local
+from containers.update.forms import check_moment_dtype
 
 __all__ = ["ShardedMuon", "newton_schulz"]
 

@@ -54,6 +54,8 @@ def step_masters(
         return
     chunked: list[Triple] = []
     for opt, live in zip(optimizers, pairs):
+        if not live:
+            continue  # (stepped flat, or no gradient)
         if type(opt) in PER_PARAMETER and not any(p.grad.is_sparse for p, _ in live):
             chunked.extend((opt, p, m) for p, m in live)
         else:

@@ -17,7 +17,6 @@ from torch.optim import Optimizer
 
 from containers.precision import remainders as rem
 from containers.tensors import local, local_form, scratch_numel, shaped_like
-from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import PAD, Slot, Update, run
 from containers.update.plan import Plan
 
@@ -57,9 +56,9 @@ class FlatGroup:
         total, first = self.starts[-1], pieces[0]
         where = first.device
         self.plan = plan
-        self.codec = MOMENT_CODECS[plan.moments]
+        self.codec = plan.moment_codec
         self.remainders = remainders = plan.masters == "remainders"
-        self.master_codec = MASTER_CODECS[plan.masters]
+        self.master_codec = plan.master_codec
         self.buffers = {
             ("remainder" if remainders else "master"): torch.zeros(
                 total, dtype=torch.int16 if remainders else first.dtype, device=where

@@ -267,7 +267,8 @@ class MasterWeights(Precision):
                         unready.enter_context(flat.materialized())
                 # the rest steps eagerly (`_pairs` skips what stepped flat)
                 eager.append([] if stepped == len(opt.param_groups) else self._pairs([opt]))
-            step_masters(optimizers, eager, factor, self.master_dtype, self.sums is not None)
+            if any(eager):
+                step_masters(optimizers, eager, factor, self.master_dtype, self.sums is not None)
 
     def _move(self, optimizers: Sequence[Optimizer], device: torch.device) -> None:
         pin = device.type == "cpu" and torch.cuda.is_available()

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, ReadItem
 
 from containers.tensors import local
-from containers.update.masters import join, split
+from containers.update.codecs import join, split
 
 __all__ = ["LoadPlanner", "Sink", "masters_of", "store"]
 

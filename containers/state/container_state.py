@@ -10,7 +10,6 @@ import torch
 from torch.optim import Optimizer
 
 from containers.ema import EMA
-from containers.optim.coded_adam import decode_moment, in_form_of
 from containers.parts import PartState
 from containers.state.flat import (
     PG,
@@ -22,6 +21,7 @@ from containers.state.flat import (
 )
 from containers.state.fsdp1 import FlatShards
 from containers.state.initial import derive
+from containers.update.forms import coded_codec, in_form_of
 
 __all__ = ["ContainerState"]
 
@@ -166,8 +166,9 @@ def _decode_for(optimizers: list[Optimizer], plans: list[dict[str, Any]]) -> Non
         params = [p for g in opt.param_groups for p in g["params"]]  # (the plan's order)
         for p, state in zip(params, plan["state"].values()):
             for name, value in list(state.items()):
-                if isinstance(value, dict) and "code" in value:
-                    state[name] = decode_moment(name, value, torch.float32, p)
+                codec = coded_codec(value)
+                if codec is not None:
+                    state[name] = codec.to_values(name, value, p)
 
 
 def _describe(changes: list[tuple[str, str]]) -> str:
@@ -175,7 +176,6 @@ def _describe(changes: list[tuple[str, str]]) -> str:
     for name, how in changes:
         names.setdefault(how, set()).add(name)
     return "; ".join(
-        f"{', '.join(sorted(names[how]))} {how.replace('codes', '8-bit codes')} "
-        f"({sum(h == how for _, h in changes)} tensors)"
+        f"{', '.join(sorted(names[how]))} {how} ({sum(h == how for _, h in changes)} tensors)"
         for how in sorted(names)
     )

@@ -14,6 +14,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim import Optimizer
 
+from containers.update.forms import CODED
+
 __all__ = ["ELEMENTWISE", "FlatShards", "refuse_coded", "refuse_optimizers"]
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
@@ -218,9 +220,9 @@ def refuse_optimizers(classes: Iterable[type[Optimizer] | None]) -> None:
 
 def refuse_coded(settings: Iterable[Mapping[str, Any] | None]) -> None:
     for kwargs in settings:
-        if kwargs and kwargs.get("moment_dtype") == "8bit":
+        if kwargs and (name := kwargs.get("moment_dtype")) in CODED:
             raise ValueError(
-                "moment_dtype = '8bit' on FSDP1 parameters: the codes' blocks are 32 elements "
+                f"moment_dtype = {name!r} on FSDP1 parameters: the codes' blocks are elements "
                 "of a parameter's row, and FSDP1 hands the optimizer 1-D slices cut anywhere; "
                 "shard with FSDP2 ([parallelism] data_parallel_shard_impl = 'fsdp2') or keep "
                 "moment_dtype = 'bfloat16'"

@@ -1,93 +1,227 @@
-"""8-bit moments (`moment_dtype = "8bit"`): 2.25 bytes a parameter.
+"""8-bit moments (`moment_dtype = "8bit"`): 2.25 bytes a parameter, in blocks of 32 within
+rows that a checkpoint reshards exactly (`codecs.RowCodes`).
 
-A coded moment is `{"code": int8 | uint8, "scale": fp32}` in blocks of 32 within rows
-(`containers.optim.moment_codes`): the first moment signed codes under a power of two, the
-second log codes below the block maximum. A sharded parameter's scales are a DTensor placed
-as it, so DCP reshards both exactly. Parameters under 2-D, rows of 4 or fewer elements and
-shards that cut a row inside a block keep bf16 moments (`coded_adam.coded`). Cuts fall
-between rows, so a piece is a run of whole rows and its blocks; decode and encode of a piece
-are exact inverses of each other on what a code holds, so a skipped step changes nothing.
+- first moment (signed): `int8` times a per-block power of two, the smallest holding the
+  block's largest magnitude (|code| <= 127; decoding is one exact multiply);
+- second moment (>= 0): `uint8` log code below the block maximum (kept exactly in fp32):
+  code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum; smaller nonzero values
+  take code 255, an overestimate (a smaller update, never a division by `eps` alone). Log
+  rounding beats linear rounding for this moment.
+Encoding compares with fixed fp32 thresholds, so codes are device-independent, and a decoded
+tensor encodes to the same codes and scales: a skipped step changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from containers.optim.coded_adam import CODED, new_moments
-from containers.optim.moment_codes import (
-    BLOCK,
-    decode_log,
-    decode_signed,
-    encode_log,
-    encode_signed,
-    log_codes,
-    log_tables,
-    log_values,
-    signed_codes,
-    signed_values,
-)
-from containers.update.moments import Dense, MomentCodec, Piece
+from containers.update.codecs import RowCodes
 
-__all__ = ["Codes8"]
+__all__ = [
+    "BLOCK",
+    "LOG_OCTAVES",
+    "Codes8",
+    "as_blocks",
+    "decode_log",
+    "decode_signed",
+    "encode_log",
+    "encode_signed",
+    "from_blocks",
+    "log_codes",
+    "log_tables",
+    "log_values",
+    "scale_shape",
+    "signed_codes",
+    "signed_values",
+]
 
-_FALLBACK = Dense(torch.bfloat16)
-_SIGNED = "exp_avg"  # the moment coded as signed values; the other, >= 0, as log codes
-
-
-def _rows(stored: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, ...]:
-    """The code and scale rows of elements [lo, hi) (whole rows)."""
-    code, scale = stored["code"], stored["scale"]
-    last = code.shape[-1]
-    rows = slice(lo // last, hi // last)
-    return code.view(-1, last)[rows], scale.view(-1, scale.shape[-1])[rows]
+BLOCK = 32
+LOG_OCTAVES = 40.0
+_STEPS = 254  # codes 1..255
 
 
-class Codes8(MomentCodec):
-    """8-bit row codes, bf16 where a parameter cannot hold them."""
+def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a tensor's block scales: its rows, then the blocks of a row."""
+    if len(shape) == 0:
+        return (1,)
+    return (*shape[:-1], -(-shape[-1] // BLOCK))
 
-    name = CODED
+
+@functools.cache
+def log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values of codes 0..255 as fractions of the maximum, and 256 descending thresholds.
+
+    Thresholds: +inf, the geometric means between codes 1..255, then 0. A ratio r > 0 takes
+    the code c in 1..255 with thresholds[c - 1] > r >= thresholds[c]."""
+    c = torch.arange(256, dtype=torch.float64)
+    values = torch.exp2(-(c - 1) * (LOG_OCTAVES / _STEPS))
+    values[0] = 0.0
+    thresholds = torch.exp2(-(c - 0.5) * (LOG_OCTAVES / _STEPS))
+    thresholds[0], thresholds[255] = float("inf"), 0.0
+    return values.float().to(device), thresholds.float().to(device)
+
+
+def as_blocks(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (rows, blocks, BLOCK), a zero-padded copy if its rows are not whole blocks."""
+    last = t.shape[-1] if t.dim() else 1
+    r = t.reshape(-1, last)
+    if last % BLOCK:
+        r = torch.nn.functional.pad(r, (0, -last % BLOCK))
+    return r.view(r.shape[0], r.shape[1] // BLOCK, BLOCK)
+
+
+def from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`as_blocks`' inverse: the tensor of `shape` that `blocks` (padding dropped) hold."""
+    last = shape[-1] if len(shape) else 1
+    return blocks.reshape(blocks.shape[0], -1)[:, :last].reshape(shape)
+
+
+def _check(
+    values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> None:
+    if code.shape != values.shape or code.dtype != dtype:
+        raise ValueError(
+            f"moment code: want {dtype} of shape {tuple(values.shape)}, got {code.dtype} of "
+            f"shape {tuple(code.shape)}"
+        )
+    want = scale_shape(values.shape)
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(
+            f"moment scales: want float32 of shape {want} (blocks of {BLOCK} a row), got "
+            f"{scale.dtype} of shape {tuple(scale.shape)}"
+        )
+    if not (values.device == code.device == scale.device):
+        raise ValueError(
+            f"moment code: values on {values.device}, codes on {code.device}, scales on "
+            f"{scale.device}; expected one device"
+        )
+
+
+@torch.no_grad()
+def encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write the int8 codes of `values` into `code` and each block's power of two into
+    `scale` (an all-zero block takes 2^-126 and codes 0)."""
+    _check(values, code, scale, torch.int8)
+    if not values.numel():
+        return
+    codes, power = signed_codes(as_blocks(values.float()))
+    code.copy_(from_blocks(codes, code.shape))
+    scale.copy_(power.reshape(scale.shape))
+
+
+def signed_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes (as fp32) of fp32 `blocks` (..., BLOCK) and each block's power of two
+    (..., 1); plain torch ops so inductor fuses them too."""
+    top = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0**-126)
+    # Smallest power of two >= top: top if its mantissa is 0, else the next exponent
+    # (inf for a block holding a non-finite value).
+    bits = top.view(torch.int32)
+    above = (bits & 0x7F800000) + 0x00800000
+    power = torch.where(bits & 0x007FFFFF == 0, bits, above).view(torch.float32)
+    return (blocks / power).round().clamp(-127, 127), power
+
+
+def signed_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of int8 `codes` (..., BLOCK) with block scales (..., 1)."""
+    return codes.float() * scale
+
+
+def decode_signed(code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the values of int8 `code` with block scales `scale` into `out`."""
+    _decode(code, scale, out, torch.int8, signed_values)
+
+
+@torch.no_grad()
+def encode_log(
+    values: torch.Tensor, code: torch.Tensor, top: torch.Tensor, checked: bool = True
+) -> None:
+    """Write the uint8 log codes of `values` into `code` and block maxima into `top`.
+
+    `checked`: verify `values >= 0` (a pass and a host sync)."""
+    _check(values, code, top, torch.uint8)
+    if not values.numel():
+        return
+    if checked and bool((values < 0).any()):
+        raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
+    codes, peak = log_codes(as_blocks(values.float()), log_tables(values.device)[1])
+    code.copy_(from_blocks(codes, code.shape))
+    top.copy_(peak.reshape(top.shape))
+
+
+def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uint8 log codes of fp32 `blocks` (..., BLOCK) >= 0 and block maxima (..., 1); plain
+    torch ops so inductor fuses them too."""
+    peak = blocks.amax(-1, keepdim=True)
+    ratio = blocks / peak.clamp_min(torch.finfo(torch.float32).tiny)
+    # Estimate within 0.55 of the code (log2 from the bits), then correct by one step.
+    under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
+    c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
+    up = _lookup(thresholds, c0) > ratio
+    down = _lookup(thresholds, c0 - 1) <= ratio
+    c = c0 + up.int() - down.int()
+    c = torch.where(ratio < thresholds[254], 255, c)  # below the window (zeros: next line)
+    return torch.where(blocks > 0, c, 0).to(torch.uint8), peak
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` as one `index_select` (several times faster on a CPU than indexing)."""
+    return torch.index_select(table, 0, index.reshape(-1).int()).view(index.shape)
+
+
+def log_values(codes: torch.Tensor, top: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1);
+    `values` as `log_tables` gives them."""
+    return _lookup(values, codes) * top
+
+
+def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the values of uint8 log `code` below block maxima `top` into `out`."""
+    table = log_tables(code.device)[0]
+    _decode(code, top, out, torch.uint8, lambda c, t: log_values(c, t, table))
+
+
+@torch.no_grad()
+def _decode(
+    code: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """`out` = `values(code blocks, their scales)`."""
+    _check(out, code, scale, dtype)
+    if out.numel():
+        blocks = values(as_blocks(code), scale.reshape(-1, scale.shape[-1], 1))
+        out.copy_(from_blocks(blocks, out.shape))
+
+
+class Codes8(RowCodes):
+    """8-bit row codes: int8 signed codes of `exp_avg`, uint8 log codes of `exp_avg_sq`."""
+
+    name = "8bit"
+    label = "8-bit codes"
     bytes_per_value = 1.125  # a code, and an fp32 scale a block of 32
+    BLOCK = BLOCK
 
-    def new(self, moment: str, p: torch.Tensor) -> Any:
-        return new_moments(p)[moment]
+    def code_dtype(self, moment: str) -> torch.dtype:
+        return torch.int8 if moment == "exp_avg" else torch.uint8
 
-    def row(self, stored: Any) -> int:
-        return stored["code"].shape[-1] if isinstance(stored, dict) else 1
+    def encode_rows(
+        self, moment: str, values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        if moment == "exp_avg":
+            encode_signed(values, code, scale)
+        else:  # Adam's second moment is >= 0
+            encode_log(values, code, scale, checked=False)
 
-    def direct(self, stored: Any, dtype: torch.dtype) -> bool:
-        return not isinstance(stored, dict) and stored.dtype == dtype
-
-    def decode(self, moment: str, pieces: Sequence[Piece], outs: Sequence[torch.Tensor]) -> None:
-        plain = [(piece, out) for piece, out in zip(pieces, outs) if not isinstance(piece[0], dict)]
-        if plain:
-            _FALLBACK.decode(moment, *zip(*plain))
-        decode = decode_signed if moment == _SIGNED else decode_log
-        for (stored, lo, hi), out in zip(pieces, outs):
-            if isinstance(stored, dict):
-                code, scale = _rows(stored, lo, hi)
-                decode(code, scale, out.view(code.shape))
-
-    def encode(self, moment: str, outs: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> None:
-        plain = [(out, piece) for piece, out in zip(pieces, outs) if not isinstance(piece[0], dict)]
-        if plain:
-            _FALLBACK.encode(moment, *zip(*plain))
-        for (stored, lo, hi), out in zip(pieces, outs):
-            if isinstance(stored, dict):
-                code, scale = _rows(stored, lo, hi)
-                if moment == _SIGNED:
-                    encode_signed(out.view(code.shape), code, scale)
-                else:  # Adam's second moment is >= 0
-                    encode_log(out.view(code.shape), code, scale, checked=False)
-
-    def graphs(self, stored: Any) -> bool:
-        """Codes whose rows are whole blocks (a flat view's blocks are the rows'), or bf16."""
-        if not isinstance(stored, dict):
-            return stored.is_contiguous()
-        code = stored["code"]
-        return code.dim() > 0 and code.shape[-1] % BLOCK == 0 and code.is_contiguous()
+    def decode_rows(
+        self, moment: str, code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        (decode_signed if moment == "exp_avg" else decode_log)(code, scale, out)
 
     def constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         return log_tables(device)  # the log codes' values and thresholds
@@ -96,7 +230,7 @@ class Codes8(MomentCodec):
         if not isinstance(stored, dict):
             return stored.float()
         code, scale = stored["code"].view(-1, BLOCK), stored["scale"].view(-1, 1)
-        if moment == _SIGNED:
+        if moment == "exp_avg":
             return signed_values(code, scale).view(-1)
         return log_values(code, scale, consts[0]).view(-1)
 
@@ -106,7 +240,7 @@ class Codes8(MomentCodec):
             return
         code, scale = stored["code"].view(-1, BLOCK), stored["scale"].view(-1, 1)
         blocks = new.view(-1, BLOCK)
-        if moment == _SIGNED:
+        if moment == "exp_avg":
             codes, scales = signed_codes(blocks)
             codes = codes.to(torch.int8)
         else:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from containers.update.codecs import MASTER_CODECS, MOMENT_CODECS
 from containers.update.driver import Slot, Update
+from containers.update.forms import MASTER_CODECS, MOMENT_CODECS
 
 __all__ = ["RECOMPILES", "step_compiled"]
 

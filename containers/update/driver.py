@@ -1,6 +1,7 @@
-"""The one driver of an Adam/AdamW update: for each run of a group's tensors, decode what is
-not stored in the kernel's dtype into fp32 scratch, run torch's fused kernel on the run, and
-encode back.
+"""How an Adam/AdamW param group steps, by its plan (`containers.update.plan`): torch's own
+`adam` (like groups of many inner optimizers in one call), or the chunked driver: for each run
+of a group's tensors, decode what is not stored in the kernel's dtype into fp32 scratch, run
+torch's fused kernel on the run, and encode back (`compiled`: one inductor graph a tensor).
 
 A tensor is cut at fixed places (multiples of `PAD` elements, or whole rows where a codec
 keeps blocks within rows), whatever runs share a kernel call, so results do not depend on what
@@ -10,17 +11,38 @@ tensor steps bit for bit as torch's fused step on its decoded values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
+from torch.optim.adam import adam
 
-from containers.tensors import scratch, scratch_numel
-from containers.update.masters import MasterCodec
-from containers.update.moments import MomentCodec
+from containers.tensors import local, local_form, scratch, scratch_numel
+from containers.update.codecs import MasterCodec, MomentCodec
 
-__all__ = ["PAD", "Slot", "Update", "run", "step_slots"]
+if TYPE_CHECKING:
+    from containers.update.plan import Plan
+
+__all__ = [
+    "MOMENTS",
+    "PAD",
+    "Slot",
+    "Update",
+    "adams",
+    "kernel_skips",
+    "plan_in",
+    "run",
+    "step_adam",
+    "step_slots",
+    "step_together",
+]
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 PAD = 64  # a multiple of every CPU vector width and of the fused kernel's per-thread split
 
@@ -211,3 +233,173 @@ def run(
 
         slots = step_compiled(slots, update)
     step_slots(slots, update, release, budget)
+
+
+# Adam/AdamW groups: torch's `adam`, or the engine.
+
+
+@functools.cache
+def adams() -> tuple[type[Optimizer], ...]:
+    """The exact classes whose groups step through `step_adam` (they share torch's `adam`)."""
+    from containers.optim.lean_adam import LeanAdam, LeanAdamW  # (they import this module)
+
+    return (torch.optim.Adam, torch.optim.AdamW, LeanAdam, LeanAdamW)
+
+
+def step_adam(
+    plan: Plan | None,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    has_complex: bool = False,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW update of `group` (lists as torch's `_init_group` collects them) by its
+    `plan` (None: torch's `adam`); a set `found_inf` no-ops."""
+    beta1, beta2 = group["betas"]
+    settings = dict(
+        amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+    )  # fmt: skip
+    decoupled = group["decoupled_weight_decay"]
+    if plan is None or not plan.engine:
+        adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group["foreach"], capturable=group["capturable"],
+            differentiable=group["differentiable"], fused=group["fused"],
+            has_complex=has_complex, found_inf=found_inf, decoupled_weight_decay=decoupled,
+            **settings,
+        )  # fmt: skip
+        return
+    torch._foreach_add_(steps, 1)
+    moments = [exp_avgs, exp_avg_sqs, max_exp_avg_sqs][: 3 if group["amsgrad"] else 2]
+    slots = [
+        Slot(local(p), local(g), [local_form(m[i]) for m in moments], steps[i])
+        for i, (p, g) in enumerate(zip(params, grads))
+    ]
+    codecs = [(n, plan.moment_codec) for n in MOMENTS[: len(moments)]]
+    update = Update(plan.master_codec, codecs, settings, decoupled, found_inf=found_inf)
+    run(slots, update, compiled=plan.compiled)
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+# Many inner optimizers' like groups in one call: bitwise each stepping alone, since these
+# kernels compute each tensor from its own gradient, state and step.
+
+HYPERPARAMETERS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "fused",
+    "capturable",
+    "differentiable",
+    "decoupled_weight_decay",
+)  # what torch's functional `adam` reads: groups agreeing on all of them step in one call
+
+_KEY = itemgetter(*HYPERPARAMETERS)  # one C call per group: this runs on every step
+_LR, _FOREACH, _FUSED, _DIFFERENTIABLE = (
+    HYPERPARAMETERS.index(k) for k in ("lr", "foreach", "fused", "differentiable")
+)
+
+
+def _mergeable(key: tuple[Any, ...]) -> bool:
+    """An explicit fused or foreach kernel, a float lr, not differentiable."""
+    return (
+        bool(key[_FUSED] or key[_FOREACH])
+        and not key[_DIFFERENTIABLE]
+        and not isinstance(key[_LR], torch.Tensor)
+    )
+
+
+def _plain(opt: Optimizer) -> bool:
+    """A (lean) Adam or AdamW without step hooks or a caller's `GradScaler`."""
+    return (
+        type(opt) in adams()
+        and not opt._optimizer_step_pre_hooks
+        and not opt._optimizer_step_post_hooks
+        and getattr(opt, "grad_scale", None) is None
+        and getattr(opt, "found_inf", None) is None
+    )
+
+
+def _own_step(opt: Optimizer) -> bool:
+    """`opt.step` is its class's, or only wrapped by torch's LR scheduler."""
+    step = opt.__dict__.get("step")
+    return step is None or (
+        getattr(step, "_wrapped_by_lr_sched", False)
+        and getattr(step, "__wrapped__", None) is type(opt).step
+    )
+
+
+def kernel_skips(optimizers: Sequence[Optimizer]) -> bool:
+    """Whether a set `found_inf` changes nothing: all fused, no hooks or `GradScaler`."""
+    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        return False
+    return all(_plain(opt) and all(g["fused"] for g in opt.param_groups) for opt in optimizers)
+
+
+def plan_in(opt: Optimizer, group: dict[str, Any]) -> Plan | None:
+    """The plan `opt` made for `group` when it was added or loaded (None: torch's `adam`)."""
+    plans = getattr(opt, "plans", None)
+    return plans.get(id(group)) if plans is not None else None
+
+
+@torch.no_grad()
+def step_together(optimizers: Sequence[Optimizer], found_inf: torch.Tensor | None = None) -> None:
+    """Step each optimizer once, bitwise as `opt.step()`; a set `found_inf` changes nothing."""
+    if torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        for opt in optimizers:
+            _step_alone(opt, found_inf)
+        return
+    buckets: dict[tuple[Any, ...], list[tuple[Optimizer, dict[str, Any]]]] = {}
+    for opt in optimizers:
+        groups = opt.param_groups
+        keys = (
+            [_KEY(g) for g in groups]
+            if _plain(opt) and _own_step(opt)  # nothing but the update happens in its step()
+            else None
+        )
+        if keys is None or not all(map(_mergeable, keys)):
+            _step_alone(opt, found_inf)
+            continue
+        opt._opt_called = True  # type: ignore[attr-defined]  (what a scheduler's patch notes)
+        for key, group in zip(keys, groups):
+            buckets.setdefault((*key, plan_in(opt, group)), []).append((opt, group))
+    for key, groups in buckets.items():
+        _step_bucket(key[-1], groups, found_inf)
+
+
+def _step_alone(opt: Optimizer, found_inf: torch.Tensor | None) -> None:
+    """`opt.step()`, given `found_inf` as a `GradScaler` gives it (torch's step reads it)."""
+    if found_inf is None:
+        opt.step()
+        return
+    opt.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf  # type: ignore[attr-defined]
+
+
+def _step_bucket(
+    plan: Plan | None,
+    groups: list[tuple[Optimizer, dict[str, Any]]],
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps: as torch's step collects them
+    lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+    has_complex = False
+    for opt, group in groups:
+        has_complex |= opt._init_group(group, *lists)  # type: ignore[attr-defined]
+    if lists[0]:
+        step_adam(plan, groups[0][1], *lists, has_complex=has_complex, found_inf=found_inf)

@@ -6,12 +6,15 @@ the update. Its name is the group's `update path` line (ARCHITECTURE.md, "Update
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim import Optimizer
 
 from containers.tensors import local
+from containers.update.codecs import MasterCodec, MomentCodec
+from containers.update.driver import adams
+from containers.update.forms import MASTER_CODECS, MOMENT_CODECS
 
 __all__ = ["DRIVERS", "Plan", "engine_takes", "path_lines", "plan_of"]
 
@@ -28,15 +31,21 @@ class Plan:
     driver: str
     masters: str = "param"
     moments: str = "float32"
+    # derived once (a step reads them)
+    engine: bool = field(init=False)  # the update engine steps the group, not the optimizer
+    compiled: bool = field(init=False)
+    master_codec: MasterCodec = field(init=False, repr=False)
+    moment_codec: MomentCodec = field(init=False, repr=False)
 
-    @property
-    def engine(self) -> bool:
-        """Whether the update engine steps the group (not the optimizer's own step)."""
-        return self.driver != "torch"
-
-    @property
-    def compiled(self) -> bool:
-        return self.driver == "compiled"
+    def __post_init__(self) -> None:
+        derived = {
+            "engine": self.driver != "torch",
+            "compiled": self.driver == "compiled",
+            "master_codec": MASTER_CODECS[self.masters],
+            "moment_codec": MOMENT_CODECS[self.moments],
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:
@@ -47,17 +56,11 @@ class Plan:
         return ", ".join([self.driver, *kept])
 
 
-def _adams() -> tuple[type[Optimizer], ...]:
-    from containers.optim.lean_adam import ADAMS  # (lean_adam steps through the engine)
-
-    return ADAMS
-
-
 def engine_takes(cls: type[Optimizer], group: dict[str, Any]) -> bool:
     """Whether the engine can step `group` on masters: fused Adam/AdamW without amsgrad, not
     differentiable, its parameters contiguous and on one device."""
     params = group["params"]
-    if cls not in _adams() or not params or not group.get("fused"):
+    if cls not in adams() or not params or not group.get("fused"):
         return False
     if group.get("amsgrad") or group.get("differentiable"):
         return False
@@ -71,7 +74,7 @@ def plan_of(cls: type[Optimizer], group: dict[str, Any], masters: str = "param")
     moments = group.get("moment_dtype", "float32")
     driver = "compiled" if group.get("compiled") else "chunked"
     if masters == "param":
-        lean = cls in _adams() and (moments != "float32" or group.get("compiled"))
+        lean = cls in adams() and (moments != "float32" or group.get("compiled"))
         return Plan(driver, "param", moments) if lean else Plan("torch")
     if engine_takes(cls, group):
         return Plan(driver, masters, moments)

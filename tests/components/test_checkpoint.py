@@ -420,7 +420,7 @@ def _adamw_job(folder: Path, moments: str) -> tuple[list, OptimizersContainer, C
 def test_bf16_moments_into_8bit_codes_are_read_as_bf16_and_said_once(tmp_path, caplog):
     """The templates of moments a load codes take the checkpoint's dtype: bf16 is read as
     bf16 (no fp32 copy of the state), so the line says the coding and no widening."""
-    from containers.optim.coded_adam import encode_moment
+    from containers.update.forms import MOMENT_CODECS
 
     parts, optimizers, manager = _adamw_job(tmp_path, "bfloat16")
     train(parts, optimizers, 2)
@@ -442,7 +442,7 @@ def test_bf16_moments_into_8bit_codes_are_read_as_bf16_and_said_once(tmp_path, c
         for name in ("exp_avg", "exp_avg_sq"):
             value = saved[f"state.{fqn}.{name}"]
             assert value.dtype == torch.bfloat16
-            want = encode_moment(name, value, p)
+            want = MOMENT_CODECS["8bit"].from_values(name, value, p)
             for k in ("code", "scale"):
                 assert torch.equal(loaded[f"state.{fqn}.{name}.{k}"], want[k]), (fqn, name, k)
 

@@ -26,7 +26,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-import containers.decision as decision_module
+import containers.container as decision_module
 from components.checkpoint.resume import ConfigSettings
 from containers import (
     LeanAdamW,

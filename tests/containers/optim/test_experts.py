@@ -77,6 +77,7 @@ def _grads(grouped: Grouped, separate: Separate, step: int) -> None:
 MP = MixedPrecisionOptimizersContainer
 FUSED = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
 MP_8BIT = {**FUSED, "moment_dtype": "8bit"}
+MP_4BIT = {**FUSED, "moment_dtype": "4bit"}
 REMAINDERS = MixedPrecisionSettings(store_param_remainders=True)
 CASES = {  # plan: (container, optimizer, kwargs, settings); bf16 parameters under a precision
     "torch fused": ("torch", OptimizersContainer, torch.optim.AdamW, FUSED, None),
@@ -88,6 +89,7 @@ CASES = {  # plan: (container, optimizer, kwargs, settings); bf16 parameters und
         {**FUSED, "moment_dtype": "bfloat16"}, None,
     ),
     "8bit": ("chunked, 8bit moments", OptimizersContainer, LeanAdamW, MP_8BIT, None),
+    "4bit": ("chunked, 4bit moments", OptimizersContainer, LeanAdamW, MP_4BIT, None),
     "compiled": (
         "compiled, float32 moments", OptimizersContainer, LeanAdamW,
         {**FUSED, "compiled": True}, None,
@@ -129,6 +131,13 @@ CASES = {  # plan: (container, optimizer, kwargs, settings); bf16 parameters und
     "remainders 8bit compiled": (
         "compiled, remainders masters, 8bit moments", MP, LeanAdamW,
         {**MP_8BIT, "compiled": True}, REMAINDERS,
+    ),
+    "remainders 4bit": (
+        "chunked, remainders masters, 4bit moments", MP, LeanAdamW, MP_4BIT, REMAINDERS,
+    ),
+    "remainders 4bit compiled": (
+        "compiled, remainders masters, 4bit moments", MP, LeanAdamW,
+        {**MP_4BIT, "compiled": True}, REMAINDERS,
     ),
     "masters per tensor": (
         "torch, fp32 masters", MP, torch.optim.AdamW, {"lr": 1e-2, "foreach": False},

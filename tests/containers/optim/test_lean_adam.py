@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import containers.optim.coded_adam as coded_adam
 import containers.update.driver as driver
 from config import ConfigError, MixedPrecision, ParamGroup
 from config import Optimizer as OptimizerConfig
@@ -21,6 +20,7 @@ from containers import (
     OptimizersInBackwardContainer,
     ParamGroupRule,
 )
+from containers.update.forms import MOMENT_CODECS, to_values
 from tests.harness.dist import run_ranks
 from tests.harness.helpers import (
     assert_same,
@@ -258,15 +258,20 @@ def _load_lean(path: str, moments: str) -> list[dict]:
     return loaded
 
 
-@pytest.mark.parametrize("moments", ["bfloat16", "8bit"])
+@pytest.mark.parametrize("moments", ["bfloat16", "8bit", "4bit"])
 @pytest.mark.slow
 def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_path, moments):
     path = str(tmp_path / "ckpt")
     saved, cut = run_ranks(2, _save_lean, path, moments)[0]
+    codec = MOMENT_CODECS[moments]
     if moments == "8bit":
         assert saved["state.mid.weight.exp_avg_sq.code"].dtype == torch.uint8
         scale = saved["state.mid.weight.exp_avg_sq.scale"]
         assert scale.shape == (9, 1) and scale.count_nonzero() == 9  # rows 5 + 4, then 3 x 3
+    elif moments == "4bit":  # (mid's rows of 7 keep bf16: codes take rows of whole bytes)
+        assert saved["state.embed.weight.exp_avg_sq.nibbles"].shape == (7, 5)
+        scale = saved["state.embed.weight.exp_avg_sq.scale"]
+        assert scale.shape == (7, 1) and scale.count_nonzero() == 7  # rows 4 + 3, then 3 x 3
     else:
         assert saved["state.embed.weight.exp_avg"].dtype == torch.bfloat16
     # cut at column 20 of 40, inside a block: bf16 moments (elementwise: any cut will do)
@@ -281,9 +286,9 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
         for key, value in loaded.items():
             name = key.rsplit(".", 1)[-1]
             if name in MOMENTS:
-                codes = {k: saved.get(f"{key}.{k}") for k in ("code", "scale")}
+                codes = {k: saved.get(f"{key}.{k}") for k in (getattr(codec, "CODE", ""), "scale")}
                 kept = saved.get(key, codes)
-                want = coded_adam.decode_moment(name, kept, torch.float32).float().to(dtype)
+                want = to_values(name, kept).float().to(dtype)
                 assert value.dtype == dtype and torch.equal(value, want), key
 
 
@@ -306,7 +311,7 @@ def test_lean_state_saved_on_2_fsdp2_ranks_loads_on_3_element_for_element(tmp_pa
         ),
         (
             OptimizerConfig(name="SGD", momentum=0.9, moment_dtype="8bit"),
-            r"moment_dtype = '8bit': 8-bit codes are Adam's and AdamW's moments, not SGD's",
+            r"moment_dtype = '8bit': codes are Adam's and AdamW's moments, not SGD's",
         ),
         (
             OptimizerConfig(name="Muon", moment_dtype="8bit"),

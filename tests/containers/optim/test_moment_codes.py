@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from containers.optim import moment_codes as mc
+from containers.update import codes8 as mc
 
 SHAPES = [(6, 96), (5, 70), (100,), (), (3, 4, 33), (0, 32), (4, 0)]
 

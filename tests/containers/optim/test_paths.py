@@ -58,9 +58,9 @@ def test_the_table_of_plans_is_what_each_config_builds():
     assert len(rows) >= 12
     names, built, tomls = {r["name"] for r in rows}, set(), set()
     for row in rows:
-        plan = Plan(row["driver"].strip(), *(row[k].strip() for k in ("masters", "moments")))
-        if plan.driver == "torch":  # (its moments are the optimizer's own: not in the name)
-            plan = Plan("torch", plan.masters)
+        driver, masters, moments = (row[k].strip() for k in ("driver", "masters", "moments"))
+        # (a torch plan's moments are the optimizer's own: not in the name)
+        plan = Plan("torch", masters) if driver == "torch" else Plan(driver, masters, moments)
         assert plan.name == row["name"], row
         commands = _commands(row["logged"])
         assert commands, row

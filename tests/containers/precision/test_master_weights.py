@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import containers.decision as decision_module
+import containers.container as decision_module
 from components.models.llama.model import FLAVORS, Transformer
 from components.optimizer import build_optimizers, build_precision
 from config import load_job_config
