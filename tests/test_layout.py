@@ -6,9 +6,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tests.harness.dist import REPO
 
@@ -122,3 +125,56 @@ def test_the_distribution_lists_every_package_of_the_library():
         for init in (repo / "containers").rglob("__init__.py")
     }
     assert sorted(listed) == sorted(found)
+
+
+def _files_in_step(build: Callable[[], tuple[list[torch.Tensor], Any]]) -> set[str]:
+    """The files under containers/ whose code runs inside one `step()` (a profile hook on
+    every call), after two steps made the state."""
+    params, opt = build()
+    root = Path(REPO) / "containers"
+    seen: set[str] = set()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(root):
+            seen.add(str(path.relative_to(root)))
+
+    for step in range(3):
+        for p in params:
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+        if step == 2:
+            sys.setprofile(hook)
+        try:
+            opt.step()
+        finally:
+            sys.setprofile(None)
+    return seen
+
+
+def test_an_8bit_step_runs_in_at_most_8_files_and_one_under_mixed_precision_in_10():
+    """One pipeline, one driver: the step of a container with 8-bit moments crosses at most 8
+    modules of the library (16 before the update engine), under mixed precision with
+    remainders at most 10 (18)."""
+    from containers import (
+        LeanAdamW,
+        MixedPrecisionOptimizersContainer,
+        MixedPrecisionSettings,
+        OptimizersContainer,
+    )
+
+    kwargs = {"lr": 1e-3, "fused": True, "moment_dtype": "8bit"}
+
+    def plain() -> tuple[list[torch.Tensor], Any]:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        return list(model.parameters()), OptimizersContainer([model], LeanAdamW, kwargs)
+
+    def mixed() -> tuple[list[torch.Tensor], Any]:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).bfloat16()
+        settings = MixedPrecisionSettings(loss_scaling="none", store_param_remainders=True)
+        opt = MixedPrecisionOptimizersContainer([model], LeanAdamW, kwargs, settings=settings)
+        return list(model.parameters()), opt
+
+    files = _files_in_step(plain)
+    assert "update/codes8.py" in files and len(files) <= 8, sorted(files)
+    files = _files_in_step(mixed)
+    assert "update/codes8.py" in files and len(files) <= 10, sorted(files)

@@ -167,14 +167,18 @@ def _two_groups(job: FTJob, script: tuple[str, ...] = ("train.py",)) -> None:
 
 @pytest.mark.slow
 def test_a_two_group_job_restarted_in_the_middle_of_an_inner_period_goes_on_bitwise(tmp_path):
-    """fragment_sync_delay 2: averages after steps 2, 6, 10 land after 4, 8, 12. A run that
-    never stops agrees at every sync and parts ways between (an average taken steps before
-    it lands). Both groups of a second run save at step 6 (an average waiting to land) and
-    are killed while held at step 7; restarted, they resume from step-6 and reach the same
-    weights at steps 8 (a sync), 10 and 12 as the run that never stopped."""
+    """Masters kept as remainders, 8-bit moments; fragment_sync_delay 2: averages after
+    steps 2, 6, 10 land after 4, 8, 12. A run that never stops agrees at every sync and parts
+    ways between (an average taken steps before it lands). Both groups of a second run save
+    at step 6 (an average waiting to land) and are killed while held at step 7; restarted,
+    they resume from step-6 and reach the same weights at steps 8 (a sync), 10 and 12 as the
+    run that never stopped."""
     args = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]
     args += ["--fault_tolerance.fragment_sync_delay", "2"]
     args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
+    # the leanest state: bf16 weights, masters kept as remainders, 8-bit moments
+    args += ["--optimizer.container", "mixed_precision", "--optimizer.moment_dtype", "8bit"]
+    args += ["--mixed_precision.store_param_remainders"]
     (tmp_path / "straight").mkdir(), (tmp_path / "stopped").mkdir()
     straight = FTJob(tmp_path / "straight", 12, args, min_replicas=2)
     straight.run_both()
