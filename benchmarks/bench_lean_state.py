@@ -80,7 +80,7 @@ def _mixed(lean: bool, moments: str = "bfloat16") -> Callable[[nn.Module], Optim
 
 # name -> (parameter dtype, container, baseline, goals: state B/param, params + state B/param,
 # step time against the baseline's)
-TODAY, MP_TODAY = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
+TODAY, MP_TODAY = "AdamW, fp32 moments", "mixed precision, fp32 masters + moments"
 CONTENDERS = {
     TODAY: (torch.float32, _default(False), None, ("", "", "")),
     "AdamW, bf16 moments": (torch.float32, _default(True), TODAY, ("<= 4.2", "", "<= 1.45x")),

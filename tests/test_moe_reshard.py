@@ -1,11 +1,11 @@
 """Mixture-of-experts checkpoints move between expert-parallel degrees, through train.py.
 
 Saved at EP 2 x DP 2 (4 ranks) under mixed precision, with fp32 masters and an EMA, or with
-masters kept as remainders, 8-bit moments and an EMA of the masters; resumed at EP 4, EP 1 x DP 4, on 3 ranks and in
-one process, and at EP 2 x DP 2 again. Each resumed run hands back the state its layout
-loaded, gathered at its first optimizer step: weights, expert biases, moments, masters or
-remainders, the EMA and the load-balancing counts must equal the checkpoint's bytes element for
-element. At the saving layout the resumed run is the uninterrupted one, bitwise.
+masters kept as remainders, 8-bit moments and an EMA of the masters; resumed at EP 4, EP 1 x
+DP 4, on 3 ranks and in one process, and at EP 2 x DP 2 again. Each resumed run hands back the
+state its layout loaded, gathered at its first optimizer step: weights, expert biases, moments,
+masters or remainders, the EMA and the load-balancing counts must equal the checkpoint's bytes
+element for element. At the saving layout the resumed run is the uninterrupted one, bitwise.
 """
 
 from __future__ import annotations
