@@ -281,7 +281,13 @@ def accumulation_steps(cfg: Training, dp_world_size: int) -> int:
         return cfg.gradient_accumulation_steps
     per_micro = cfg.local_batch_size * dp_world_size
     accum, rest = divmod(cfg.global_batch_size, per_micro)
-    if rest or accum == 0:
+    if accum == 0:
+        raise ConfigError(
+            f"[training] global_batch_size = {cfg.global_batch_size}: expected -1 (derived) or "
+            f"a multiple of local_batch_size {cfg.local_batch_size} x {dp_world_size} "
+            f"data-parallel ranks, at least {per_micro}"
+        )
+    if rest:
         raise ConfigError(
             f"[training] global_batch_size = {cfg.global_batch_size}: not a multiple of "
             f"local_batch_size {cfg.local_batch_size} x {dp_world_size} data-parallel ranks; "

@@ -22,6 +22,12 @@ from containers.precision.settings import (
     ParamDtype,
 )
 
+MAX_BATCH = 1 << 20
+"""The most sequences a micro-batch, and micro-batches a step (beyond it a batch only exhausts
+memory or time before its first step ends)."""
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+"""A week: the longest timeout a torchft wait takes (Python's timedelta and torch's process
+groups overflow far beyond it)."""
 FloatDtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -127,16 +133,16 @@ class Training:
     steps: int = bounded(200, ge=1)
     """Optimizer steps to train for."""
 
-    local_batch_size: int = bounded(8, ge=1)
+    local_batch_size: int = bounded(8, ge=1, le=MAX_BATCH)
     """Sequences per micro-batch on each data-parallel rank."""
 
     seq_len: int = bounded(128, ge=1)
     """Tokens per sequence; at most the model flavor's maximum (checked before the job starts)."""
 
-    gradient_accumulation_steps: int = bounded(1, ge=1)
+    gradient_accumulation_steps: int = bounded(1, ge=1, le=MAX_BATCH)
     """Micro-batches per optimizer step on each rank (derived when global_batch_size is set)."""
 
-    global_batch_size: int = bounded(-1, ge=-1)
+    global_batch_size: int = bounded(-1, ge=-1, le=MAX_BATCH**2)
     """Sequences per optimizer step over all ranks; -1 = local_batch_size x ranks x
     gradient_accumulation_steps. Setting it keeps the batch (and the loss curve) the same when
     a checkpoint resumes at another world size."""
@@ -158,8 +164,8 @@ class Training:
     """Steps skipped in a row for a non-finite loss or gradients (weights, optimizer state
     and lr schedule left unchanged, the batch spent) before the run stops with exit code 1."""
 
-    seed: int = bounded(0, ge=0)
-    """Seed for model init and data order."""
+    seed: int = bounded(0, ge=0, le=2**64 - 1)
+    """Seed for model init and data order (torch's range: an unsigned 64-bit number)."""
 
     dataset: str = "stdlib"
     """Corpus the model family's dataloader reads; the llama family offers "stdlib" (the
@@ -245,14 +251,14 @@ class FaultTolerance:
     process_group: Literal["gloo", "nccl"] = "gloo"
     """Process group across replica groups."""
 
-    process_group_timeout_ms: int = bounded(10_000, ge=1)
+    process_group_timeout_ms: int = bounded(10_000, ge=1, le=MAX_TIMEOUT_MS)
     """Timeout of collectives and commits across replica groups."""
 
-    quorum_timeout_ms: int = bounded(60_000, ge=1)
+    quorum_timeout_ms: int = bounded(60_000, ge=1, le=MAX_TIMEOUT_MS)
     """Longest wait for a quorum of replica groups, a lighthouse that went away and came
     back included; past it the group saves its last committed step and exits 1 in one line."""
 
-    connect_timeout_ms: int = bounded(10_000, ge=1)
+    connect_timeout_ms: int = bounded(10_000, ge=1, le=MAX_TIMEOUT_MS)
     """Longest wait to reach the lighthouse at start-up (past it: one line, exit 2) and to
     reach a peer's manager when healing."""
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim import optimizer as torch_optimizer
 
-from containers.contract import StateView, defaults_of
+from containers.contract import NON_NEGATIVE, StateView, defaults_of
 from containers.ema import ShadowWeights
 from containers.norm import GlobalNorm, all_finite, nonfinite_flag
 from containers.parts import Gate, Outer, Precision, StepReport, Timing, step_report
@@ -223,6 +223,7 @@ class OptimizersContainer(Optimizer, Stateful):
         self._norm: torch.Tensor | None = None
         self.last_report = StepReport()
         self._paths_said = False
+        self._settings_checked = False  # this step's hyperparameters checked (inside backward)
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
@@ -335,6 +336,9 @@ class OptimizersContainer(Optimizer, Stateful):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._settings_checked:
+            self._refuse_settings(self.optimizers)
+        self._settings_checked = False  # (the next step's units check again)
         self._found_inf = self._norm = None
         if not self._paths_said:
             self._paths_said = True
@@ -397,6 +401,9 @@ class OptimizersContainer(Optimizer, Stateful):
         """The step's pipeline for one unit whose gradients are all in (inside backward):
         decide (finite, not refused), apply, fold into the EMA. Returns whether it applied,
         or the device flag the kernels took the skip from (no host sync inside backward)."""
+        if not self._settings_checked:  # the step's first unit: before any unit applies
+            self._refuse_settings(self.optimizers)
+            self._settings_checked = True
         grads = [p.grad for p in unit.params if p.grad is not None]
         if self.skip_nonfinite and self.leaves_skip_to_kernels(unit.optimizers, per_unit=True):
             found = nonfinite_flag(grads)
@@ -413,6 +420,22 @@ class OptimizersContainer(Optimizer, Stateful):
         if self.ema is not None:
             self.ema.update(unit.stepped)
         return True
+
+    @staticmethod
+    def _refuse_settings(optimizers: Sequence[Optimizer]) -> None:
+        """Refuse a step whose hyperparameters hold a float torch's constructors would refuse
+        (below 0, or not finite: it would write NaN weights a report calls applied); host
+        floats only, so no tensor is read. Loads check every value (`state.flat`)."""
+        for opt in optimizers:
+            for index, group in enumerate(opt.param_groups):
+                for key in NON_NEGATIVE:
+                    value = group.get(key)
+                    if type(value) is float and not 0.0 <= value < math.inf:
+                        raise ValueError(
+                            f"{type(opt).__name__} param group {index}: {key} = {value}, which "
+                            "torch's optimizers refuse (a number >= 0 and finite); nothing "
+                            f"stepped: set param_groups[...][{key!r}] to such a number"
+                        )
 
     def _left_to_kernels(self, found: torch.Tensor, norm: torch.Tensor | None = None) -> StepReport:
         """Apply with the skip left to the kernels (`found`), clipped by `norm`; no host sync."""

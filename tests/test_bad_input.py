@@ -66,6 +66,34 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
         (["--optimizer.container", "x"], "[optimizer] container = 'x': unknown container"),
         (["--training.global_batch_size", "12"], "global_batch_size = 12: not a multiple"),
         (
+            ["--training.global_batch_size", "0"],
+            "[training] global_batch_size = 0: expected -1 (derived) or a multiple of "
+            "local_batch_size 8 x 1 data-parallel ranks, at least 8",
+        ),
+        (
+            ["--training.seed", "99999999999999999999999"],
+            "[training] seed = 99999999999999999999999: out of range; use a value <= "
+            "18446744073709551615",
+        ),
+        *(
+            (
+                [f"--fault_tolerance.{key}", "99999999999999999999"],
+                f"[fault_tolerance] {key} = 99999999999999999999: out of range; use a value "
+                "<= 604800000",
+            )
+            for key in ("connect_timeout_ms", "quorum_timeout_ms", "process_group_timeout_ms")
+        ),
+        (
+            ["--training.local_batch_size", "99999999999999999999"],
+            "[training] local_batch_size = 99999999999999999999: out of range; use a value "
+            "<= 1048576",
+        ),
+        (
+            ["--training.local_batch_size", "1000000"],
+            "[training] local_batch_size = 1000000: its activations need about 5142.2 GiB "
+            "(seq_len 128, flavor 'debug'), above the",
+        ),
+        (
             [*FSDP1, "--parallelism.tensor_parallel_degree", "2"],
             "data_parallel_shard_impl = 'fsdp1' with tensor_parallel_degree = 2",
         ),

@@ -7,8 +7,13 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from containers.contract import setting_problems
+from containers.norm import all_finite
+from containers.tensors import local
 
 STATE = "state"
 PG = "param_groups"
@@ -140,9 +145,13 @@ def plan_load(
         )
     bad = []
     for key, want in expected.items():
-        if not isinstance(want, torch.Tensor) or want.dim() == 0:
+        if not isinstance(want, torch.Tensor):
             continue
         got = flat[key]
+        if want.dim() == 0:  # a step count: a number or a one-element tensor
+            if isinstance(got, torch.Tensor) and got.numel() != 1:
+                bad.append(f"{key}: want one number, got shape {tuple(got.shape)}")
+            continue
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             bad.append(f"{key}: want shape {tuple(want.shape)}, got {_shape_of(got)}")
         elif isinstance(want, DTensor) != isinstance(got, DTensor) and want.device.type != "meta":
@@ -171,7 +180,46 @@ def plan_load(
                 osd_state[len(osd_state)] = state
             groups.append(loaded)
         plans.append({"state": osd_state, "param_groups": groups})
+    _refuse_bad_values(optimizers, plans, fqns, flat)
     return plans
+
+
+def _refuse_bad_values(
+    optimizers: Sequence[Optimizer],
+    plans: Sequence[Mapping[str, Any]],
+    fqns: Mapping[torch.Tensor, str],
+    flat: Mapping[str, Any],
+) -> None:
+    """Raise ValueError for hyperparameters torch's constructors would refuse and for state
+    values that are not finite, before anything is loaded (the world agrees on the state's)."""
+    bad = []
+    for opt, plan in zip(optimizers, plans):
+        for group, loaded in zip(opt.param_groups, plan["param_groups"]):
+            where = f"{PG}.{fqns[group['params'][0]]}." if group["params"] else f"{PG}.*."
+            bad += [where + problem for problem in setting_problems(loaded)]
+    if bad:
+        raise ValueError(
+            f"optimizer state dict: {len(bad)} settings torch's optimizers refuse: "
+            f"{describe_keys(bad)}; load a checkpoint of this job or fix the values"
+        )
+    floats = {
+        k: v
+        for k, v in _state_tensors(flat)
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    world = any(isinstance(v, DTensor) for v in floats.values()) and dist.is_initialized()
+    if all_finite(list(floats.values()), [None] if world else []):
+        return
+    here = [k for k, v in floats.items() if not bool(torch.isfinite(local(v)).all())]
+    raise ValueError(
+        "optimizer state dict: non-finite values in "
+        + (describe_keys(here) if here else "another rank's state")
+        + "; load an earlier checkpoint (a step that reached NaN or inf saves none)"
+    )
+
+
+def _state_tensors(flat: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
+    return ((k, v) for k, v in flat.items() if k.startswith(f"{STATE}."))
 
 
 def _loaded_settings(
@@ -254,6 +302,9 @@ def _shape_of(value: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal settings (NaN equals NaN here: the same value, which the value check refuses)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
     return a == b

@@ -17,6 +17,7 @@ from config import Training as TrainingConfig
 
 __all__ = [
     "DATASETS",
+    "activation_bytes",
     "build_dataloader",
     "build_loss",
     "build_model",
@@ -72,7 +73,45 @@ def check_fits(cfg: JobConfig, family: str, flavors: Mapping[str, ModelArgs]) ->
             f"{args.n_layers}"
         )
     _dataset(cfg.training)
+    _check_memory(cfg, args)
     return args
+
+
+def activation_bytes(cfg: TrainingConfig, args: ModelArgs) -> int:
+    """A low estimate of the activations one micro-batch keeps for backward (fp32): per token
+    and layer the block's inputs, attention and feed-forward values (8 x dim + 3 x ffn_hidden)
+    and attention probabilities (n_heads x seq_len), and the logits twice."""
+    per_layer = 8 * args.dim + 3 * args.ffn_hidden + args.n_heads * cfg.seq_len
+    per_token = args.n_layers * per_layer + 2 * args.vocab_size
+    return cfg.local_batch_size * cfg.seq_len * per_token * 4
+
+
+def _check_memory(cfg: JobConfig, args: ModelArgs) -> None:
+    """Refuse a micro-batch whose activations alone exceed this machine's available memory
+    (it would only grow until the machine swaps or kills the run)."""
+    need, free = activation_bytes(cfg.training, args), _available_bytes()
+    if free is None or need <= free:
+        return
+    per_sequence = need // cfg.training.local_batch_size
+    raise ConfigError(
+        f"[training] local_batch_size = {cfg.training.local_batch_size}: its activations need "
+        f"about {need / 2**30:.1f} GiB (seq_len {cfg.training.seq_len}, flavor "
+        f"{cfg.model.flavor!r}), above the {free / 2**30:.1f} GiB this machine has available; "
+        f"use local_batch_size <= {max(1, free // per_sequence)} (gradient_accumulation_steps "
+        "keeps the global batch)"
+    )
+
+
+def _available_bytes() -> int | None:
+    """The memory this machine can give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _no_experts(cfg: JobConfig) -> None:

@@ -1,0 +1,80 @@
+"""No value reaches an optimizer unchecked: `load_state_dict` refuses hyperparameters torch's
+constructors would refuse, step counts that are not one number and state that is not finite,
+before anything changes; a step refuses a hyperparameter set to a float that is not finite,
+so no step writes NaN weights that its report calls applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from containers import LeanAdamW, OptimizersContainer, OptimizersInBackwardContainer
+from tests.harness.helpers import assert_same, three_parts, train
+
+
+def _trained(cls: type = torch.optim.AdamW, **kwargs) -> tuple[list, OptimizersContainer]:
+    parts = three_parts(0)
+    opt = OptimizersContainer(parts, cls, {"lr": 1e-2, "fused": True, **kwargs})
+    train(parts, opt, 2)
+    return parts, opt
+
+
+def _set(sd: dict, suffix: str, value) -> dict:
+    """`sd` with every key ending in `suffix` set to `value`."""
+    keys = [k for k in sd if k.endswith(suffix)]
+    assert keys, suffix
+    return {**sd, **dict.fromkeys(keys, value)}
+
+
+@pytest.mark.parametrize(
+    ("suffix", "value", "match"),
+    [
+        (".lr", "fast", r"lr = 'fast': expected a number, got str"),
+        (".lr", -5.0, r"lr = -5.0: outside \[0, inf\)"),
+        (".lr", float("nan"), r"lr = nan: not finite"),
+        (".betas", (0.9, 1.5), r"betas = \(0.9, 1.5\): outside \[0, 1\)"),
+        (".weight_decay", float("inf"), r"weight_decay = inf: not finite"),
+    ],
+)
+def test_a_load_refuses_settings_torchs_optimizers_refuse_and_changes_nothing(suffix, value, match):
+    _, opt = _trained()
+    before = opt.state_dict()
+    bad = _set(opt.state_dict(), suffix, value)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    assert_same(opt.state_dict(), before)
+
+
+def test_a_load_refuses_a_step_count_that_is_not_one_number():
+    _, opt = _trained()
+    bad = _set(opt.state_dict(), ".step", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"\.step: want one number, got shape \(2,\)"):
+        opt.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("moments", ["float32", "8bit"])
+def test_a_load_refuses_moments_that_are_not_finite_naming_them(moments):
+    cls = torch.optim.AdamW if moments == "float32" else LeanAdamW
+    kwargs = {} if moments == "float32" else {"moment_dtype": moments}
+    _, opt = _trained(cls, **kwargs)
+    before = opt.state_dict()
+    sd = opt.state_dict()
+    key = next(k for k in sd if ".exp_avg_sq" in k and sd[k].is_floating_point())
+    poisoned = sd[key].clone()
+    poisoned.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"non-finite values in .*{key}"):
+        opt.load_state_dict({**sd, key: poisoned})
+    assert_same(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("container", [OptimizersContainer, OptimizersInBackwardContainer])
+def test_a_step_refuses_a_learning_rate_that_is_not_finite_and_writes_nothing(container):
+    parts = three_parts(0)
+    opt = container(parts, torch.optim.AdamW, {"lr": 1e-2})
+    train(parts, opt, 1)
+    weights = [p.detach().clone() for part in parts for p in part.parameters()]
+    opt.optimizers[0].param_groups[0]["lr"] = float("nan")  # a scheduler gone wrong
+    with pytest.raises(ValueError, match=r"AdamW param group 0: lr = nan"):
+        train(parts, opt, 1, start=1)
+    after = [p.detach() for part in parts for p in part.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights, after))
