@@ -34,7 +34,7 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_lean_state import CONTENDERS, steady_bytes  # noqa: E402
+from benchmarks.bench_lean_state import CONTENDERS, MP_TODAY, TODAY, steady_bytes  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
 from containers import (  # noqa: E402
     LeanAdamW,
@@ -719,7 +719,7 @@ def _compiled_8bit(m: nn.Module) -> OptimizersContainer:
     return OptimizersContainer([m], LeanAdamW, {**KW, "moment_dtype": "8bit", "compiled": True})
 
 
-FP32, MP = "AdamW, fp32 moments (today)", "mixed precision, fp32 masters + moments (today)"
+FP32, MP = TODAY, MP_TODAY
 COMPILED = {
     "AdamW, bf16 moments, compiled": (
         torch.float32,

@@ -223,14 +223,14 @@ def quality_table(args: argparse.Namespace) -> str:
 
 # name -> (parameter dtype, container, loaded through `containers.load_planner`)
 RESUMES = {
-    "mixed precision, fp32 masters + moments (today)": (torch.bfloat16, _mixed(False), False),
+    MP_TODAY: (torch.bfloat16, _mixed(False), False),
     "mixed precision, remainders + bf16 moments, load_planner": (
         torch.bfloat16, _mixed(True), True
     ),
     "mixed precision, remainders + bf16 moments, DCP's default planner": (
         torch.bfloat16, _mixed(True), False
     ),
-    "AdamW, fp32 moments (today)": (torch.float32, _default(False), True),
+    TODAY: (torch.float32, _default(False), True),
     "AdamW, 8-bit moments": (torch.float32, _default(True, "8bit"), True),
 }  # fmt: skip
 

@@ -338,7 +338,7 @@ class OptimizersContainer(Optimizer, Stateful):
                 loss = closure()
         if not self._settings_checked:
             self._refuse_settings(self.optimizers)
-        self._settings_checked = False  # (the next step's units check again)
+            self._settings_checked = True  # (units applied by `finish` below need no check)
         self._found_inf = self._norm = None
         if not self._paths_said:
             self._paths_said = True
@@ -356,6 +356,7 @@ class OptimizersContainer(Optimizer, Stateful):
                     self.ema.count()  # (each unit updated it as it applied)
             else:
                 self.last_report = self._step_after_backward()
+        self._settings_checked = False  # the next step's units check again
         return loss
 
     def _step_after_backward(self) -> StepReport:
@@ -479,6 +480,7 @@ class OptimizersContainer(Optimizer, Stateful):
         return {k: v for part in self.outer for k, v in part.metrics().items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settings_checked = False
         with record_function(self._zero_grad_profile_name):
             self.gate.on_zero_grad()
             for part in self.outer:

@@ -66,6 +66,11 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
         (["--optimizer.container", "x"], "[optimizer] container = 'x': unknown container"),
         (["--training.global_batch_size", "12"], "global_batch_size = 12: not a multiple"),
         (
+            ["--optimizer.momentum", "0.9"],
+            "[optimizer] momentum = 0.9: AdamW takes no momentum, so it would be ignored; remove "
+            "it, or use an optimizer that reads it (Muon, SGD)",
+        ),
+        (
             ["--training.global_batch_size", "0"],
             "[training] global_batch_size = 0: expected -1 (derived) or a multiple of "
             "local_batch_size 8 x 1 data-parallel ranks, at least 8",

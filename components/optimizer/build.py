@@ -21,6 +21,7 @@ from components.optimizer.registry import (
     OPTIMIZERS,
     register_container,
     registered_containers,
+    registered_optimizers,
     resolve_optimizer,
 )
 from components.optimizer.settings import (
@@ -91,6 +92,67 @@ def check_names(cfg: OptimizerConfig) -> None:
         if group.name is not None:
             where = f"[optimizer.param_groups[{i}]]"
             resolve_optimizer(_group_config(cfg, group, where), group.name, where)
+    _refuse_unread_keys(cfg)
+
+
+# Keys of `[optimizer]` the builder reads itself; every other key is a hyperparameter that some
+# registered optimizer's factory turns into a keyword argument.
+_BUILDER_KEYS = frozenset(
+    {"name", "container", "implementation", "moment_dtype", "early_step_in_backward", "pattern"}
+)
+
+
+def _refuse_unread_keys(cfg: OptimizerConfig) -> None:
+    """Refuse a hyperparameter set (not to its default) that no optimizer of the section reads,
+    as keys of a feature that is off are refused (a silently ignored key is a wrong run): a
+    section key counts as read where the section's optimizer or a param group's reads it, a
+    group's key where its own optimizer does."""
+    groups = [
+        (group.name or cfg.name, _group_config(cfg, group, f"[optimizer.param_groups[{i}]]"))
+        for i, group in enumerate(cfg.param_groups)
+    ]
+    users = [(cfg.name, cfg), *groups]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in _BUILDER_KEYS or f.name == "param_groups" or value == f.default:
+            continue
+        if not any(_reads(name, c, f.name) for name, c in users):
+            _refuse_unread("[optimizer]", f.name, value, sorted({n for n, _ in users}))
+    for i, (group, (name, group_cfg)) in enumerate(zip(cfg.param_groups, groups)):
+        for f in dataclasses.fields(group):
+            value = getattr(group, f.name)
+            if f.name in _BUILDER_KEYS or value is None or _reads(name, group_cfg, f.name):
+                continue
+            _refuse_unread(f"[optimizer.param_groups[{i}]]", f.name, value, [name])
+
+
+def _reads(name: str, cfg: OptimizerConfig, key: str) -> bool:
+    """Whether optimizer `name`'s factory turns `key` into a keyword argument: another value
+    of the key changes the arguments it gives (a factory that refuses it reads it too)."""
+    value = getattr(cfg, key)
+    if isinstance(value, bool):
+        other: Any = not value
+    elif isinstance(value, (int, float)):
+        other = value / 2 + 1e-3 if isinstance(value, float) else value + 1
+    elif value is None:
+        other = 0.5
+    else:
+        return True  # a choice among names (Muon's): read where it is set
+    factory = OPTIMIZERS.get(name)
+    if factory is None:
+        return True  # (an unknown name is refused by name)
+    try:
+        return factory(cfg)[1] != factory(dataclasses.replace(cfg, **{key: other}))[1]
+    except (ConfigError, ValueError, TypeError):
+        return True
+
+
+def _refuse_unread(where: str, key: str, value: Any, names: list[str]) -> None:
+    readers = [n for n in registered_optimizers() if _reads(n, OptimizerConfig(), key)]
+    raise ConfigError(
+        f"{where} {key} = {value!r}: {', '.join(names)} takes no {key}, so it would be ignored; "
+        f"remove it, or use an optimizer that reads it ({', '.join(readers) or 'none'})"
+    )
 
 
 def _device(model_parts: Sequence[nn.Module]) -> torch.device:

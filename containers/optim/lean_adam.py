@@ -42,6 +42,14 @@ class _Lean:
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
         self.defaults |= {"moment_dtype": moment_dtype, "compiled": compiled}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """As torch's (a pickle or deepcopy keeps defaults, state and groups), the plans made
+        again from the groups."""
+        super().__setstate__(state)  # type: ignore[misc]
+        self._moment_dtype = self.defaults["moment_dtype"]  # type: ignore[attr-defined]
+        self._compiled = self.defaults["compiled"]  # type: ignore[attr-defined]
+        self.plans = {id(g): plan_of(type(self), g) for g in self.param_groups}  # type: ignore[arg-type, attr-defined]
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("moment_dtype", self._moment_dtype)
         param_group.setdefault("compiled", self._compiled)

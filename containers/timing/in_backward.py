@@ -153,6 +153,8 @@ class InBackward(Timing):
         self._ready = dict.fromkeys(self._ready, 0)
         self._passes = dict.fromkeys(self._passes, 0)
         self._stepped.clear()
+        # (a backward a refusal ended never ran its end-of-backward callback)
+        self._callback_queued = self._deferred = False
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):

@@ -446,3 +446,19 @@ def test_adafactor_on_fsdp2_shards_is_refused_when_built():
         )
         assert group.startswith("[optimizer.param_groups[0]] name = 'Adafactor': torch's")
         assert "train it on one rank or pick another optimizer" in group
+
+
+def test_a_param_groups_key_its_optimizer_does_not_read_is_refused_and_one_it_reads_is_not():
+    """A section key counts as read where any group's optimizer reads it (Muon's momentum
+    beside AdamW); a group's own key only where its optimizer reads it."""
+    from components.optimizer.build import check_names
+
+    muon = ParamGroup(pattern="layers", name="Muon")
+    check_names(OptimizerConfig(momentum=0.9, param_groups=[muon]))  # Muon reads it
+    adamw = ParamGroup(pattern="norm", momentum=0.9)
+    with pytest.raises(ConfigError) as refused:
+        check_names(OptimizerConfig(param_groups=[adamw]))
+    assert str(refused.value) == (
+        "[optimizer.param_groups[0]] momentum = 0.9: AdamW takes no momentum, so it would be "
+        "ignored; remove it, or use an optimizer that reads it (Muon, SGD)"
+    )

@@ -78,3 +78,23 @@ def test_a_step_refuses_a_learning_rate_that_is_not_finite_and_writes_nothing(co
         train(parts, opt, 1, start=1)
     after = [p.detach() for part in parts for p in part.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(weights, after))
+
+
+def test_every_step_inside_backward_checks_its_settings_after_steps_applied_by_step():
+    """Units that apply in `step()` (gradients set outside backward) and a refusal raised
+    inside backward leave the next step's units checked all the same."""
+    parts = three_parts(0)
+    opt = OptimizersInBackwardContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    for part in parts:
+        for p in part.parameters():
+            p.grad = torch.randn_like(p)
+    opt.step()  # every unit applies here, in `finish`
+    opt.zero_grad()
+    group = opt.optimizers[0].param_groups[0]
+    group["lr"] = float("nan")
+    for _ in range(2):  # the second after a refusal inside backward
+        with pytest.raises(ValueError, match=r"lr = nan"):
+            train(parts, opt, 1, start=1)
+    group["lr"] = 1e-2
+    train(parts, opt, 1, start=2)
+    assert all(p.isfinite().all() for part in parts for p in part.parameters())

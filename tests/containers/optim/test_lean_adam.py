@@ -352,3 +352,21 @@ def test_a_lean_or_compiled_group_refuses_a_parameter_that_is_not_contiguous(kwa
     with pytest.raises(ValueError, match=r"shape \(48, 64\) is not contiguous"):
         LeanAdamW([torch.randn(8, requires_grad=True), strided], lr=1e-3, **kwargs)
     LeanAdamW([strided], lr=1e-3)  # fp32 moments, eager: torch's own step takes it
+
+
+@pytest.mark.parametrize("copy", ["deepcopy", "pickle"])
+def test_a_copied_lean_optimizer_steps_as_the_original(copy):
+    """torch's pickle keeps defaults, state and groups: the plans are made again."""
+    import copy as copy_module
+    import pickle
+
+    params = loose_params([(64, 96), (40,)])
+    opt = LeanAdamW(params, lr=1e-2, moment_dtype="8bit")
+    same_grads(0, params)
+    opt.step()
+    twin = copy_module.deepcopy(opt) if copy == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = twin.param_groups[0]["params"]
+    same_grads(1, params, twin_params)
+    opt.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
