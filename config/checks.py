@@ -229,6 +229,12 @@ def cross_check(cfg: JobConfig) -> None:
             f"[fault_tolerance] replica_id = {ft.replica_id}: must be below group_size = "
             f"{ft.group_size}; raise group_size or lower replica_id"
         )
+    if ft.enable and ft.min_replica_size > ft.group_size:
+        problems.append(
+            f"[fault_tolerance] min_replica_size = {ft.min_replica_size}: above group_size = "
+            f"{ft.group_size}, the replica groups this job can have, so no step could ever "
+            f"commit; use min_replica_size <= {ft.group_size}"
+        )
     if ft.semi_sync_method == "diloco" and ft.num_fragments > ft.sync_steps:
         problems.append(
             f"[fault_tolerance] num_fragments = {ft.num_fragments}: more than sync_steps = "

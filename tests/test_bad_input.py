@@ -71,6 +71,18 @@ FP32_SUMS += ["--mixed_precision.grad_accumulation_dtype", "float32"]
             "it, or use an optimizer that reads it (Muon, SGD)",
         ),
         (
+            [
+                *("--fault_tolerance.enable", "--fault_tolerance.group_size", "2"),
+                *("--fault_tolerance.min_replica_size", "3"),
+            ],
+            "[fault_tolerance] min_replica_size = 3: above group_size = 2, the replica groups "
+            "this job can have, so no step could ever commit; use min_replica_size <= 2",
+        ),
+        (
+            ["--optimizer.ns_dtype", "bfloat16"],
+            "[optimizer] ns_dtype = 'bfloat16': AdamW takes no ns_dtype, so it would be ignored",
+        ),
+        (
             ["--training.global_batch_size", "0"],
             "[training] global_batch_size = 0: expected -1 (derived) or a multiple of "
             "local_batch_size 8 x 1 data-parallel ranks, at least 8",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -136,8 +137,11 @@ def _reads(name: str, cfg: OptimizerConfig, key: str) -> bool:
         other = value / 2 + 1e-3 if isinstance(value, float) else value + 1
     elif value is None:
         other = 0.5
-    else:
-        return True  # a choice among names (Muon's): read where it is set
+    else:  # a choice among names (Muon's): another of them
+        choices = [c for c in _choices(type(cfg), key) if c != value]
+        if not choices:
+            return True
+        other = choices[0]
     factory = OPTIMIZERS.get(name)
     if factory is None:
         return True  # (an unknown name is refused by name)
@@ -145,6 +149,15 @@ def _reads(name: str, cfg: OptimizerConfig, key: str) -> bool:
         return factory(cfg)[1] != factory(dataclasses.replace(cfg, **{key: other}))[1]
     except (ConfigError, ValueError, TypeError):
         return True
+
+
+def _choices(cls: type, key: str) -> tuple[Any, ...]:
+    """The values a `Literal` field `key` of dataclass `cls` allows (none for other types)."""
+    hint = typing.get_type_hints(cls)[key]
+    for arg in (hint, *typing.get_args(hint)):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    return ()
 
 
 def _refuse_unread(where: str, key: str, value: Any, names: list[str]) -> None:
