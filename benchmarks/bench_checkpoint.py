@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/bench_checkpoint.py [--params 32e6] [--ranks 2] [--quick]
 
 One table, measured in one run: the disk's sequential write speed (fsync'd), DCP save and load
-throughput of an OptimizersContainer's AdamW state (plus the model) on FSDP2 gloo ranks, and the
-load of a checkpoint saved at another world size (resharded) against one saved at the same.
+throughput of an OptimizersContainer's AdamW state (plus the model) on FSDP2 gloo ranks, the
+load of a checkpoint saved at another world size (resharded) against one saved at the same,
+and what the checkpoint manager's checksums add: recorded by rank 0 after the save, verified
+by the ranks (a share of the files each) before the load.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table
 from components.checkpoint import ModelWrapper
+from components.checkpoint.files import verify, write_checksums
 from containers import OptimizersContainer
 from tests.harness.dist import run_ranks
 
@@ -88,12 +91,16 @@ def _save(n_params: int, path: str) -> dict[str, float]:
     dist.all_reduce(total)
     states = {"model": ModelWrapper([model]), "optimizer": optimizers}
     seconds = _timed(lambda: dcp.save(states, checkpoint_id=path))
-    return {"bytes": total.item(), "save_s": seconds}
+    sums = _timed(lambda: write_checksums(Path(path)) if dist.get_rank() == 0 else None)
+    return {"bytes": total.item(), "save_s": seconds, "sums_s": sums}
 
 
-def _load(n_params: int, path: str) -> float:
+def _load(n_params: int, path: str, check: bool = False) -> float:
     model, optimizers = _job(n_params)
     states = {"model": ModelWrapper([model]), "optimizer": optimizers}
+    if check:  # as the checkpoint manager does: the ranks verify a share each, then DCP loads
+        verified = lambda: verify(Path(path), shared=True)  # noqa: E731
+        return _timed(lambda: (verified(), dcp.load(states, checkpoint_id=path)))
     return _timed(lambda: dcp.load(states, checkpoint_id=path))
 
 
@@ -113,6 +120,9 @@ def main(argv: list[str]) -> None:
         disk = disk_write_gbps(folder, max(64 * 2**20, int(saved["bytes"])))
         # Both loads run at the same world size, so only the shard layout differs.
         same = min(run_ranks(args.ranks, _load, n_params, str(folder / "same"))[0] for _ in (0, 1))
+        checked = min(
+            run_ranks(args.ranks, _load, n_params, str(folder / "same"), True)[0] for _ in (0, 1)
+        )
         resharded = min(
             run_ranks(args.ranks, _load, n_params, str(folder / "other"))[0] for _ in (0, 1)
         )
@@ -133,6 +143,18 @@ def main(argv: list[str]) -> None:
             f"{resharded:.3f} s vs {same:.3f} s",
             f"{resharded / same:.2f}",
             "<= 1.2",
+        ),
+        (
+            "save, then checksums recorded / save",
+            f"{saved['save_s'] + saved['sums_s']:.3f} s vs {saved['save_s']:.3f} s",
+            f"{(saved['save_s'] + saved['sums_s']) / saved['save_s']:.2f}",
+            "<= 1.1",
+        ),
+        (
+            f"checksums verified, then load / load, {args.ranks} ranks",
+            f"{checked:.3f} s vs {same:.3f} s",
+            f"{checked / same:.2f}",
+            "<= 1.1",
         ),
     ]
     print(f"torch {torch.__version__}, {gb:.3f} GB checkpoint ({n_params / 1e6:.0f}M params)")

@@ -132,7 +132,7 @@ def describe(path: str, every_key: bool = False, finite_check: bool = True) -> s
     Raises:
         Damaged: what makes train.py refuse the folder, or its values unreadable.
     """
-    metadata = verify(Path(path))
+    metadata = verify(Path(path), checksums=finite_check)  # (--quick reads no value)
     saved = metadata.state_dict_metadata
     layout = detect_layout(saved)
     groups: dict[str, _Group] = defaultdict(_Group)

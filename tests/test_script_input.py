@@ -118,8 +118,20 @@ def test_inspect_says_damaged_what_train_py_refuses(run, tmp_path):
     assert line == f"error: {truncated} is damaged: {damage}"
     assert f"{truncated} is damaged: {damage}" in _train_refusal(truncated)
 
+    zeroed = _step_copy(run, tmp_path / "zeroed")  # 4 KiB zeroed in place: sizes hold
+    (distcp,) = zeroed.glob("*.distcp")
+    with distcp.open("r+b") as f:
+        f.seek(1000)
+        f.write(bytes(4096))
+    damage = f"{distcp.name} does not match its checksum (changed in place since its save)"
+    assert _refused("inspect", str(zeroed), cwd=tmp_path) == f"error: {zeroed} is damaged: {damage}"
+    assert f"{zeroed} is damaged: {damage}; nothing was loaded or changed" in (
+        _train_refusal(zeroed)
+    )
+
     nan = _step_copy(run, tmp_path / "nan")
     _nan_into(nan, "model.output.weight")
+    (nan / ".checksums").unlink()  # (as a checkpoint saved before checksums were recorded)
     assert _refused("inspect", str(nan), cwd=tmp_path) == (
         f"error: {nan} is damaged: model.output.weight holds inf or NaN, which train.py "
         "refuses to load"
@@ -137,6 +149,7 @@ def test_inspect_says_damaged_what_train_py_refuses(run, tmp_path):
 
     overwritten = _step_copy(run, tmp_path / "overwritten")
     _overwrite(overwritten)
+    (overwritten / ".checksums").unlink()  # unverified: the load finds the garbage
     assert _refused("inspect", str(overwritten), cwd=tmp_path).startswith(
         f"error: {overwritten} is damaged: the folder holds values that cannot be read "
         "(rank 0: UnpicklingError: invalid load key, "
@@ -175,6 +188,7 @@ def test_convert_says_in_one_line_what_a_source_is_not(run, tmp_path):
     dcp.save({"encoder.weight": torch.zeros(3, 4), "epoch": 3}, checkpoint_id=foreign, no_dist=True)
     overwritten = _step_copy(run, tmp_path / "overwritten")
     _overwrite(overwritten)
+    (overwritten / ".checksums").unlink()  # (saved before checksums: the load finds it)
     (tmp_path / "a_file").touch()
 
     def refused(

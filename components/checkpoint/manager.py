@@ -48,7 +48,9 @@ from components.checkpoint.files import (
     forgetting_on_failure,
     load_refusal,
     refuse_strangers,
+    verified,
     verify,
+    write_checksums,
 )
 from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
 from components.checkpoint.resume import ConfigSettings
@@ -223,9 +225,15 @@ class CheckpointManager:
             return 0
         path = found[step]
         try:
-            metadata = verify(path)
+            metadata = verify(path, shared=True)
         except Damaged as damage:
             raise damaged_checkpoint_error(step, damage, found) from None
+        if not verified(path):
+            logger.info(
+                "%s records no checksums (saved before they were recorded): loading it "
+                "unverified, sizes and values checked only",
+                path,
+            )
         # One planner for the check and the load: the state dicts both take are its templates
         # (masters kept as remainders are not made fp32 for either).
         with load_planner(self.states) as planner, forgetting_on_failure(self.states):
@@ -442,6 +450,7 @@ class CheckpointManager:
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+        write_checksums(tmp)  # every rank's files are complete here
         if final.exists() or final.is_symlink():
             if not ours:  # put there while this run trained
                 raise ConfigError(

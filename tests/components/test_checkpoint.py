@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -112,6 +113,12 @@ def _truncate(step: Path) -> None:
         f.truncate(f.seek(0, 2) - 1)  # one byte short of what the metadata references
 
 
+def _zero_in_place(step: Path) -> None:
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.seek(100)
+        f.write(bytes(4096))  # the same size: only the checksum tells
+
+
 def _empty(step: Path) -> None:
     for path in step.iterdir():
         path.unlink()
@@ -121,6 +128,14 @@ DAMAGE = {
     "truncated .distcp": (
         _truncate,
         r"__0_0\.distcp is truncated: \d+ bytes, the \.metadata needs",
+    ),
+    "changed in place": (
+        _zero_in_place,
+        r"__0_0\.distcp does not match its checksum \(changed in place since its save\)",
+    ),
+    "garbage checksums": (
+        lambda s: (s / ".checksums").write_text("{"),
+        r"\.checksums is unreadable \(JSONDecodeError",
     ),
     "missing .distcp": (lambda s: (s / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
     "missing .metadata": (lambda s: (s / ".metadata").unlink(), r"\.metadata is missing"),
@@ -156,6 +171,19 @@ def test_a_damaged_checkpoint_is_named_with_its_file_and_fix_before_anything_cha
     # The fix the line names works: step-4 moves aside and training goes on from step-2.
     manager3 = _job(tmp_path, interval=2, load_step=2, set_aside_newer=True)[3]
     assert manager3.load() == 2 and not (folder / "step-4").exists()
+
+
+def test_a_checkpoint_saved_before_checksums_loads_and_says_it_is_unverified(tmp_path, caplog):
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    step = tmp_path / "checkpoint" / "step-2"
+    assert json.loads((step / ".checksums").read_text())["xxh3_64"].keys() == {
+        p.name for p in step.iterdir() if p.name != ".checksums"
+    }
+    (step / ".checksums").unlink()
+    caplog.set_level("INFO", logger="components.checkpoint.manager")
+    assert _job(tmp_path, seed=9, interval=2)[3].load() == 2
+    assert any("records no checksums" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unwritable_folder_is_refused_before_step_one(tmp_path):
