@@ -186,6 +186,14 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> ParallelDims:
     return dims
 
 
+def model_settings(cfg: JobConfig, model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint records of its model: the family, the flavor and, where the model
+    keeps them as a dataclass (`model.args`, as llama's and moe's do), its arguments."""
+    args = getattr(model, "args", None)
+    found = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
+    return {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor, **found}
+
+
 def run_folder(cfg: JobConfig) -> str:
     """This process's dump folder: each torchft replica group keeps its own files."""
     ft = cfg.fault_tolerance
@@ -304,7 +312,9 @@ def _build_locked(
     if ft_manager is not None:
         heals = serve_state(ft_manager, dict(states))  # what a healing peer receives
         states["ft_manager"] = ft_manager
-    checkpoint = CheckpointManager(cfg.checkpoint, dump_folder, states, cfg.training.steps)
+    checkpoint = CheckpointManager(
+        cfg.checkpoint, dump_folder, states, cfg.training.steps, model_settings(cfg, model)
+    )
     return Job(
         cfg=cfg,
         device=device,

@@ -217,6 +217,12 @@ class Checkpoint:
     export_model: bool = False
     """At the end, also write the full model state dict to one file (`model-step-N.pt`)."""
 
+    allow_model_changes: bool = False
+    """Resume a checkpoint whose model settings (`step-N/.model.json`: the family, flavor and
+    its arguments) differ from this run's: a change that keeps every shape (MoE top_k 2 -> 1)
+    loads without an error and trains another model, so it is refused unless this says the
+    change is meant."""
+
     initial_load_path: str = ""
     """A checkpoint folder (one holding `.metadata`: ours or torchtitan's) that seeds the run
     when `folder` holds no checkpoint yet; a checkpoint in `folder` always wins. Empty: none."""

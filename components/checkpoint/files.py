@@ -38,8 +38,10 @@ from containers.state.flat import OtherOptimizerState, describe_keys
 
 __all__ = [
     "CHECKSUMS",
+    "MODEL_SETTINGS",
     "Damaged",
     "agree_across_ranks",
+    "changed_model_settings",
     "check_matches",
     "checkpoint_steps",
     "clear_stale",
@@ -52,6 +54,7 @@ __all__ = [
     "verified",
     "verify",
     "write_checksums",
+    "write_model_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,6 +173,32 @@ def write_checksums(folder: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / CHECKSUMS)
+
+
+MODEL_SETTINGS = ".model.json"
+"""The settings of the model a checkpoint holds (JSON): its family, flavor and arguments."""
+
+
+def write_model_settings(folder: Path, settings: dict[str, Any]) -> None:
+    """Record the model's `settings` in a checkpoint `folder` (before its checksums)."""
+    (folder / MODEL_SETTINGS).write_text(json.dumps(settings, sort_keys=True))
+
+
+def changed_model_settings(path: Path, ours: dict[str, Any]) -> list[str]:
+    """`setting saved -> ours` for each model setting of checkpoint `path` that differs from
+    `ours` (none for a checkpoint that records none: saved before they were recorded)."""
+    try:
+        saved = json.loads((path / MODEL_SETTINGS).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise Damaged(MODEL_SETTINGS, f"is unreadable ({type(e).__name__}: {e})") from None
+    ours = json.loads(json.dumps(ours))  # (tuples as JSON holds them)
+    return [
+        f"{key} {saved.get(key, '(unset)')!r} -> {ours.get(key, '(unset)')!r}"
+        for key in sorted(saved.keys() | ours.keys())
+        if saved.get(key) != ours.get(key)
+    ]
 
 
 def verified(path: Path) -> bool:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint.files import (
     Damaged,
+    changed_model_settings,
     check_matches,
     checkpoint_steps,
     clear_stale,
@@ -51,6 +52,7 @@ from components.checkpoint.files import (
     verified,
     verify,
     write_checksums,
+    write_model_settings,
 )
 from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
 from components.checkpoint.resume import ConfigSettings
@@ -158,6 +160,8 @@ class CheckpointManager:
         dump_folder: `[job] dump_folder`; checkpoints go to `dump_folder/cfg.folder`.
         states: the Stateful objects to save, by name (model, optimizer, lr_scheduler, ...).
         total_steps: the last step, which is always saved.
+        model_settings: the model's family, flavor and arguments, recorded with each save
+            and compared on resume (None: neither).
     """
 
     def __init__(
@@ -166,8 +170,10 @@ class CheckpointManager:
         dump_folder: str,
         states: dict[str, Stateful],
         total_steps: int,
+        model_settings: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.model_settings = model_settings
         self.folder = Path(dump_folder) / cfg.folder
         self.states = states
         self.total_steps = total_steps
@@ -239,6 +245,10 @@ class CheckpointManager:
         with load_planner(self.states) as planner, forgetting_on_failure(self.states):
             check_matches(self.states, path, metadata)
             try:
+                self._refuse_model_changes(path)  # (one that keeps every shape: top_k 2 -> 1)
+            except Damaged as damage:
+                raise damaged_checkpoint_error(step, damage, found) from None
+            try:
                 key = first_nonfinite(path, metadata)
             except Damaged as damage:
                 raise damaged_checkpoint_error(step, damage, found) from None
@@ -259,6 +269,27 @@ class CheckpointManager:
             "resumed from %s%s", path, f" (not from initial_load_path {seed})" if seed else ""
         )
         return step
+
+    def _refuse_model_changes(self, path: Path) -> None:
+        """A checkpoint of a model with other settings is refused (nothing loaded) unless
+        `[checkpoint] allow_model_changes`; it is said either way."""
+        if self.model_settings is None:
+            return
+        changed = changed_model_settings(path, self.model_settings)
+        if not changed:
+            return
+        if not self.cfg.allow_model_changes:
+            raise ConfigError(
+                f"[checkpoint] {path} holds a model with other settings ({'; '.join(changed)}); "
+                "nothing was loaded: resume with the checkpoint's [model] settings, or set "
+                "[checkpoint] allow_model_changes = true if the change is meant"
+            )
+        logger.warning(
+            "%s holds a model with other settings (%s): loading it, as [checkpoint] "
+            "allow_model_changes = true allows",
+            path,
+            "; ".join(changed),
+        )
 
     def _config_wins(self) -> None:
         """Put this run's hyperparameters back over the loaded ones (the LR schedulers, which
@@ -450,6 +481,8 @@ class CheckpointManager:
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+        if self.model_settings is not None:
+            write_model_settings(tmp, self.model_settings)
         write_checksums(tmp)  # every rank's files are complete here
         if final.exists() or final.is_symlink():
             if not ours:  # put there while this run trained

@@ -186,6 +186,30 @@ def test_a_checkpoint_saved_before_checksums_loads_and_says_it_is_unverified(tmp
     assert any("records no checksums" in r.getMessage() for r in caplog.records)
 
 
+def test_a_model_with_other_settings_of_the_same_shapes_is_refused_unless_allowed(tmp_path, caplog):
+    """MoE top_k 2 -> 1 keeps every shape: only the recorded settings tell."""
+    parts, optimizers, state, manager = _job(tmp_path, interval=2)
+    manager.model_settings = {"model.name": "moe", "top_k": 2}
+    _train_and_save(manager, parts, optimizers, state, range(1, 3))
+    parts2, optimizers2, state2, manager2 = _job(tmp_path, seed=9, interval=2)
+    manager2.model_settings = {"model.name": "moe", "top_k": 1}
+    fresh = _snapshot(parts2, optimizers2)
+    with pytest.raises(ConfigError) as refused:
+        manager2.load()
+    assert str(refused.value) == (
+        f"[checkpoint] {tmp_path / 'checkpoint' / 'step-2'} holds a model with other settings "
+        "(top_k 2 -> 1); nothing was loaded: resume with the checkpoint's [model] settings, "
+        "or set [checkpoint] allow_model_changes = true if the change is meant"
+    )
+    assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
+    manager3 = _job(tmp_path, seed=9, interval=2, allow_model_changes=True)[3]
+    manager3.model_settings = {"model.name": "moe", "top_k": 1}
+    assert manager3.load() == 2
+    assert any(
+        "other settings (top_k 2 -> 1): loading it" in r.getMessage() for r in caplog.records
+    )
+
+
 def test_an_unwritable_folder_is_refused_before_step_one(tmp_path):
     # A file where the folder should be: unwritable even for root (chmod is not).
     (tmp_path / "checkpoint").write_text("not a folder")
