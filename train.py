@@ -96,6 +96,9 @@ def main(argv: list[str]) -> int:
         loss_sum = torch.zeros((), device=job.device)
         for inputs, labels in loop.batches():  # an uncommitted step's again, or the next ones
             loss_sum += job.forward_backward(inputs.to(job.device), labels.to(job.device))
+        if loop.interrupted:  # a stop signal between micro-batches: the step is dropped
+            loop.stop_mid_step()
+            break
         try:
             optimizers.step()  # averages across replica groups, clips, decides, applies
         except SettingsMismatch as e:  # started with another group's config: exit 2, one line
@@ -105,6 +108,8 @@ def main(argv: list[str]) -> int:
             break
         report = optimizers.last_report
         if loop.retry(report):  # not committed, nothing non-finite: the same batches again
+            if loop.stopped_retrying():  # a stop signal, or no commit for too long: saved
+                break
             continue
         lrs = group_lrs(optimizers, lr_names)  # read after step(): healing may have set them
         loop.count(report)  # the step counted: committed (lr schedule steps) or skipped

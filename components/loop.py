@@ -14,6 +14,8 @@ number; the loss it computed before the heal is not that step's, and its row say
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +51,10 @@ class LoopPolicy:
         self.exit_code = 0
         """1 once the run stopped for a lost gate or a skip streak; 0 otherwise."""
         self._retry: Batches | None = None  # an uncommitted step's micro-batches, to run again
+        self._uncommitted_since: float | None = None  # when this step's first attempt failed
+        self._data_at_step_start: dict[str, Any] = {}  # the dataloader's, to drop a step
+        self.interrupted = False
+        """A stop signal came between this step's micro-batches (`stop_mid_step`)."""
         self._batches: Batches = []
         self._skipped_in_a_row: list[int] = []
         self._heals_before = 0  # the replica group's heals when this attempt's forward began
@@ -76,13 +82,49 @@ class LoopPolicy:
         """Whether another step is to run (steps left, no stop before step 1)."""
         return self.state.step < self.steps and not self._stopped_early
 
-    def batches(self) -> Batches:
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This step's micro-batches (inputs, labels): the uncommitted step's again, or the
-        next ones."""
+        next ones, read one at a time. Between micro-batches the ranks agree on a stop signal
+        (one scalar collective each, only where a step has several): on one, `interrupted`
+        is set and no more come (the step is dropped: `stop_mid_step`)."""
         job = self.job
         self._heals_before = job.heals.count if job.heals is not None else 0
-        self._batches = self._retry or [next(job.dataloader) for _ in range(job.accumulation_steps)]
-        return self._batches
+        retry, self._batches, self.interrupted = self._retry, [], False
+        if retry is None:
+            self._data_at_step_start = job.dataloader.state_dict()
+        for i in range(job.accumulation_steps):
+            if i and self._stop_agreed():
+                self.interrupted = True
+                return
+            batch = retry[i] if retry is not None else next(job.dataloader)
+            self._batches.append(batch)
+            yield batch
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor(float(self.stop.requested), device=self.job.device)
+        if self.job.world_size > 1:
+            dist.all_reduce(flag)
+        return flag.item() > 0
+
+    def stop_mid_step(self) -> None:
+        """After a stop signal between micro-batches: drop the partial step (the data goes
+        back to its start, so the resumed run runs it again), save the last committed step,
+        say so in one line. The run exits 0."""
+        job, state = self.job, self.state
+        job.dataloader.load_state_dict(self._data_at_step_start)
+        self._retry = None
+        if not self.cfg.checkpoint.enable:
+            saved = "checkpoint.enable = false: nothing saved"
+        elif state.step == 0:
+            saved = "no step was committed: nothing to save"
+        else:
+            job.checkpoint.maybe_save(state.step, force=True)
+            saved = f"step {state.step} saved in {job.checkpoint.folder}, the same command resumes"
+        self._warn(
+            "stopped by %s during step %d (after %d of its %d micro-batches, dropped); %s",
+            self._signal_name(), state.step + 1, len(self._batches), job.accumulation_steps,
+            saved,
+        )  # fmt: skip
 
     def row_loss(
         self, loss: torch.Tensor, extra: dict[str, Any]
@@ -125,16 +167,58 @@ class LoopPolicy:
 
     def retry(self, report: StepReport) -> bool:
         """Whether the step runs again on the same micro-batches: not committed, nothing
-        non-finite (the gate's quorum failed)."""
+        non-finite (the gate's quorum failed). Between attempts a stop signal (agreed by the
+        group's ranks) or `[fault_tolerance] uncommitted_timeout_ms` without a commit ends
+        the run instead, the last committed step saved (`stopped`)."""
         if report.committed or report.nonfinite:
             self._retry = None
+            self._uncommitted_since = None
             return False
         self._retry = self._batches
+        now = time.monotonic()
+        if self._uncommitted_since is None:
+            self._uncommitted_since = now
         logger.warning(
             "step %d was not committed (%s); running it again on the same batch",
             self.state.step + 1,
             report.skipped,
         )
+        return True
+
+    def stopped_retrying(self) -> bool:
+        """Whether to stop instead of retrying the uncommitted step: for a stop signal on any
+        of the group's ranks (exit 0) or after `uncommitted_timeout_ms` of retries (exit 1);
+        the last committed step (the state has not changed since) is saved and said. A
+        collective: every rank of the group calls it after each uncommitted attempt."""
+        limit = self.cfg.fault_tolerance.uncommitted_timeout_ms / 1000
+        waited = time.monotonic() - (self._uncommitted_since or time.monotonic())
+        job, state = self.job, self.state
+        flags = torch.tensor([float(self.stop.requested), float(waited > limit)], device=job.device)
+        if job.world_size > 1:
+            dist.all_reduce(flags)
+        stopping, timed_out = (bool(f) for f in flags.tolist())
+        if not (stopping or timed_out):
+            return False
+        if not self.cfg.checkpoint.enable:
+            saved = "checkpoint.enable = false: nothing saved"
+        elif state.step == 0:
+            saved = "no step was committed: nothing to save"
+        else:
+            job.checkpoint.maybe_save(state.step, force=True)
+            saved = f"step {state.step} saved in {job.checkpoint.folder}, the same command resumes"
+        if stopping:
+            self._warn(
+                "stopped by %s while step %d was not committed; %s",
+                self._signal_name(), state.step + 1, saved,
+            )  # fmt: skip
+            return True
+        self._fail(
+            "step %d was not committed for %.0f s ([fault_tolerance] uncommitted_timeout_ms = "
+            "%d: too few replica groups reach its quorums, min_replica_size = %d); %s",
+            state.step + 1, waited, self.cfg.fault_tolerance.uncommitted_timeout_ms,
+            self.cfg.fault_tolerance.min_replica_size, saved,
+        )  # fmt: skip
+        self.exit_code = 1
         return True
 
     def count(self, report: StepReport) -> None:

@@ -77,6 +77,11 @@ class StopRequest:
             # Asked twice: the user wants out now, not after a save.
             os._exit(128 + signum)
         self.signal = signal.Signals(signum)
+        logger.warning(
+            "received %s: stopping at the next micro-batch (its step dropped) or step, the "
+            "last committed step saved; send it again to exit at once",
+            self.signal.name,
+        )
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

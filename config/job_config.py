@@ -268,6 +268,10 @@ class FaultTolerance:
     """Longest wait to reach the lighthouse at start-up (past it: one line, exit 2) and to
     reach a peer's manager when healing."""
 
+    uncommitted_timeout_ms: int = bounded(600_000, ge=1, le=MAX_TIMEOUT_MS)
+    """Longest a replica group retries steps that do not commit (too few replica groups in
+    its quorums); past it the group says so, saves its last committed step and exits 1."""
+
     semi_sync_method: Literal["none", "diloco"] = "none"
     """How replica groups meet: "none" averages gradients every step; "diloco" lets each
     group take `sync_steps` inner steps alone, then averages their pseudo-gradients (global -

@@ -575,3 +575,35 @@ def test_muon_toml_trains_with_muon_on_the_block_matrices_and_checkpoints_its_mo
         for k in state
         if k.endswith(".exp_avg") and "layers." not in k
     }
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_a_long_accumulation_is_obeyed_within_seconds(tmp_path):
+    """100000 micro-batches a step (minutes): a SIGTERM to the launcher ends the run within
+    seconds, between micro-batches, the partial step dropped and said in one line, exit 0."""
+    log = tmp_path / "out.log"
+    args = [*BASE, "--job.dump_folder", str(tmp_path / "run")]
+    args += ["--training.gradient_accumulation_steps", "100000"]
+    with log.open("w") as out:
+        proc = start(2, args, torchrun=False, stdout=out)
+        try:
+            deadline = time.monotonic() + 120
+            while "100000 micro-batches/step" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            time.sleep(1.0)  # in the middle of step 1's micro-batches
+            os.kill(proc.pid, signal.SIGTERM)
+            sent = time.monotonic()
+            code = proc.wait(timeout=60)
+            seconds = time.monotonic() - sent
+        finally:
+            kill_tree(proc.pid)
+    text = log.read_text()
+    assert code == 0 and seconds < 10, (code, seconds, text[-3000:])
+    assert "received SIGTERM: stopping at the next micro-batch" in text
+    (line,) = [line for line in text.splitlines() if "stopped by" in line]
+    assert re.search(
+        r"stopped by (SIGTERM|a signal to another rank) during step 1 \(after \d+ of its 100000 "
+        r"micro-batches, dropped\); no step was committed: nothing to save",
+        line,
+    ), line

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 
 import pytest
@@ -619,3 +620,41 @@ def test_the_served_state_of_fsdp2_mixed_precision_pickles_as_torchft_sends_it()
 
     here, sent = run_ranks(2, _served_and_sent)[0]
     assert_same(sent, here)
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_commit_obeys_a_stop_within_seconds_or_stops_at_its_timeout(
+    tmp_path,
+):
+    """A lone replica group of a job that needs two to commit retries its first step: a
+    SIGTERM ends it within seconds (exit 0, said in one line), and without one it stops at
+    `uncommitted_timeout_ms` (exit 1, one line naming the key)."""
+    import signal
+
+    need_two = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.enable"]
+    for case, extra in (
+        ("signal", []),
+        ("timeout", ["--fault_tolerance.uncommitted_timeout_ms", "3000"]),
+    ):
+        (tmp_path / case).mkdir()
+        job = FTJob(tmp_path / case, 20, [*need_two, *extra])
+        try:
+            job.start_replica(0)
+            job.wait_for("a retry", lambda j=job: "was not committed" in j.log("replica_0"))
+            start = time.monotonic()
+            if case == "signal":
+                os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
+            code = job.wait_exit("replica_0", timeout=60)
+            seconds = time.monotonic() - start
+        finally:
+            job.close()
+        log = job.log("replica_0")
+        if case == "signal":
+            assert code == 0 and seconds < 10, (code, seconds, log[-3000:])
+            assert (
+                "stopped by SIGTERM while step 1 was not committed; no step was committed: " in log
+            )
+        else:
+            assert code == 1, log[-3000:]
+            assert "step 1 was not committed for " in log
+            assert "[fault_tolerance] uncommitted_timeout_ms = 3000: too few replica groups" in log
