@@ -106,6 +106,16 @@ class LoopPolicy:
             dist.all_reduce(flag)
         return flag.item() > 0
 
+    def _save_committed(self) -> str:
+        """Save the last committed step (the state has not changed since); what was saved."""
+        job, state = self.job, self.state
+        if not self.cfg.checkpoint.enable:
+            return "checkpoint.enable = false: nothing saved"
+        if state.step == 0:
+            return "no step was committed: nothing to save"
+        job.checkpoint.maybe_save(state.step, force=True)
+        return f"step {state.step} saved in {job.checkpoint.folder}, the same command resumes"
+
     def stop_mid_step(self) -> None:
         """After a stop signal between micro-batches: drop the partial step (the data goes
         back to its start, so the resumed run runs it again), save the last committed step,
@@ -113,13 +123,7 @@ class LoopPolicy:
         job, state = self.job, self.state
         job.dataloader.load_state_dict(self._data_at_step_start)
         self._retry = None
-        if not self.cfg.checkpoint.enable:
-            saved = "checkpoint.enable = false: nothing saved"
-        elif state.step == 0:
-            saved = "no step was committed: nothing to save"
-        else:
-            job.checkpoint.maybe_save(state.step, force=True)
-            saved = f"step {state.step} saved in {job.checkpoint.folder}, the same command resumes"
+        saved = self._save_committed()
         self._warn(
             "stopped by %s during step %d (after %d of its %d micro-batches, dropped); %s",
             self._signal_name(), state.step + 1, len(self._batches), job.accumulation_steps,
@@ -199,13 +203,7 @@ class LoopPolicy:
         stopping, timed_out = (bool(f) for f in flags.tolist())
         if not (stopping or timed_out):
             return False
-        if not self.cfg.checkpoint.enable:
-            saved = "checkpoint.enable = false: nothing saved"
-        elif state.step == 0:
-            saved = "no step was committed: nothing to save"
-        else:
-            job.checkpoint.maybe_save(state.step, force=True)
-            saved = f"step {state.step} saved in {job.checkpoint.folder}, the same command resumes"
+        saved = self._save_committed()
         if stopping:
             self._warn(
                 "stopped by %s while step %d was not committed; %s",
