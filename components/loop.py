@@ -101,14 +101,18 @@ class LoopPolicy:
             yield batch
 
     def _stop_agreed(self) -> bool:
+        if self.job.world_size == 1:
+            return self.stop.requested
         flag = torch.tensor(float(self.stop.requested), device=self.job.device)
-        if self.job.world_size > 1:
-            dist.all_reduce(flag)
+        dist.all_reduce(flag)
         return flag.item() > 0
 
     def _save_committed(self) -> str:
-        """Save the last committed step (the state has not changed since); what was saved."""
+        """Save the last committed step (the state has not changed since; the data goes back
+        to the uncommitted step's start, so a resumed run runs it again); what was saved."""
         job, state = self.job, self.state
+        if self._data_at_step_start:
+            job.dataloader.load_state_dict(self._data_at_step_start)
         if not self.cfg.checkpoint.enable:
             return "checkpoint.enable = false: nothing saved"
         if state.step == 0:
@@ -121,7 +125,6 @@ class LoopPolicy:
         back to its start, so the resumed run runs it again), save the last committed step,
         say so in one line. The run exits 0."""
         job, state = self.job, self.state
-        job.dataloader.load_state_dict(self._data_at_step_start)
         self._retry = None
         saved = self._save_committed()
         self._warn(
@@ -157,6 +160,8 @@ class LoopPolicy:
     def gate_lost(self, error: GateLost) -> None:
         """Save the last committed step (nothing changed since) and say why the run stops."""
         job, state = self.job, self.state
+        if self._data_at_step_start:  # (the step's batches were read: read them again)
+            job.dataloader.load_state_dict(self._data_at_step_start)
         job.checkpoint.maybe_save(state.step, force=True)
         self._fail(
             "stopped at step %d of %d: %s; %s",

@@ -3,7 +3,6 @@ stops the run, a stop signal stops it after a save, a lost gate exits 1."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import signal
 from types import SimpleNamespace
@@ -37,15 +36,35 @@ class _Schedules:
         self.steps += 1
 
 
+class _Data:
+    """An endless loader whose micro-batch i holds i, its position checkpointed (as the
+    `Dataloader` protocol asks)."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def __iter__(self) -> _Data:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.index += 1
+        return torch.tensor([self.index - 1]), torch.tensor([self.index - 1])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.index = state["index"]
+
+
 def _policy(*args: str, signal_name: str | None = None) -> tuple[LoopPolicy, Any]:
     cfg = load_job_config(["--training.steps", "10", *args])
-    counter = itertools.count()  # micro-batch i holds i
     job = SimpleNamespace(
         rank=0,
         world_size=1,
         device=torch.device("cpu"),
         train_state=TrainState(),
-        dataloader=((torch.tensor([i]), torch.tensor([i])) for i in counter),
+        dataloader=_Data(),
         accumulation_steps=2,
         checkpoint=_Checkpoint(),
         lr_schedulers=_Schedules(),
@@ -61,12 +80,12 @@ def test_an_uncommitted_step_runs_again_on_its_batches_then_counts(caplog):
     loop, job = _policy()
     loop.agree_to_start()
     assert loop.running()
-    first = loop.batches()
+    first = list(loop.batches())
     assert [int(x) for x, _ in first] == [0, 1]
     with caplog.at_level(logging.WARNING):
         assert loop.retry(StepReport(committed=False, skipped="no quorum"))
     assert "step 1 was not committed (no quorum); running it again on the same batch" in caplog.text
-    assert loop.batches() == first
+    assert list(loop.batches()) == first  # the same tensors, not read again
     assert not loop.retry(StepReport())
     loop.count(StepReport())
     assert job.train_state.step == 1 and job.lr_schedulers.steps == 1
@@ -116,3 +135,27 @@ def test_a_lost_gate_saves_the_committed_step_and_exits_1(caplog):
     assert (
         "stopped at step 3 of 10: the lighthouse is gone; saved in /run/checkpoint" in caplog.text
     )
+
+
+def test_a_stop_or_a_timeout_while_retrying_saves_the_data_position_of_the_steps_start(caplog):
+    """The checkpoint of the last committed step holds the data where the uncommitted step
+    began, so the resumed run reads that step's batches again."""
+    for args, requested in (([], True), (["--fault_tolerance.uncommitted_timeout_ms", "1"], False)):
+        loop, job = _policy(*args, "--checkpoint.enable")
+        job.train_state.step = 3
+        job.dataloader.index = 6  # the committed steps' batches
+        list(loop.batches())
+        assert job.dataloader.index == 8
+        loop.stop.requested = requested
+        loop.stop.signal = signal.SIGTERM if requested else None
+        assert loop.retry(StepReport(committed=False, skipped="quorum failed"))
+        saved_at: list = []
+
+        def save(step: int, force: bool = False, saved_at=saved_at, data=job.dataloader) -> None:
+            saved_at.append((step, data.state_dict()))
+
+        job.checkpoint.maybe_save = save
+        while not loop.stopped_retrying():
+            pass  # (the timeout: 1 ms)
+        assert saved_at == [(3, {"index": 6})]
+        assert loop.exit_code == (0 if requested else 1)
