@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
     if cfg.job.print_config:
         logger.info("config (saved as config.toml in the dump folder):\n%s", resolved)
     job = build_job(cfg)
+    stop.arm(cfg.training.stop_grace_seconds, job.checkpoint.newest)
     run_log.keep_in(job.dump_folder)  # the folder is this run's now (and what was logged)
     job.checkpoint.load()
     if job.rank == 0:  # after the load: a refused resume leaves the folder's config as it was

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 __all__ = [
@@ -62,11 +63,40 @@ def early_signal() -> signal.Signals | None:
 
 class StopRequest:
     """Catches `STOP_SIGNALS` for the life of the run; `requested` once one arrived (also one
-    that `catch_early` recorded before)."""
+    that `catch_early` recorded before). Once `arm`ed, a run that has not exited
+    `grace_seconds` after the signal (a save, a quorum or a heal still running) says what it
+    could not save and exits 1, before a scheduler's SIGKILL would end it unsaid."""
 
     def __init__(self) -> None:
         self.signal: signal.Signals | None = early_signal()
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self._grace: tuple[float, Callable[[], str]] | None = None
+        self._timer: threading.Timer | None = None
+
+    def arm(self, grace_seconds: float, saved: Callable[[], str]) -> None:
+        """From now, a signal gives the run `grace_seconds` to exit (counted from now for one
+        that came before); `saved()` says what the newest checkpoint holds."""
+        self._grace = (grace_seconds, saved)
+        if self.signal is not None:
+            self._start_timer()
+
+    def _start_timer(self) -> None:
+        if self._grace is None or self._timer is not None:
+            return
+        self._timer = threading.Timer(self._grace[0], self._expired)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expired(self) -> None:
+        grace, saved = self._grace  # type: ignore[misc]
+        logger.error(
+            "stopped by %s %g s ago and still not exited ([training] stop_grace_seconds = %g: "
+            "a save, a quorum or a heal still runs): %s; exiting now with 1",
+            self.signal.name if self.signal else "a signal", grace, grace, saved(),
+        )  # fmt: skip
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
 
     @property
     def requested(self) -> bool:
@@ -77,6 +107,7 @@ class StopRequest:
             # Asked twice: the user wants out now, not after a save.
             os._exit(128 + signum)
         self.signal = signal.Signals(signum)
+        self._start_timer()
         logger.warning(
             "received %s: stopping at the next micro-batch (its step dropped) or step, the "
             "last committed step saved; send it again to exit at once",
@@ -84,6 +115,8 @@ class StopRequest:
         )
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

@@ -160,6 +160,11 @@ class Training:
     """Dtype FSDP2 reduce-scatters (and, with HSDP, all-reduces) the gradients in (its
     `MixedPrecisionPolicy(reduce_dtype)`); same conditions as `mixed_precision_param`."""
 
+    stop_grace_seconds: float = bounded(20.0, gt=0.0, le=3600.0)
+    """After a stop signal, the longest the run takes to save and exit (schedulers often
+    SIGKILL 30 s after their SIGTERM); past it, it says which checkpoint it could not write
+    and exits 1."""
+
     max_consecutive_skips: int = bounded(10, ge=1)
     """Steps skipped in a row for a non-finite loss or gradients (weights, optimizer state
     and lr schedule left unchanged, the batch spent) before the run stops with exit code 1."""

@@ -427,6 +427,15 @@ class CheckpointManager:
         if _rank0():
             logger.error("%s; training goes on (the next save may succeed)", failure)
 
+    def newest(self) -> str:
+        """The newest complete checkpoint, in words (from any thread: a folder listing)."""
+        if not self.cfg.enable:
+            return "checkpoint.enable = false: nothing saved"
+        found = complete_checkpoints(self.folder)
+        if not found:
+            return f"no checkpoint in {self.folder}: nothing saved"
+        return f"the newest checkpoint is {found[max(found)]}; later steps are not saved"
+
     def kept(self) -> str:
         """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
         return kept_steps(self.folder)

@@ -658,3 +658,30 @@ def test_a_group_that_cannot_commit_obeys_a_stop_within_seconds_or_stops_at_its_
             assert code == 1, log[-3000:]
             assert "step 1 was not committed for " in log
             assert "[fault_tolerance] uncommitted_timeout_ms = 3000: too few replica groups" in log
+
+
+@pytest.mark.slow
+def test_a_stop_that_cannot_save_within_its_grace_says_so_and_exits(tmp_path):
+    """A lone group waits for a quorum the lighthouse forms only with two: a SIGTERM cannot
+    be acted on until the wait ends, so after `stop_grace_seconds` the run says what the
+    newest checkpoint holds and exits 1, before a scheduler's SIGKILL."""
+    import signal
+
+    job = FTJob(tmp_path, 20, ["--training.stop_grace_seconds", "3", "--checkpoint.enable"],
+                min_replicas=2)  # fmt: skip
+    try:
+        job.start_replica(0)
+        job.wait_for("the start line", lambda: "micro-batches/step" in job.log("replica_0"))
+        time.sleep(1.0)  # inside the first quorum's wait
+        os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
+        start = time.monotonic()
+        code = job.wait_exit("replica_0", timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        job.close()
+    log = job.log("replica_0")
+    assert code == 1 and 2.5 < seconds < 10, (code, seconds, log[-3000:])
+    assert (
+        "stopped by SIGTERM 3 s ago and still not exited ([training] stop_grace_seconds = 3" in log
+    )
+    assert "no checkpoint in " in log and "nothing saved; exiting now with 1" in log
