@@ -685,3 +685,38 @@ def test_a_stop_that_cannot_save_within_its_grace_says_so_and_exits(tmp_path):
         "stopped by SIGTERM 3 s ago and still not exited ([training] stop_grace_seconds = 3" in log
     )
     assert "no checkpoint in " in log and "nothing saved; exiting now with 1" in log
+
+
+@pytest.mark.slow
+def test_a_group_left_alone_after_committed_steps_saves_the_last_on_a_stop(tmp_path):
+    """The issue's case: two groups that must both commit; group 1 is killed after a few
+    steps and group 0 retries its next step. A SIGTERM saves the last committed step (the
+    data at the uncommitted step's start) and exits 0 within seconds; the same command
+    resumes from it."""
+    import signal
+
+    from components.checkpoint import complete_checkpoints
+
+    need_two = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.enable"]
+    job = FTJob(tmp_path, 40, need_two)
+    try:
+        job.start_replica(0)
+        job.start_replica(1)
+        job.wait_for("3 committed steps", lambda: len(job.metrics(0)) >= 3)
+        job.kill("replica_1")
+        job.wait_for("a retry", lambda: "was not committed" in job.log("replica_0"))
+        committed = max(job.metrics(0))
+        os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
+        start = time.monotonic()
+        code = job.wait_exit("replica_0", timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        job.close()
+    log = job.log("replica_0")
+    assert code == 0 and seconds < 10, (code, seconds, log[-3000:])
+    folder = tmp_path / "replica_0" / "checkpoint"
+    assert list(complete_checkpoints(folder)) == [committed], log[-3000:]
+    assert (
+        f"stopped by SIGTERM while step {committed + 1} was not committed; step {committed} "
+        f"saved in {folder}, the same command resumes"
+    ) in log
