@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 
 import pytest
@@ -622,6 +623,15 @@ def test_the_served_state_of_fsdp2_mixed_precision_pickles_as_torchft_sends_it()
     assert_same(sent, here)
 
 
+def _stopped(job: FTJob, sig: int | None = signal.SIGTERM) -> tuple[int, float]:
+    """Send `sig` (None: none) to replica group 0; its exit code and the seconds it took."""
+    start = time.monotonic()
+    if sig is not None:
+        os.kill(job.procs["replica_0"].pid, sig)
+    code = job.wait_exit("replica_0", timeout=60)
+    return code, time.monotonic() - start
+
+
 @pytest.mark.slow
 def test_a_group_that_cannot_commit_obeys_a_stop_within_seconds_or_stops_at_its_timeout(
     tmp_path,
@@ -629,8 +639,6 @@ def test_a_group_that_cannot_commit_obeys_a_stop_within_seconds_or_stops_at_its_
     """A lone replica group of a job that needs two to commit retries its first step: a
     SIGTERM ends it within seconds (exit 0, said in one line), and without one it stops at
     `uncommitted_timeout_ms` (exit 1, one line naming the key)."""
-    import signal
-
     need_two = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.enable"]
     for case, extra in (
         ("signal", []),
@@ -641,11 +649,7 @@ def test_a_group_that_cannot_commit_obeys_a_stop_within_seconds_or_stops_at_its_
         try:
             job.start_replica(0)
             job.wait_for("a retry", lambda j=job: "was not committed" in j.log("replica_0"))
-            start = time.monotonic()
-            if case == "signal":
-                os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
-            code = job.wait_exit("replica_0", timeout=60)
-            seconds = time.monotonic() - start
+            code, seconds = _stopped(job, signal.SIGTERM if case == "signal" else None)
         finally:
             job.close()
         log = job.log("replica_0")
@@ -665,18 +669,13 @@ def test_a_stop_that_cannot_save_within_its_grace_says_so_and_exits(tmp_path):
     """A lone group waits for a quorum the lighthouse forms only with two: a SIGTERM cannot
     be acted on until the wait ends, so after `stop_grace_seconds` the run says what the
     newest checkpoint holds and exits 1, before a scheduler's SIGKILL."""
-    import signal
-
     job = FTJob(tmp_path, 20, ["--training.stop_grace_seconds", "3", "--checkpoint.enable"],
                 min_replicas=2)  # fmt: skip
     try:
         job.start_replica(0)
         job.wait_for("the start line", lambda: "micro-batches/step" in job.log("replica_0"))
         time.sleep(1.0)  # inside the first quorum's wait
-        os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
-        start = time.monotonic()
-        code = job.wait_exit("replica_0", timeout=60)
-        seconds = time.monotonic() - start
+        code, seconds = _stopped(job)
     finally:
         job.close()
     log = job.log("replica_0")
@@ -693,8 +692,6 @@ def test_a_group_left_alone_after_committed_steps_saves_the_last_on_a_stop(tmp_p
     steps and group 0 retries its next step. A SIGTERM saves the last committed step (the
     data at the uncommitted step's start) and exits 0 within seconds; the same command
     resumes from it."""
-    import signal
-
     from components.checkpoint import complete_checkpoints
 
     need_two = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.enable"]
@@ -706,10 +703,7 @@ def test_a_group_left_alone_after_committed_steps_saves_the_last_on_a_stop(tmp_p
         job.kill("replica_1")
         job.wait_for("a retry", lambda: "was not committed" in job.log("replica_0"))
         committed = max(job.metrics(0))
-        os.kill(job.procs["replica_0"].pid, signal.SIGTERM)
-        start = time.monotonic()
-        code = job.wait_exit("replica_0", timeout=60)
-        seconds = time.monotonic() - start
+        code, seconds = _stopped(job)
     finally:
         job.close()
     log = job.log("replica_0")
