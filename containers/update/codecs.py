@@ -28,6 +28,7 @@ from containers.tensors import local
 
 __all__ = [
     "BF16_FUSED_DEVICES",
+    "BLOCK",
     "HALF_ULP",
     "Dense",
     "Fp32Masters",
@@ -36,6 +37,7 @@ __all__ = [
     "Piece",
     "Remainders",
     "RowCodes",
+    "as_blocks",
     "join",
     "split",
 ]
@@ -168,6 +170,19 @@ class Dense(MomentCodec):
         stored.copy_(torch.where(skip, stored.float(), new))
 
 
+BLOCK = 32
+"""Elements of a row that share one scale in the block codes (`RowCodes.BLOCK`)."""
+
+
+def as_blocks(t: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """`t` as (rows, blocks, `block`), a zero-padded copy if its rows are not whole blocks."""
+    last = t.shape[-1] if t.dim() else 1
+    r = t.reshape(-1, last)
+    if last % block:
+        r = torch.nn.functional.pad(r, (0, -last % block))
+    return r.view(r.shape[0], r.shape[1] // block, block)
+
+
 class RowCodes(MomentCodec):
     """Adam's moments as `{CODE: codes, "scale": fp32}` in blocks of `BLOCK` consecutive
     elements of a row (the last may be shorter), each block with its own scale, so no block
@@ -179,7 +194,7 @@ class RowCodes(MomentCodec):
     A subclass gives the codes' dtype and shape, and how rows of blocks are coded."""
 
     adam_only = True
-    BLOCK = 32
+    BLOCK = BLOCK
     CODE = "code"
     MIN_ROW = 5
     FALLBACK = Dense(torch.bfloat16)

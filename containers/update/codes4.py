@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from containers.update.codecs import RowCodes
+from containers.update.codecs import RowCodes, as_blocks
 
 __all__ = ["LOG_STEPS", "SIGNED_MAGNITUDES", "Codes4"]
 
@@ -53,14 +53,6 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     """`_pack`'s inverse: (..., n) bytes as (..., 2n) codes (int64, for table lookups)."""
     low, high = packed & 15, packed >> 4
     return torch.stack([low, high], -1).view(*packed.shape[:-1], -1).long()
-
-
-def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Rows (rows, columns) as (rows, blocks, block), zero-padded to whole blocks."""
-    columns = t.shape[-1]
-    if columns % block:
-        t = torch.nn.functional.pad(t, (0, -columns % block))
-    return t.view(t.shape[0], -1, block)
 
 
 def codes_of(moment: str, blocks: torch.Tensor, consts: Sequence[torch.Tensor]) -> tuple:
@@ -97,7 +89,7 @@ class Codes4(RowCodes):
     def encode_rows(
         self, moment: str, values: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
     ) -> None:
-        codes, top = codes_of(moment, _blocks(values, self.BLOCK), tables(values.device))
+        codes, top = codes_of(moment, as_blocks(values, self.BLOCK), tables(values.device))
         columns = values.shape[-1]
         code.copy_(_pack(codes.view(codes.shape[0], -1)[:, :columns]))
         scale.copy_(top.view(scale.shape))
@@ -105,7 +97,7 @@ class Codes4(RowCodes):
     def decode_rows(
         self, moment: str, code: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     ) -> None:
-        codes = _blocks(_unpack(code), self.BLOCK)
+        codes = as_blocks(_unpack(code), self.BLOCK)
         values = values_of(moment, codes, scale.unsqueeze(-1), tables(code.device))
         out.copy_(values.view(values.shape[0], -1)[:, : out.shape[-1]])
 

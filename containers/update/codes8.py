@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from containers.update.codecs import RowCodes
+from containers.update.codecs import BLOCK, RowCodes, as_blocks
 
 __all__ = [
     "BLOCK",
@@ -39,7 +39,6 @@ __all__ = [
     "signed_values",
 ]
 
-BLOCK = 32
 LOG_OCTAVES = 40.0
 _STEPS = 254  # codes 1..255
 
@@ -63,15 +62,6 @@ def log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     thresholds = torch.exp2(-(c - 0.5) * (LOG_OCTAVES / _STEPS))
     thresholds[0], thresholds[255] = float("inf"), 0.0
     return values.float().to(device), thresholds.float().to(device)
-
-
-def as_blocks(t: torch.Tensor) -> torch.Tensor:
-    """`t` as (rows, blocks, BLOCK), a zero-padded copy if its rows are not whole blocks."""
-    last = t.shape[-1] if t.dim() else 1
-    r = t.reshape(-1, last)
-    if last % BLOCK:
-        r = torch.nn.functional.pad(r, (0, -last % BLOCK))
-    return r.view(r.shape[0], r.shape[1] // BLOCK, BLOCK)
 
 
 def from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -205,7 +195,6 @@ class Codes8(RowCodes):
     name = "8bit"
     label = "8-bit codes"
     bytes_per_value = 1.125  # a code, and an fp32 scale a block of 32
-    BLOCK = BLOCK
 
     def code_dtype(self, moment: str) -> torch.dtype:
         return torch.int8 if moment == "exp_avg" else torch.uint8
