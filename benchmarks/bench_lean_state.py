@@ -5,6 +5,7 @@ quality.
     .venv/bin/python benchmarks/bench_lean_state.py --no-quality    # the table only (~1 min)
     .venv/bin/python benchmarks/bench_lean_state.py --quick         # smoke run
     .venv/bin/python benchmarks/bench_lean_state.py --graphs        # the compiled update alone
+    .venv/bin/python benchmarks/bench_lean_state.py --slope         # train.py's job, B/param
 
 Table: the default container over a 16.8M-parameter stack of linear layers (the mixed-
 precision benchmark's shape), AdamW with `moment_dtype` "float32" (today's), "bfloat16", "8bit",
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_mp_quality import run_job, tail_mean  # noqa: E402
-from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, run_fresh  # noqa: E402
+from benchmarks.common import markdown_table, peak_rss, reset_peak_rss, rss, run_fresh  # noqa: E402
 from components.checkpoint import ModelWrapper  # noqa: E402
 from containers import (  # noqa: E402
     LeanAdamW,
@@ -221,6 +222,83 @@ def quality_table(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# name -> the mixed-precision job's options (`MP_DEBUG` and these)
+SLOPES = {
+    MP_TODAY: [],
+    "mixed precision, remainders + bf16 moments": LEAN_MP,
+    "mixed precision, remainders + 8-bit moments": [*LEAN_MP[:1], "8bit", *LEAN_MP[2:]],
+    "mixed precision, remainders + 4-bit moments": [*LEAN_MP[:1], "4bit", *LEAN_MP[2:]],
+}
+SLOPE_GOALS = {"mixed precision, remainders + 8-bit moments": "<= 6.3"}
+
+
+def slope_child(argv: list[str]) -> None:
+    """Rank body of `--slope-child` (under torchrun): the job train.py builds from `argv`,
+    trained 4 steps as train.py's loop does, then rank 0 prints its local parameter count,
+    the bytes of every tensor storage alive (each once) and its resident set, both after a
+    collection and `malloc_trim` (freed heap pages leave the set) and less the model's
+    buffers (rotary tables, which grow with a flavor's sequence length, not its parameters)."""
+    import ctypes
+
+    from components.job import build_job
+    from config import load_job_config
+
+    job = build_job(load_job_config(argv))
+    for _ in range(4):
+        job.optimizers.zero_grad()
+        for _ in range(job.accumulation_steps):
+            job.forward_backward(*next(job.dataloader))
+        job.optimizers.step()
+    job.optimizers.zero_grad()
+    gc.collect()
+    storages, buffers = {}, {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            storage = local(obj).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    for b in (b for part in job.model_parts for b in part.buffers()):
+        buffers[local(b).untyped_storage().data_ptr()] = local(b).untyped_storage().nbytes()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    out = {
+        "params": sum(local(p).numel() for p in job.parameters()),
+        "tensors": sum(storages.values()) - sum(buffers.values()),
+        "rss": rss() - sum(buffers.values()),
+    }
+    job.close()
+    if job.rank == 0:
+        print(json.dumps(out))
+
+
+def slope_table(flavors: tuple[str, str], nproc: int = 2) -> str:
+    """Steady memory per parameter of the mixed-precision job at two llama sizes: the slope
+    of what rank 0 keeps between steps, per local parameter (what grows with the model,
+    whatever the run's fixed costs)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    rows = []
+    for name, options in SLOPES.items():
+        kept = {}
+        for flavor in flavors:
+            argv = [
+                *MP_DEBUG, *options, "--model.flavor", flavor, "--checkpoint.enable", "false",
+                "--training.local_batch_size", "1", "--training.seq_len", "32",  # (fast steps)
+            ]  # fmt: skip
+            script = ["--standalone", f"--nproc_per_node={nproc}", __file__, "--slope-child"]
+            kept[flavor] = run_fresh(str(torchrun), [*script, *argv])
+        small, large = (kept[f] for f in flavors)
+        params = large["params"] - small["params"]
+        tensors, resident = ((large[k] - small[k]) / params for k in ("tensors", "rss"))
+        goal = SLOPE_GOALS.get(name, "")
+        rows.append((name, f"{tensors:.2f} {goal}".rstrip(), f"{resident:.2f} {goal}".rstrip()))
+    head = (
+        f"the mixed-precision job as train.py builds it, {nproc} gloo ranks (FSDP2), llama "
+        f"{flavors[0]} and {flavors[1]}, 4 steps; rank 0 after the last: the slope between "
+        "the sizes per local parameter, of its live tensor storages and of its resident set "
+        "(the model's buffers apart)"
+    )
+    columns = ("", "tensors B/param (slope)", "resident B/param (slope)")
+    return f"{head}\n\n{markdown_table(rows, columns)}"
+
+
 # name -> (parameter dtype, container, loaded through `containers.load_planner`)
 RESUMES = {
     MP_TODAY: (torch.bfloat16, _mixed(False), False),
@@ -400,13 +478,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-table", action="store_true", help="the quality runs only")
     parser.add_argument("--quick", action="store_true", help="small sizes, 6 steps")
     parser.add_argument(
+        "--slope", action="store_true", help="steady memory of train.py's job at two sizes"
+    )
+    parser.add_argument(
         "--graphs", action="store_true", help="the compiled update's CPU code alone, then stop"
     )
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_lean_state"))
     parser.add_argument("--resume-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--slope-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.slope_child:
+        slope_child(args.slope_child)
+        return 0
     if args.resume_child:
         print(json.dumps(resume_child(*args.resume_child, args.width, args.layers)))
+        return 0
+    if args.slope:
+        flavors = ("tiny", "debug") if args.quick else ("debug", "small")
+        print(slope_table(flavors))
         return 0
     if args.graphs:
         print(graph_table(2**18 if args.quick else 2**22, 2 if args.quick else 9))

@@ -22,7 +22,14 @@ from config import Metrics as MetricsConfig
 from config import Optimizer as OptimizerConfig
 from containers import OptimizersContainer
 
-__all__ = ["MetricsLogger", "group_lrs", "lr_group_names", "param_checksum", "peak_memory_gib"]
+__all__ = [
+    "MetricsLogger",
+    "group_lrs",
+    "lr_group_names",
+    "memory_gib",
+    "param_checksum",
+    "peak_memory_gib",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +40,18 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB on Linux
+
+
+def memory_gib(device: torch.device) -> float:
+    """Accelerator memory allocated now, or the process's resident set now on CPU: after a
+    step, the steady state (parameters, optimizer state, the run's fixed costs)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/statm") as f:  # Linux
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:  # no /proc: the peak stands in
+        return peak_memory_gib(device)
 
 
 @torch.no_grad()
@@ -212,6 +231,7 @@ class MetricsLogger:
         seconds, tokens_in_window, steps = window
         self._window = [0.0, 0, 0]
         named = {f"lr/{name}": lr for name, lr in (lrs or {}).items()}
+        now = memory_gib(self.device)
         record = {
             "step": step,
             "time": round(time.time(), 3),
@@ -220,7 +240,8 @@ class MetricsLogger:
             **extra,
             "tokens_per_s": tokens_in_window / seconds,
             "step_time_s": seconds / steps,
-            "peak_memory_gib": peak_memory_gib(self.device),
+            "memory_gib": now,
+            "peak_memory_gib": max(now, peak_memory_gib(self.device)),  # (a lazily kept peak)
             "eta_s": sum(recent) / len(recent) * (self.total_steps - step),
             **named,
             **({"note": note} if note else {}),
