@@ -25,7 +25,7 @@ import torch
 
 from components.checkpoint import complete_checkpoints
 from tests.harness.dist import finish, kill_tree, start, train_ranks, worker_pids
-from tests.harness.helpers import poison
+from tests.harness.helpers import poison, tmpfs
 from tests.test_train import BASE, LONG, _checkpoint_tensors, _losses
 
 
@@ -186,17 +186,8 @@ def test_a_file_named_step_30_stops_the_run_before_step_1_and_stays(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 3.5 MiB tmpfs: one checkpoint of BASE's model (2.2 MB) fits, a second does not."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=3584k", "tmpfs", str(disk)]
-    try:
-        done = subprocess.run(mount, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a small tmpfs here ({e}): the full-disk case needs one")
-    if done.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}): needs root")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+    with tmpfs(tmp_path / "disk", 3584 * 1024) as disk:
+        yield disk
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
@@ -226,6 +217,34 @@ def test_a_save_that_runs_out_of_disk_is_one_line_exit_1_and_the_older_one_intac
     assert int(said[1]) == sum(p.stat().st_size for p in (folder / "step-2").iterdir())
     assert {p.name for p in folder.iterdir()} == {"run.lock", "step-2"}
     assert _hashes(folder / "step-2") == before
+
+
+def test_a_stop_in_the_middle_of_an_accumulation_resumes_bitwise(tmp_path):
+    """Steps 1-2 commit, then rank 1 gets a SIGTERM after step 3's first of 4 micro-batches:
+    step 2 is saved (the partial step dropped, the data back at its start), exit 0, and the
+    resume trains steps 3-4 bitwise as the uninterrupted run."""
+    common = [*BASE, "--training.gradient_accumulation_steps", "4", "--training.steps", "4"]
+    common += ["--checkpoint.interval", "1000"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    for dump, faults in [(full, ()), (stopped, ("signal", "3", "1")), (stopped, ())]:
+        result = train_ranks(2, [*common, "--job.dump_folder", str(dump)], faults=faults)
+        assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout[-3000:]
+        if faults:
+            (line,) = _lines(result.stdout, "stopped by")
+            assert (
+                "stopped by a signal to another rank during step 3 (after 1 of its 4 "
+                f"micro-batches, dropped); step 2 saved in {stopped / 'checkpoint'}, the same "
+                "command resumes"
+            ) in line, line
+            assert sorted(complete_checkpoints(stopped / "checkpoint")) == [2]
+    assert f"resumed from {stopped / 'checkpoint' / 'step-2'}" in result.stdout
+    a, b = _losses(full), _losses(stopped)
+    assert sorted(b) == [1, 2, 3, 4] and a == b, (a, b)
+    ours, theirs = (_checkpoint_tensors(d / "checkpoint" / "step-4", d) for d in (full, stopped))
+    assert ours.keys() == theirs.keys() and any(".exp_avg_sq" in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [
+        k for k in ours if not torch.equal(ours[k], theirs[k])
+    ]
 
 
 MIXED = ["--job.config_file", "config/mixed_precision.toml"]

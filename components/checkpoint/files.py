@@ -48,13 +48,13 @@ __all__ = [
     "damaged_checkpoint_error",
     "describe",
     "load_refusal",
+    "model_settings_file",
     "refuse_strangers",
     "resume_instead",
     "unreadable",
     "verified",
     "verify",
     "write_checksums",
-    "write_model_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,26 +170,61 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_checksums(folder: Path) -> None:
+def write_checksums(folder: Path, shared: bool = False, also: dict[str, str] | None = None) -> None:
     """Record a checksum of every file of a saved checkpoint `folder` (before it is published:
-    a published checkpoint always has its record)."""
-    sums = {p.name: _digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
-    sums.pop(CHECKSUMS, None)
-    tmp = folder / f"{CHECKSUMS}.tmp"
-    with tmp.open("w") as f:
-        json.dump({"xxh3_64": sums}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / CHECKSUMS)
+    a published checkpoint always has its record).
+
+    Args:
+        folder: the saved checkpoint, not yet published.
+        shared: every rank of the job calls this at once: each hashes the files it wrote
+            (`__<rank>_*`), rank 0 writes the record, and a failure on any rank (a full
+            disk, an unreadable file) is raised on every rank.
+        also: files (name -> text) rank 0 writes first, recorded with the rest.
+    """
+    world, rank = (dist.get_world_size(), dist.get_rank()) if shared else (1, 0)
+    error: OSError | None = None
+    sums: dict[str, str] = {}
+    try:
+        if rank == 0:
+            for name, text in (also or {}).items():
+                (folder / name).write_text(text)
+        for p in sorted(folder.iterdir()):
+            writer = re.match(r"__(\d+)_", p.name)  # (DCP's `__<rank>_<n>.distcp`)
+            ours = int(writer[1] if writer else 0) % world == rank
+            if ours and p.is_file() and p.name != CHECKSUMS:
+                sums[p.name] = _digest(p)
+    except OSError as e:
+        error = e
+    if world > 1:
+        views: list[Any] = [None] * world
+        dist.all_gather_object(views, (sums, error))
+        sums = {name: digest for share, _ in views for name, digest in share.items()}
+        error = next((e for _, e in views if e is not None), None)
+    if error is None and rank == 0:
+        tmp = folder / f"{CHECKSUMS}.tmp"
+        try:
+            with tmp.open("w") as f:
+                json.dump({"xxh3_64": dict(sorted(sums.items()))}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / CHECKSUMS)
+        except OSError as e:
+            error = e
+    if world > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
 
 
 MODEL_SETTINGS = ".model.json"
 """The settings of the model a checkpoint holds (JSON): its family, flavor and arguments."""
 
 
-def write_model_settings(folder: Path, settings: dict[str, Any]) -> None:
-    """Record the model's `settings` in a checkpoint `folder` (before its checksums)."""
-    (folder / MODEL_SETTINGS).write_text(json.dumps(settings, sort_keys=True))
+def model_settings_file(settings: dict[str, Any]) -> dict[str, str]:
+    """The file recording the model's `settings` in a checkpoint (for `write_checksums`)."""
+    return {MODEL_SETTINGS: json.dumps(settings, sort_keys=True)}
 
 
 def changed_model_settings(path: Path, ours: dict[str, Any]) -> list[str]:

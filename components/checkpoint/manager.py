@@ -48,11 +48,11 @@ from components.checkpoint.files import (
     describe,
     forgetting_on_failure,
     load_refusal,
+    model_settings_file,
     refuse_strangers,
     verified,
     verify,
     write_checksums,
-    write_model_settings,
 )
 from components.checkpoint.finite import first_nonfinite, nonfinite_checkpoint_error
 from components.checkpoint.resume import ConfigSettings
@@ -60,6 +60,7 @@ from components.checkpoint.save import (
     SaveFailed,
     any_rank,
     audit,
+    first_failure,
     folder_bytes,
     kept_steps,
     save_failed,
@@ -223,6 +224,7 @@ class CheckpointManager:
         if step < 0 and self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
+            self._refuse_model_changes(seed.path, seed=True)  # (read by verify already)
             step = load_seed(seed, self.states, model_only)
             self._config_wins()
             return step
@@ -270,19 +272,21 @@ class CheckpointManager:
         )
         return step
 
-    def _refuse_model_changes(self, path: Path) -> None:
-        """A checkpoint of a model with other settings is refused (nothing loaded) unless
-        `[checkpoint] allow_model_changes`; it is said either way."""
+    def _refuse_model_changes(self, path: Path, seed: bool = False) -> None:
+        """A checkpoint (or `seed`) of a model with other settings is refused (nothing loaded)
+        unless `[checkpoint] allow_model_changes`; it is said either way."""
         if self.model_settings is None:
             return
         changed = changed_model_settings(path, self.model_settings)
         if not changed:
             return
         if not self.cfg.allow_model_changes:
+            where = f"initial_load_path = '{path}'" if seed else str(path)
             raise ConfigError(
-                f"[checkpoint] {path} holds a model with other settings ({'; '.join(changed)}); "
-                "nothing was loaded: resume with the checkpoint's [model] settings, or set "
-                "[checkpoint] allow_model_changes = true if the change is meant"
+                f"[checkpoint] {where} holds a model with other settings "
+                f"({'; '.join(changed)}); nothing was loaded: {'run' if seed else 'resume'} "
+                "with the checkpoint's [model] settings, or set [checkpoint] "
+                "allow_model_changes = true if the change is meant"
             )
         logger.warning(
             "%s holds a model with other settings (%s): loading it, as [checkpoint] "
@@ -346,8 +350,6 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return
-        if self._pending is not None and self._pending.future.done():
-            self._finish_pending()  # published already; raise what failed
         due = step % self.cfg.interval == 0 or self._deferred
         if skipped and not force and step != self.total_steps:
             self._deferred = due
@@ -380,11 +382,18 @@ class CheckpointManager:
             return
         try:
             dcp.save(state_dicts, checkpoint_id=tmp)
+            self._seal(tmp, shared=True)  # raised on every rank, as DCP's failures are
         except (Exception, CheckpointException) as e:
             self._failed(save_failed(self.folder, step, e, needed, free), last)
             return
         self._publish(step, rotate=not skipped)
         _barrier()
+
+    def _seal(self, tmp: Path, shared: bool) -> None:
+        """Record the model's settings and every file's checksum in the saved `tmp` (`shared`:
+        every rank at once, each hashing the files it wrote; else rank 0 alone)."""
+        also = None if self.model_settings is None else model_settings_file(self.model_settings)
+        write_checksums(tmp, shared=shared and dist.is_initialized(), also=also)
 
     def _save_async(self, state_dicts: dict[str, Any], save: _AsyncSave) -> None:
         """Copy `state_dicts` to CPU (every rank, or none, goes on) and write the copy in
@@ -462,26 +471,36 @@ class CheckpointManager:
             save.error = e
 
     def _publish_once(self, save: _AsyncSave) -> None:
+        """Publish `save` (from DCP's thread or the trainer's, whichever comes first); raise
+        what failed in either."""
         with self._publish_lock:
             if not save.published:
                 save.published = True
-                self._publish(save.step, save.rotate)
+                try:
+                    if _rank0():  # (rank 0 hashes every file: the others train on)
+                        self._seal(self.folder / f"step-{save.step}.tmp", shared=False)
+                    self._publish(save.step, save.rotate)
+                except BaseException as e:
+                    save.error = e
+            if save.error is not None:
+                raise save.error
 
     def _finish_pending(self, closing: bool = False) -> None:
-        """Wait for the async save in flight; if it or its publishing failed, say so
-        (`_failed`: the run stops where it was the last save, or when `closing`)."""
+        """Wait for the async save in flight; if it or its publishing failed on any rank, say
+        so on every rank (`_failed`: the run stops where it was the last save, or when
+        `closing`). Every rank calls it at the same points: it is a collective."""
         if self._pending is None:
             return
         save, self._pending = self._pending, None
+        failure = None
         try:
             save.future.result()
-            if save.error is not None:
-                raise save.error
+            self._publish_once(save)
         except (Exception, CheckpointException) as e:
             failure = save_failed(self.folder, save.step, e, save.needed, save.free)
+        failure = first_failure(failure)
+        if failure is not None:
             self._failed(failure, save.last or closing)
-            return
-        self._publish_once(save)
 
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
@@ -490,9 +509,6 @@ class CheckpointManager:
         if not _rank0():
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        if self.model_settings is not None:
-            write_model_settings(tmp, self.model_settings)
-        write_checksums(tmp)  # every rank's files are complete here
         if final.exists() or final.is_symlink():
             if not ours:  # put there while this run trained
                 raise ConfigError(

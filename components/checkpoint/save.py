@@ -28,6 +28,7 @@ __all__ = [
     "SaveFailed",
     "any_rank",
     "audit",
+    "first_failure",
     "folder_bytes",
     "kept_steps",
     "save_failed",
@@ -151,6 +152,17 @@ def kept_steps(folder: Path) -> str:
     return ", ".join(f"step-{s}" for s in checkpoint_steps(folder)) or "none"
 
 
+def first_failure(failure: SaveFailed | None) -> SaveFailed | None:
+    """The lowest failed rank's `failure`, on every rank (a collective where the world has
+    several): every rank then stops, or trains on, alike."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failure
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, None if failure is None else (str(failure), failure.stops))
+    line, stops = next((v for v in views if v is not None), (None, False))
+    return None if line is None else SaveFailed(line, stops)
+
+
 def save_failed(
     folder: Path, step: int, error: BaseException, needed: int, free: int
 ) -> SaveFailed:
@@ -168,9 +180,14 @@ def save_failed(
             f"{folder} stay as they were ({kept_steps(folder)})",
             stops=False,
         )
+    needs = (
+        f"it needs {needed} bytes, {free} were free"
+        if needed > free
+        else f"it needed more than the {free} bytes that were free"
+    )
     return SaveFailed(
-        f"[checkpoint] out of disk space saving step-{step} in {folder}: it needs {needed} "
-        f"bytes, {free} were free; the partial {tmp.name} was removed and the checkpoints "
-        f"there stay as they were ({kept_steps(folder)}); free space or point [checkpoint] folder "
-        "at a larger disk, then run the same command to resume"
+        f"[checkpoint] out of disk space saving step-{step} in {folder}: {needs}; the "
+        f"partial {tmp.name} was removed and the checkpoints there stay as they were "
+        f"({kept_steps(folder)}); free space or point [checkpoint] folder at a larger disk, "
+        "then run the same command to resume"
     )

@@ -191,29 +191,36 @@ def _refuse_bad_values(
     flat: Mapping[str, Any],
 ) -> None:
     """Raise ValueError for hyperparameters torch's constructors would refuse and for state
-    values that are not finite, before anything is loaded (the world agrees on the state's)."""
+    values that are not finite, before anything is loaded: on every rank or on none, where
+    the container's parameters are DTensors (its layout, not the dict, says the ranks load
+    together; a rank that raised alone would leave the others in a collective)."""
     bad = []
     for opt, plan in zip(optimizers, plans):
         for group, loaded in zip(opt.param_groups, plan["param_groups"]):
             where = f"{PG}.{fqns[group['params'][0]]}." if group["params"] else f"{PG}.*."
             bad += [where + problem for problem in setting_problems(loaded)]
-    if bad:
-        raise ValueError(
-            f"optimizer state dict: {len(bad)} settings torch's optimizers refuse: "
-            f"{describe_keys(bad)}; load a checkpoint of this job or fix the values"
-        )
     floats = {
         k: v
         for k, v in _state_tensors(flat)
         if isinstance(v, torch.Tensor) and v.is_floating_point()
     }
-    world = any(isinstance(v, DTensor) for v in floats.values()) and dist.is_initialized()
-    if all_finite(list(floats.values()), [None] if world else []):
+    world = dist.is_initialized() and any(isinstance(p, DTensor) for p in fqns)
+    refused = torch.tensor(float("inf") if bad else 0.0)  # (one collective asks both)
+    if all_finite([*floats.values(), refused], [None] if world else []):
         return
+    if bad:
+        raise ValueError(
+            f"optimizer state dict: {len(bad)} settings torch's optimizers refuse: "
+            f"{describe_keys(bad)}; load a checkpoint of this job or fix the values"
+        )
     here = [k for k, v in floats.items() if not bool(torch.isfinite(local(v)).all())]
     raise ValueError(
-        "optimizer state dict: non-finite values in "
-        + (describe_keys(here) if here else "another rank's state")
+        "optimizer state dict: "
+        + (
+            f"non-finite values in {describe_keys(here)}"
+            if here
+            else "another rank's part holds non-finite values or settings torch's optimizers refuse"
+        )
         + "; load an earlier checkpoint (a step that reached NaN or inf saves none)"
     )
 

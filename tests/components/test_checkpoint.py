@@ -24,7 +24,7 @@ from components.run_lock import RunLock
 from config import Checkpoint, ConfigError
 from containers import OptimizersContainer, ShadowWeights
 from tests.harness.dist import run_ranks
-from tests.harness.helpers import assert_same, forward, full, poison, three_parts, train
+from tests.harness.helpers import assert_same, forward, full, poison, three_parts, tmpfs, train
 
 
 def _job(
@@ -207,6 +207,17 @@ def test_a_model_with_other_settings_of_the_same_shapes_is_refused_unless_allowe
     assert manager3.load() == 2
     assert any(
         "other settings (top_k 2 -> 1): loading it" in r.getMessage() for r in caplog.records
+    )
+    # The same checkpoint as a seed of another folder's run.
+    saved = tmp_path / "checkpoint" / "step-2"
+    other = _job(tmp_path / "other", seed=9, interval=2, initial_load_path=str(saved))[3]
+    other.model_settings = {"model.name": "moe", "top_k": 1}
+    with pytest.raises(ConfigError) as refused:
+        other.load()
+    assert str(refused.value) == (
+        f"[checkpoint] initial_load_path = '{saved}' holds a model with other settings "
+        "(top_k 2 -> 1); nothing was loaded: run with the checkpoint's [model] settings, "
+        "or set [checkpoint] allow_model_changes = true if the change is meant"
     )
 
 
@@ -411,6 +422,43 @@ def test_a_failed_save_is_one_line_and_training_goes_on_and_a_failed_last_one_st
         assert "stay as they were (step-4, step-6); the run stops: the same command resumes " \
             "from step-6" in result["stopped"]  # fmt: skip
         assert "\n" not in result["stopped"]
+
+
+def _save_step_2(folder: str, mode: str) -> dict:
+    """Steps 1-2 of `_job` on each rank, saved at 2, then closed: what stopped the run (one
+    line, or None) and the files of each checkpoint folder entry."""
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
+    stopped = None
+    try:
+        _train_and_save(manager, parts, optimizers, state, range(1, 3))
+        manager.close()
+    except SaveFailed as e:
+        stopped = str(e)
+    checkpoints = Path(folder) / "checkpoint"
+    found = {p.name: sorted(f.name for f in p.iterdir()) for p in checkpoints.iterdir()}
+    return {"stopped": stopped, "found": found}
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_disk_full_when_the_checksums_are_written_is_one_line_on_every_rank(tmp_path, mode):
+    """A disk with room for the saved files but not their checksum record: both ranks stop
+    with the same out-of-disk line (a sync save hashes each rank's own files, rank 0 writes
+    the record; an async one writes it from DCP's thread), and no partial save stays."""
+    probe = run_ranks(2, _save_step_2, str(tmp_path / "probe"), mode)[0]
+    assert probe["stopped"] is None and probe["found"]["step-2"][0] == ".checksums", probe
+    saved = tmp_path / "probe" / "checkpoint" / "step-2"
+    pages = sum(-(-f.stat().st_size // 4096) for f in saved.iterdir() if f.name != ".checksums")
+    with tmpfs(tmp_path / "disk", pages * 4096) as disk:
+        results = run_ranks(2, _save_step_2, str(disk), mode)
+    for result in results:
+        assert result["found"] == {}, result  # the partial step-2.tmp removed
+        assert result["stopped"] == (
+            f"[checkpoint] out of disk space saving step-2 in {disk / 'checkpoint'}: it needed "
+            f"more than the {pages * 4096} bytes that were free; the partial step-2.tmp was "
+            "removed and the "
+            "checkpoints there stay as they were (none); free space or point [checkpoint] "
+            "folder at a larger disk, then run the same command to resume"
+        ), result
 
 
 def _lean_job(folder: Path, seed: int) -> tuple[list, object, TrainState, CheckpointManager]:

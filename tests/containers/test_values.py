@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from containers import LeanAdamW, OptimizersContainer, OptimizersInBackwardContainer
-from tests.harness.helpers import assert_same, three_parts, train
+from tests.harness.dist import run_ranks
+from tests.harness.helpers import assert_same, sharded_three_parts, three_parts, train
 
 
 def _trained(cls: type = torch.optim.AdamW, **kwargs) -> tuple[list, OptimizersContainer]:
@@ -43,6 +44,45 @@ def test_a_load_refuses_settings_torchs_optimizers_refuse_and_changes_nothing(su
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(bad)
     assert_same(opt.state_dict(), before)
+
+
+def _one_rank_bad(what: str) -> str:
+    """An FSDP2 job on each rank; rank 1 alone loads a dict with a bad `what` ("lr" -5 or
+    a NaN moment): what each rank's `load_state_dict` raised."""
+    import torch.distributed as dist
+
+    parts = sharded_three_parts(0)
+    opt = OptimizersContainer(parts, torch.optim.AdamW, {"lr": 1e-2})
+    train(parts, opt, 2, rank=dist.get_rank())
+    sd = opt.state_dict()
+    if dist.get_rank() == 1:
+        if what == "lr":
+            sd = _set(sd, ".lr", -5.0)
+        else:
+            key = next(k for k in sd if k.endswith(".exp_avg_sq"))
+            sd[key].to_local().view(-1)[0] = float("nan")
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("what", ["lr", "moment"])
+def test_a_bad_value_on_one_rank_is_refused_on_every_rank(what):
+    """The ranks decide together: the one holding the bad value names it, the other says
+    another rank's part was refused, and none is left waiting in a collective."""
+    ours, theirs = run_ranks(2, _one_rank_bad, what, timeout=60)
+    assert (
+        theirs.startswith("optimizer state dict: ")
+        and ("lr = -5.0: outside [0, inf)" if what == "lr" else "non-finite values in [state.")
+        in theirs
+    ), theirs
+    assert ours == (
+        "optimizer state dict: another rank's part holds non-finite values or settings torch's "
+        "optimizers refuse; load an earlier checkpoint (a step that reached NaN or inf saves "
+        "none)"
+    ), ours
 
 
 def test_a_load_refuses_a_step_count_that_is_not_one_number():

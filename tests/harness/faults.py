@@ -11,6 +11,8 @@ Each FAULT is one of:
 - `lag STEP RANK SECONDS`: after the first attempt's backward of step STEP, rank RANK of the
   group sleeps SECONDS before `step()`: it reaches the commit late, as a rank still
   configuring the quorum's process group does.
+- `signal STEP RANK`: after the first micro-batch's backward of step STEP, rank RANK sends
+  itself SIGTERM (a preemption in the middle of a step's accumulation).
 - `hold STEP FILE`: every rank waits at the start of step STEP (its quorum already asked for)
   while FILE exists: the replica group stays in the job, its manager heartbeating, and commits
   nothing more until the test removes FILE (at most 5 minutes).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -74,6 +77,18 @@ def _lag(rank: int, seconds: float) -> Fault:
     return lag
 
 
+def _signal(rank: int) -> Fault:
+    done: list[bool] = []
+
+    def send(job: Job) -> None:
+        if not done:
+            done.append(True)
+            if job.rank == rank:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return send
+
+
 def _hold(path: str) -> Fault:
     def hold(job: Job) -> None:
         deadline = time.monotonic() + _HOLD_LIMIT_S
@@ -99,11 +114,13 @@ def parse(args: list[str]) -> tuple[Faults, Faults, list[str]]:
             fault, args, when = _overflow(step), args[2:], after
         elif kind == "lag":
             fault, args, when = _lag(int(args[2]), float(args[3])), args[4:], after
+        elif kind == "signal":
+            fault, args, when = _signal(int(args[2])), args[3:], after
         elif kind == "hold":
             fault, args, when = _hold(args[2]), args[3:], before
         else:
             raise SystemExit(
-                f"unknown fault {kind!r}: expected 'fail', 'overflow', 'lag' or 'hold'"
+                f"unknown fault {kind!r}: expected 'fail', 'overflow', 'lag', 'signal' or 'hold'"
             )
         when.setdefault(step, []).append(fault)
     return before, after, args

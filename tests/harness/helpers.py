@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+import subprocess
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -286,3 +290,21 @@ def plan_table() -> list[dict[str, str]]:
     text = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
     section = text.split("## Update plans", 1)[1].split("\n## ", 1)[0]
     return [m.groupdict() for line in section.splitlines() if (m := _PLAN_ROW.match(line))]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of `size` bytes (whole pages) mounted at `path`: a disk that fills up. Skips the
+    test where mounting needs a root this machine does not give."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    try:
+        done = subprocess.run(mount, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a small tmpfs here ({e}): the full-disk case needs one")
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
