@@ -1,6 +1,7 @@
 """Typed job config: one kw-only dataclass per TOML section.
 
-Section and key names follow torchtitan v0.2 where one exists. The defaults are a job that
+Section and key names follow torchtitan v0.2's TOML where one exists (torchtitan 0.3.0
+configures in Python: docs/torchtitan.md). The defaults are a job that
 runs: the debug model on stdlib text for 200 steps (`config/debug.toml` spells it out).
 Numeric bounds live in field metadata (see `bounded`) so the loader can name the section, key,
 value and fix in its errors.

@@ -134,7 +134,11 @@ class OptimizersContainer(Optimizer, Stateful):
     `state_dict()` with DTensors kept, so DCP reshards it.
 
     Args:
-        param_groups: rules that form param groups by FQN (each parameter matches at most one).
+        param_groups: rules that form param groups by FQN; a parameter no rule matches keeps
+            `optimizer_cls` and `optimizer_kwargs`.
+        first_match: `param_groups` are ordered and a parameter joins the first rule that
+            matches (torchtitan's convention, a catch-all `.*` last); by default a parameter
+            matching several rules is refused, so their order never matters.
         precision, gate, timing, outer: the parts (`containers.parts`).
         max_norm: clip the global gradient norm to this; 0 only measures it; None: no clip.
         mesh: the job's named DeviceMesh (pp, dp_replicate, dp_shard, tp) for the global
@@ -148,6 +152,7 @@ class OptimizersContainer(Optimizer, Stateful):
         optimizer_kwargs: Mapping[str, Any],
         *,
         param_groups: Sequence[ParamGroupRule] = (),
+        first_match: bool = False,
         precision: Precision | None = None,
         gate: Gate | None = None,
         timing: Timing | None = None,
@@ -191,7 +196,7 @@ class OptimizersContainer(Optimizer, Stateful):
             refuse_optimizers([optimizer_cls, *(r.optimizer_cls for r in param_groups)])
             refuse_coded([optimizer_kwargs, *(r.overrides for r in param_groups),
                           *(r.optimizer_kwargs for r in param_groups)])  # fmt: skip
-        assigned = assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs)
+        assigned = assign(stepped_units, param_groups, optimizer_cls, optimizer_kwargs, first_match)
         self.units: list[Unit] = []
         self.optimizers: list[Optimizer] = []
         for named, stepped, groups in zip(named_units, stepped_units, assigned):

@@ -127,6 +127,44 @@ def test_the_distribution_lists_every_package_of_the_library():
     assert sorted(listed) == sorted(found)
 
 
+def test_the_library_imports_only_what_its_install_brings():
+    """`pip install` of the library brings torch, torchft, numpy (pyproject's dependencies)
+    and no trainer extra (tensorboard, matplotlib, xxhash): every module containers/ imports
+    is the standard library's, its own or one of those. (`containers/torchtitan.py` imports
+    torchtitan for torchtitan's users, who have it.)"""
+    import ast
+    import re
+    import sys
+
+    from scripts.plot import tomllib
+
+    project = tomllib.loads((Path(REPO) / "pyproject.toml").read_text())["project"]
+    brought = {re.match(r"[\w-]+", d)[0].replace("-", "_") for d in project["dependencies"]}
+    assert brought == {"torch", "torchft", "numpy"}, brought
+    extra = {re.match(r"[\w-]+", d)[0] for d in project["optional-dependencies"]["trainer"]}
+    assert {"tensorboard", "matplotlib", "xxhash"} <= extra
+    imported: dict[str, str] = {}
+    for path in (Path(REPO) / "containers").rglob("*.py"):
+        if path.name == "torchtitan.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
+            for name in names:
+                imported.setdefault(name.split(".")[0], str(path))
+    foreign = {
+        top: where
+        for top, where in imported.items()
+        if top not in sys.stdlib_module_names and top not in brought | {"containers"}
+    }
+    assert not foreign, foreign
+
+
 def _files_in_step(build: Callable[[], tuple[list[torch.Tensor], Any]]) -> set[str]:
     """The files under containers/ whose code runs inside one `step()` (a profile hook on
     every call), after two steps made the state."""

@@ -126,9 +126,11 @@ def _metrics(dump: Path) -> dict[int, dict[str, Any]]:
     return {row["step"]: row for row in rows}
 
 
-def _check(run: Resumed, src: Path, step: int, steps: int, reference: Path) -> None:
+def _check(
+    run: Resumed, src: Path, step: int, steps: int, reference: Path, rel: float = 1e-5
+) -> None:
     """`run` loaded `src`'s step-`step` element for element, and its steps up to `steps`
-    continue the uninterrupted run in `reference` at the same lr and loss."""
+    continue the uninterrupted run in `reference` at the same lr and loss (within `rel`)."""
     stored = _stored(src, step)
     # Moments and step counts of every parameter and each group's lr and settings; weights.
     assert _mismatches(_merged(run.ranks, "optim"), stored["optimizer"]) == {}
@@ -142,7 +144,7 @@ def _check(run: Resumed, src: Path, step: int, steps: int, reference: Path) -> N
     for s, row in got.items():
         assert row["lr"] == want[s]["lr"], s
         # Reduction order differs across layouts (measured here: within 2e-7).
-        assert row["loss"] == pytest.approx(want[s]["loss"], rel=1e-5), s
+        assert row["loss"] == pytest.approx(want[s]["loss"], rel=rel), s
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp3", "dp1", "pp2_dp1"])
@@ -193,4 +195,6 @@ def test_remainders_with_8bit_moments_resume_bitwise_and_at_dp1_and_dp3(tmp_path
         assert _mismatches(_stored(again.dump, 6)[part], _stored(ref, 6)[part]) == {}, part
     for layout in ("dp1", "dp3"):
         run = _resume(ref, 4, tmp_path / layout, layout, steps=6, extra=LEANEST)
-        _check(run, ref, 4, 6, ref)
+        # 8-bit codes: a gradient that differs in its last bit between layouts may round a
+        # code the other way, so the next loss moves a little more (measured: 1.1e-5).
+        _check(run, ref, 4, 6, ref, rel=1e-4)

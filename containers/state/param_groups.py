@@ -87,8 +87,12 @@ def assign(
     rules: Sequence[ParamGroupRule],
     default_cls: type[Optimizer],
     default_kwargs: Mapping[str, Any],
+    first_match: bool = False,
 ) -> list[GroupSpecs]:
-    """Map each unit's parameters to groups by the rules; refuse what cannot step."""
+    """Map each unit's parameters to groups by the rules; refuse what cannot step.
+
+    `first_match`: the rules are ordered and a parameter joins the first that matches (as
+    torchtitan's `param_groups`); else one matching several is refused (disjoint rules)."""
     compiled = _compile(rules)
     # By bucket: 0 is the default group, i > 0 rule i - 1's group.
     classes = [default_cls, *(r.optimizer_cls or default_cls for r in rules)]
@@ -99,7 +103,7 @@ def assign(
         buckets: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
         for fqn, p in named:
             hits = [i for i, rx in enumerate(compiled) if rx.search(fqn)]
-            if len(hits) > 1:
+            if len(hits) > 1 and not first_match:
                 raise ValueError(
                     f"parameter {fqn!r} matches param group patterns "
                     f"{[rules[i].pattern for i in hits]}; make the patterns disjoint"
@@ -126,7 +130,9 @@ def assign(
     unused = [r.pattern for r, u in zip(rules, used) if not u]
     if unused:
         raise ValueError(
-            f"param group patterns {unused} match no trainable parameter; fix or remove them"
+            f"param group patterns {unused} match no trainable parameter"
+            f"{' that an earlier pattern does not take' if first_match else ''}; fix or "
+            "remove them"
         )
     return assigned
 

@@ -402,6 +402,38 @@ def test_param_groups_are_live_for_schedulers_and_users():
     )
 
 
+def test_first_match_rules_are_ordered_as_torchtitans_and_disjoint_ones_refuse_overlaps():
+    """`first_match`: a parameter joins the first rule that matches, a catch-all `.*` last
+    takes the rest; the default (disjoint rules) refuses a parameter two rules match, and a
+    rule that earlier ones leave nothing is refused under either."""
+    rules = [
+        ParamGroupRule(r"^embed\.weight$", {"lr": 1e-3}),
+        ParamGroupRule(r"weight", {"lr": 2e-3}),
+        ParamGroupRule(r".*", {"weight_decay": 0.0}),
+    ]
+    parts = three_parts()
+    container = OptimizersContainer(
+        parts, torch.optim.AdamW, {"lr": 1e-2}, param_groups=rules, first_match=True
+    )
+    names = {p: f"{i}.{n}" for i, part in enumerate(parts) for n, p in part.named_parameters()}
+    got = {
+        names[p]: (g["lr"], g["weight_decay"]) for g in container.param_groups for p in g["params"]
+    }
+    assert got["0.embed.weight"] == (1e-3, 0.01)
+    assert all(
+        v == (2e-3, 0.01) for k, v in got.items() if k.endswith("weight") and "embed" not in k
+    )
+    assert all(v == (1e-2, 0.0) for k, v in got.items() if k.endswith("bias"))
+    assert len(got) == sum(1 for part in parts for _ in part.parameters())
+    with pytest.raises(ValueError, match=r"'embed.weight' matches param group patterns .*disjoint"):
+        OptimizersContainer(three_parts(), torch.optim.AdamW, {"lr": 1e-2}, param_groups=rules)
+    shadowed = [*rules, ParamGroupRule("bias", {"lr": 0.0})]
+    with pytest.raises(ValueError, match=r"\['bias'\] match no trainable parameter that an earl"):
+        OptimizersContainer(
+            three_parts(), torch.optim.AdamW, {"lr": 1e-2}, param_groups=shadowed, first_match=True
+        )
+
+
 def test_a_group_takes_unset_keys_from_the_container_or_torch_never_from_another_group():
     # Every parameter matches a rule, so no default group comes first in any unit.
     rules = [
