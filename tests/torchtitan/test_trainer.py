@@ -1,0 +1,165 @@
+"""torchtitan 0.3.0's own Trainer (its llama3 debug model; 2 CPU ranks, FSDP2, gloo; the
+test-only shim in `cpu.py`) with `containers.torchtitan` as its optimizer: the default
+container's losses equal torchtitan's own container's at every step, in-backward's equal an
+unclipped run's, mixed precision follows within 1e-3 from masters equal to the fp32 init,
+torchtitan's CheckpointManager resumes bitwise, and the in-backward clip is refused in one
+line. One pair of ranks runs every job (module-scoped)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from containers import torchtitan as oc
+from tests.harness.dist import run_ranks
+
+STEPS = 20
+
+
+class _Capture:
+    """torchtitan's logger, keeping each logged step's metrics too."""
+
+    def __init__(self, inner: Any, rows: dict[int, dict[str, Any]]) -> None:
+        self.inner, self.rows = inner, rows
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows[step] = dict(metrics)
+        self.inner.log(metrics, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Rows(oc.MetricsProcessor):
+    """`oc.MetricsProcessor` whose logged metrics the test reads back."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(oc.MetricsProcessor.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.logger = _Capture(self.logger, self.rows)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _jobs(tmp: str) -> dict[str, Any]:
+    """Every job, in order, on this rank; what each logged (rank 0) and checked."""
+    import torch.distributed as dist
+
+    from tests.torchtitan import cpu
+
+    cpu.apply()
+    out: dict[str, Any] = {}
+    init: dict[str, torch.Tensor] = {}
+
+    def job(name: str, container: str | None, max_norm: float = 1.0, **checkpoint: Any) -> Any:
+        config = cpu.debug_config(f"{tmp}/{name}", STEPS)
+        config.metrics = Rows.Config(log_freq=1)
+        config.training.max_norm = max_norm
+        if container is not None:
+            config.optimizer = oc.OptimizersContainer.Config(
+                param_groups=config.optimizer.param_groups,
+                implementation=config.optimizer.implementation,
+                container=container,
+            )
+        for key, value in checkpoint.items():
+            setattr(config.checkpoint, key, value)
+        try:
+            trainer = config.build()
+        except ValueError as e:
+            out[name] = str(e)
+            return None
+        try:
+            if name == "titan":  # the fp32 init the masters must equal
+                init.update({k: _local(v) for k, v in trainer.model_parts[0].named_parameters()})
+            if container == "mixed_precision":
+                sd = trainer.optimizers.state_dict()
+                masters = {k.removeprefix("master_weights."): _local(v) for k, v in sd.items()
+                           if k.startswith("master_weights.")}  # fmt: skip
+                out["masters_equal_init"] = masters.keys() == init.keys() and all(
+                    torch.equal(masters[k], init[k]) for k in init
+                )
+                out["param_dtypes"] = sorted(
+                    {str(p.dtype) for p in trainer.model_parts[0].parameters()}
+                )
+            trainer.train()
+            out[name] = trainer.metrics_processor.rows
+            out[f"{name}.optimizer"] = type(trainer.optimizers).__name__
+        finally:
+            trainer.close()
+        return trainer
+
+    saving = {"enable": True, "interval": 5, "keep_latest_k": 0}
+    job("titan", None)
+    job("ours", "default", **saving)
+    if dist.get_rank() == 0:
+        step5 = Path(tmp, "ours", "checkpoint", "step-5")
+        shutil.copytree(step5, Path(tmp, "resumed", "checkpoint", "step-5"))
+    dist.barrier()
+    job("resumed", "default", **saving)
+    job("titan_unclipped", None, max_norm=1e30)
+    job("in_backward", "in_backward", max_norm=0.0)
+    job("mixed", "mixed_precision")
+    job("in_backward_clipped", "in_backward", max_norm=1.0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_ranks(2, _jobs, str(tmp_path_factory.mktemp("titan")), timeout=600)[0]
+
+
+def _losses(rows: dict[int, dict[str, Any]]) -> dict[int, float]:
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in rows.items()}
+
+
+def test_the_default_container_equals_torchtitans_own_at_every_step(jobs):
+    ours, theirs = _losses(jobs["ours"]), _losses(jobs["titan"])
+    assert sorted(ours) == list(range(1, STEPS + 1)) and ours == theirs, (ours, theirs)
+    assert theirs[STEPS] < theirs[1] - 1.0  # (it trains)
+    assert jobs["ours.optimizer"] == "OptimizersContainer"
+    assert [jobs["ours"][s]["grad_norm"] for s in ours] == [
+        jobs["titan"][s]["grad_norm"] for s in ours
+    ]
+    # The step report in torchtitan's metrics (none for torchtitan's own container).
+    assert jobs["ours"][STEPS]["optimizer/skipped_steps"] == 0
+    assert jobs["ours"][STEPS]["optimizer/committed"] == 1
+    assert "optimizer/skipped_steps" not in jobs["titan"][STEPS]
+
+
+def test_torchtitans_checkpoint_manager_resumes_the_container_bitwise(jobs):
+    resumed, ours = _losses(jobs["resumed"]), _losses(jobs["ours"])
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    assert resumed == {s: ours[s] for s in resumed}
+
+
+def test_in_backward_without_a_clip_equals_an_unclipped_torchtitan_run(jobs):
+    ours, theirs = _losses(jobs["in_backward"]), _losses(jobs["titan_unclipped"])
+    assert jobs["in_backward.optimizer"] == "OptimizersInBackwardContainer"
+    assert ours == theirs and len(ours) == STEPS
+
+
+def test_mixed_precision_starts_from_the_fp32_init_and_follows_within_1e_3(jobs):
+    assert jobs["masters_equal_init"] and jobs["param_dtypes"] == ["torch.bfloat16"]
+    mixed, fp32 = _losses(jobs["mixed"]), _losses(jobs["titan"])
+    assert mixed[STEPS] == pytest.approx(fp32[STEPS], rel=1e-3), (mixed[STEPS], fp32[STEPS])
+    assert mixed[STEPS] != fp32[STEPS]  # (bf16 weights: not the fp32 run itself)
+
+
+def test_in_backward_refuses_torchtitans_clip_in_one_line(jobs):
+    said = jobs["in_backward_clipped"]
+    assert said == (
+        "optimizer.container = 'in_backward' steps inside backward, so torchtitan's "
+        "training.max_norm = 1.0 would clip gradients already applied and freed (silently no "
+        "clip): set training.max_norm = 0, or use container 'default' to clip"
+    )
