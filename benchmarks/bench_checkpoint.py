@@ -5,8 +5,9 @@
 One table, measured in one run: the disk's sequential write speed (fsync'd), DCP save and load
 throughput of an OptimizersContainer's AdamW state (plus the model) on FSDP2 gloo ranks, the
 load of a checkpoint saved at another world size (resharded) against one saved at the same,
-and what the checkpoint manager's checksums add: recorded by rank 0 after the save, verified
-by the ranks (a share of the files each) before the load.
+and what the checkpoint manager's checksums add: recorded after a synchronous save (each rank
+hashes the files it wrote, rank 0 writes the record), verified by the ranks (a share of the
+files each) before the load.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _save(n_params: int, path: str) -> dict[str, float]:
     dist.all_reduce(total)
     states = {"model": ModelWrapper([model]), "optimizer": optimizers}
     seconds = _timed(lambda: dcp.save(states, checkpoint_id=path))
-    sums = _timed(lambda: write_checksums(Path(path)) if dist.get_rank() == 0 else None)
+    sums = _timed(lambda: write_checksums(Path(path), shared=True))
     return {"bytes": total.item(), "save_s": seconds, "sums_s": sums}
 
 

@@ -342,21 +342,15 @@ def run_fixed_cost(settings: Settings, kw: dict[str, Any]) -> list[Row]:
 
 
 def torchtitan_container(model: list[nn.Module], kw: dict[str, Any]) -> Any:
-    """torchtitan's OptimizersContainer over `model` (fused AdamW), or None where torchtitan
-    is not installed (its step is the per-part loop of section 1 either way)."""
+    """torchtitan 0.3.0's OptimizersContainer over `model` (one catch-all AdamW group, fused),
+    or None where torchtitan is not installed (its step is the per-part loop of section 1)."""
     try:
         from torchtitan.components.optimizer import OptimizersContainer as Titan
+        from torchtitan.components.optimizer import ParamGroupConfig
     except Exception:  # not installed, or its own dependencies are missing
         return None
-    try:  # 0.3.0's signature
-        return Titan(model, torch.optim.AdamW, {**kw, "fused": True})
-    except TypeError:  # later: a Config with param groups
-        from torchtitan.components.optimizer import ParamGroupConfig
-
-        config = Titan.Config(
-            param_groups=[ParamGroupConfig(pattern=".*", name="AdamW", optimizer_kwargs=kw)]
-        )
-        return Titan(config, model_parts=model)
+    group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kw)
+    return Titan.Config(param_groups=[group], implementation="fused").build(model_parts=model)
 
 
 def run(settings: Settings) -> tuple[list[str], list[Row]]:

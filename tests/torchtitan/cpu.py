@@ -30,6 +30,8 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 
+from containers import torchtitan as oc
+
 _applied: list[bool] = []
 
 
@@ -202,9 +204,37 @@ class DataLoader(ParallelAwareDataloader):
         )  # fmt: skip
 
 
+class _Capture:
+    """torchtitan's logger, keeping each logged step's metrics too."""
+
+    def __init__(self, inner: Any, rows: dict[int, dict[str, Any]]) -> None:
+        self.inner, self.rows = inner, rows
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows[step] = dict(metrics)
+        self.inner.log(metrics, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Rows(oc.MetricsProcessor):
+    """`containers.torchtitan.MetricsProcessor` whose logged metrics a test reads back
+    (`rows`: step -> metrics)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(oc.MetricsProcessor.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.logger = _Capture(self.logger, self.rows)
+
+
 def debug_config(dump_folder: str, steps: int = 20) -> Any:
     """torchtitan's llama3 debug model config for 2 CPU ranks (FSDP2 over both), its own
-    AdamW container, seeded and deterministic, the loss logged every step."""
+    AdamW container, seeded and deterministic, every step's metrics kept (`Rows`)."""
     apply()
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -219,7 +249,7 @@ def debug_config(dump_folder: str, steps: int = 20) -> Any:
     config.dataloader = DataLoader.Config()
     config.hf_assets_path = "."  # (only checked to exist)
     config.dump_folder = dump_folder
-    config.metrics.log_freq = 1
+    config.metrics = Rows.Config(log_freq=1)
     t = config.training
     t.local_batch_size, t.seq_len, t.steps = 2, 64, steps
     t.mixed_precision_param = "float32"

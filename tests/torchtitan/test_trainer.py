@@ -8,7 +8,6 @@ line. One pair of ranks runs every job (module-scoped)."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +18,6 @@ from containers import torchtitan as oc
 from tests.harness.dist import run_ranks
 
 STEPS = 20
-
-
-class _Capture:
-    """torchtitan's logger, keeping each logged step's metrics too."""
-
-    def __init__(self, inner: Any, rows: dict[int, dict[str, Any]]) -> None:
-        self.inner, self.rows = inner, rows
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.rows[step] = dict(metrics)
-        self.inner.log(metrics, step)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class Rows(oc.MetricsProcessor):
-    """`oc.MetricsProcessor` whose logged metrics the test reads back."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(oc.MetricsProcessor.Config):
-        pass
-
-    def __init__(self, config: Config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.rows: dict[int, dict[str, Any]] = {}
-        self.logger = _Capture(self.logger, self.rows)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +36,6 @@ def _jobs(tmp: str) -> dict[str, Any]:
 
     def job(name: str, container: str | None, max_norm: float = 1.0, **checkpoint: Any) -> Any:
         config = cpu.debug_config(f"{tmp}/{name}", STEPS)
-        config.metrics = Rows.Config(log_freq=1)
         config.training.max_norm = max_norm
         if container is not None:
             config.optimizer = oc.OptimizersContainer.Config(
