@@ -38,7 +38,6 @@ def child(steps: int, repeats: int, folder: str) -> None:
     """Under torchrun: every job, round after round; rank 0 prints the step times."""
     import torch.distributed as dist
 
-    from containers import torchtitan as oc
     from tests.torchtitan import cpu
 
     cpu.apply()
@@ -47,14 +46,8 @@ def child(steps: int, repeats: int, folder: str) -> None:
         order = list(JOBS) if round_ % 2 == 0 else list(reversed(JOBS))
         for name in order:
             container, max_norm = JOBS[name]
-            config = cpu.debug_config(f"{folder}/{round_}-{len(times[name])}", steps)
-            config.training.max_norm = max_norm
-            if container is not None:
-                config.optimizer = oc.OptimizersContainer.Config(
-                    param_groups=config.optimizer.param_groups,
-                    implementation=config.optimizer.implementation,
-                    container=container,
-                )
+            dump = f"{folder}/{round_}-{len(times[name])}"
+            config = cpu.debug_config(dump, steps, container, max_norm)
             trainer = config.build()
             try:
                 trainer.train()

@@ -36,7 +36,7 @@ from torchtitan.config import Configurable
 
 import containers
 from containers.ema import ShadowWeights
-from containers.state.param_groups import ParamGroupRule
+from containers.state.param_groups import ParamGroupRule, dcp_fqn
 
 __all__ = ["MetricsProcessor", "OptimizersContainer"]
 
@@ -111,6 +111,12 @@ class OptimizersContainer(Configurable):
 
 def build(config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> Any:
     """The library's container for `config` over `model_parts` (see `OptimizersContainer`)."""
+    if config.optimizer_factory_kwargs_by_name:
+        raise ValueError(
+            "optimizer.optimizer_factory_kwargs_by_name = "
+            f"{config.optimizer_factory_kwargs_by_name!r}: torchtitan's factories only (e.g. "
+            "DistMuon's); give each group's settings in its optimizer_kwargs"
+        )
     if not config.param_groups:
         raise ValueError(
             "optimizer.param_groups is empty: add at least a catch-all, e.g. "
@@ -141,7 +147,14 @@ def build(config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> A
     first = rules[0]
     args = (model_parts, first.optimizer_cls, first.optimizer_kwargs)
     if config.container == "in_backward":
-        max_norm = trainer.config.training.max_norm if trainer is not None else 0.0
+        if trainer is None:
+            raise ValueError(
+                "optimizer.container = 'in_backward' is built outside torchtitan's Trainer, "
+                "whose training.max_norm and gradient accumulation it must know: build "
+                "containers.OptimizersInBackwardContainer(..., gradient_accumulation_steps=N) "
+                "directly there"
+            )
+        max_norm = trainer.config.training.max_norm
         if max_norm > 0:
             raise ValueError(
                 f"optimizer.container = 'in_backward' steps inside backward, so torchtitan's "
@@ -149,9 +162,8 @@ def build(config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> A
                 "freed (silently no clip): set training.max_norm = 0, or use container "
                 "'default' to clip"
             )
-        steps = trainer.gradient_accumulation_steps if trainer is not None else 1
         return containers.OptimizersInBackwardContainer(
-            *args, gradient_accumulation_steps=steps, **parts
+            *args, gradient_accumulation_steps=trainer.gradient_accumulation_steps, **parts
         )
     if config.container == "mixed_precision":
         precision = containers.MasterWeights(
@@ -173,9 +185,9 @@ def cast_parameters(part: nn.Module, precision: containers.MasterWeights) -> Non
     which FSDP2 follows (its sharded parameters are reset to the new dtype)."""
     params = {id(p) for p in part.parameters() if p.is_floating_point()}
     with torch.no_grad():
-        for fqn, p in part.named_parameters():
+        for name, p in part.named_parameters():
             if id(p) in params and p.dtype == precision.master_dtype:
-                precision._initial[fqn] = p.detach().clone()
+                precision._initial[dcp_fqn(name)] = p.detach().clone()
     dtype = precision.param_dtype
     part._apply(lambda t: t.to(dtype) if id(t) in params else t)
 
@@ -204,13 +216,15 @@ def _moments(name: str, moments: str) -> dict[str, Any]:
 
 
 def _refuse_unmatched(model_parts: list[nn.Module], patterns: list[str]) -> None:
-    """torchtitan's rule: every trainable parameter matches a group (no implicit default)."""
+    """torchtitan's rule: every trainable parameter matches a group (no implicit default),
+    by its name as checkpoints key it, as the container matches it."""
     compiled = [re.compile(p) for p in patterns]
     for part in model_parts:
         for name, p in part.named_parameters():
-            if p.requires_grad and not any(rx.search(name) for rx in compiled):
+            fqn = dcp_fqn(name)
+            if p.requires_grad and not any(rx.search(fqn) for rx in compiled):
                 raise ValueError(
-                    f"parameter {name!r} matches no optimizer.param_groups pattern "
+                    f"parameter {fqn!r} matches no optimizer.param_groups pattern "
                     f"{patterns}; add a catch-all ParamGroupConfig(pattern='.*', ...) last"
                 )
 

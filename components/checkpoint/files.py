@@ -182,7 +182,7 @@ def write_checksums(folder: Path, shared: bool = False, also: dict[str, str] | N
         also: files (name -> text) rank 0 writes first, recorded with the rest.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared else (1, 0)
-    error: OSError | None = None
+    error: Exception | None = None
     sums: dict[str, str] = {}
     try:
         if rank == 0:
@@ -193,8 +193,8 @@ def write_checksums(folder: Path, shared: bool = False, also: dict[str, str] | N
             ours = int(writer[1] if writer else 0) % world == rank
             if ours and p.is_file() and p.name != CHECKSUMS:
                 sums[p.name] = _digest(p)
-    except OSError as e:
-        error = e
+    except Exception as e:  # (any: the other ranks must hear of it, not wait)
+        error = e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}")
     if world > 1:
         views: list[Any] = [None] * world
         dist.all_gather_object(views, (sums, error))

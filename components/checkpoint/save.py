@@ -183,7 +183,7 @@ def save_failed(
     needs = (
         f"it needs {needed} bytes, {free} were free"
         if needed > free
-        else f"it needed more than the {free} bytes that were free"
+        else f"the disk or a quota filled up ({free} bytes were free when it began)"
     )
     return SaveFailed(
         f"[checkpoint] out of disk space saving step-{step} in {folder}: {needs}; the "

@@ -22,6 +22,7 @@ from containers.precision.master_state import MasterState
 from containers.precision.overflow import overflow_refusal
 from containers.precision.settings import MixedPrecisionSettings
 from containers.precision.sums import FullPrecisionSums, from_initial
+from containers.state.param_groups import dcp_fqn
 from containers.tensors import local
 from containers.update.plan import Plan, engine_takes, plan_of
 
@@ -84,10 +85,10 @@ class MasterWeights(Precision):
         residue, and equal early Adam updates would round alike, biasing a tensor by up to
         half an ulp."""
         with torch.no_grad():
-            for fqn, p in model.named_parameters():
+            for name, p in model.named_parameters():
                 if p.is_floating_point():
-                    if p.dtype == self.master_dtype:
-                        self._initial[fqn] = p.data
+                    if p.dtype == self.master_dtype:  # (keyed as `stepped` is asked)
+                        self._initial[dcp_fqn(name)] = p.data
                     p.data = p.data.to(self.param_dtype)
         return model
 

@@ -180,7 +180,7 @@ def plan_load(
                 osd_state[len(osd_state)] = state
             groups.append(loaded)
         plans.append({"state": osd_state, "param_groups": groups})
-    _refuse_bad_values(optimizers, plans, fqns, flat)
+    _refuse_bad_values(optimizers, plans, fqns, flat, sharded=bool(sliced))
     return plans
 
 
@@ -189,11 +189,13 @@ def _refuse_bad_values(
     plans: Sequence[Mapping[str, Any]],
     fqns: Mapping[torch.Tensor, str],
     flat: Mapping[str, Any],
+    sharded: bool = False,
 ) -> None:
     """Raise ValueError for hyperparameters torch's constructors would refuse and for state
     values that are not finite, before anything is loaded: on every rank or on none, where
-    the container's parameters are DTensors (its layout, not the dict, says the ranks load
-    together; a rank that raised alone would leave the others in a collective)."""
+    the container's parameters are DTensors or `sharded` (FSDP1 slices): its layout, not the
+    dict, says the ranks load together (a rank that raised alone would leave the others in
+    a collective)."""
     bad = []
     for opt, plan in zip(optimizers, plans):
         for group, loaded in zip(opt.param_groups, plan["param_groups"]):
@@ -204,9 +206,11 @@ def _refuse_bad_values(
         for k, v in _state_tensors(flat)
         if isinstance(v, torch.Tensor) and v.is_floating_point()
     }
-    world = dist.is_initialized() and any(isinstance(p, DTensor) for p in fqns)
-    refused = torch.tensor(float("inf") if bad else 0.0)  # (one collective asks both)
-    if all_finite([*floats.values(), refused], [None] if world else []):
+    world = dist.is_initialized() and (sharded or any(isinstance(p, DTensor) for p in fqns))
+    nccl = world and dist.get_backend() == "nccl"  # (its collective needs a CUDA tensor)
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    refused = torch.tensor(float("inf") if bad else 0.0, device=device)  # (one collective)
+    if all_finite([refused, *floats.values()], [None] if world else []):
         return
     if bad:
         raise ValueError(
@@ -214,14 +218,15 @@ def _refuse_bad_values(
             f"{describe_keys(bad)}; load a checkpoint of this job or fix the values"
         )
     here = [k for k, v in floats.items() if not bool(torch.isfinite(local(v)).all())]
-    raise ValueError(
-        "optimizer state dict: "
-        + (
-            f"non-finite values in {describe_keys(here)}"
-            if here
-            else "another rank's part holds non-finite values or settings torch's optimizers refuse"
+    if not here:
+        raise ValueError(
+            "optimizer state dict: another rank's part was refused (non-finite values or "
+            "settings torch's optimizers refuse: that rank's error names them); nothing was "
+            "loaded"
         )
-        + "; load an earlier checkpoint (a step that reached NaN or inf saves none)"
+    raise ValueError(
+        f"optimizer state dict: non-finite values in {describe_keys(here)}; load an earlier "
+        "checkpoint (a step that reached NaN or inf saves none)"
     )
 
 

@@ -13,10 +13,17 @@ from torch.optim import Optimizer
 
 from containers.parts import Named
 
-__all__ = ["GroupSpecs", "ParamGroupRule", "assign", "matrix_only", "trainable"]
+__all__ = ["GroupSpecs", "ParamGroupRule", "assign", "dcp_fqn", "matrix_only", "trainable"]
 
 # Wrapper segments that torch's DCP state-dict API leaves out of FQNs.
 _WRAPPERS = r"_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\."
+
+
+def dcp_fqn(name: str) -> str:
+    """A parameter's name as checkpoints key it: without the wrapper segments of FSDP1,
+    activation checkpointing and `torch.compile`, which torch's DCP state-dict API drops."""
+    return re.sub(_WRAPPERS, "", name)
+
 
 # One unit's inner optimizers: class -> (constructor kwargs, [(params, group kwargs)]);
 # constructor kwargs hold no group's overrides, so a group never inherits another's.
@@ -147,7 +154,7 @@ def trainable(model_parts: Sequence[nn.Module]) -> list[Named]:
         for name, p in part.named_parameters():
             if not p.requires_grad:
                 continue
-            fqn = re.sub(_WRAPPERS, "", name)
+            fqn = dcp_fqn(name)
             if p in owner:
                 raise ValueError(
                     f"parameter {fqn!r} of model part {part_idx} is also in model part "

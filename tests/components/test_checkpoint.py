@@ -447,17 +447,19 @@ def test_a_disk_full_when_the_checksums_are_written_is_one_line_on_every_rank(tm
     probe = run_ranks(2, _save_step_2, str(tmp_path / "probe"), mode)[0]
     assert probe["stopped"] is None and probe["found"]["step-2"][0] == ".checksums", probe
     saved = tmp_path / "probe" / "checkpoint" / "step-2"
-    pages = sum(-(-f.stat().st_size // 4096) for f in saved.iterdir() if f.name != ".checksums")
-    with tmpfs(tmp_path / "disk", pages * 4096) as disk:
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = sum(-(-f.stat().st_size // page) for f in saved.iterdir() if f.name != ".checksums")
+    # ("probe" and "small" are as long: the .metadata records the folder's path)
+    with tmpfs(tmp_path / "small", pages * page) as disk:
         results = run_ranks(2, _save_step_2, str(disk), mode)
     for result in results:
         assert result["found"] == {}, result  # the partial step-2.tmp removed
         assert result["stopped"] == (
-            f"[checkpoint] out of disk space saving step-2 in {disk / 'checkpoint'}: it needed "
-            f"more than the {pages * 4096} bytes that were free; the partial step-2.tmp was "
-            "removed and the "
-            "checkpoints there stay as they were (none); free space or point [checkpoint] "
-            "folder at a larger disk, then run the same command to resume"
+            f"[checkpoint] out of disk space saving step-2 in {disk / 'checkpoint'}: the disk "
+            f"or a quota filled up ({pages * page} bytes were free when it began); the partial "
+            "step-2.tmp was removed and the checkpoints there stay as they were (none); free "
+            "space or point [checkpoint] folder at a larger disk, then run the same command to "
+            "resume"
         ), result
 
 

@@ -232,9 +232,12 @@ class Rows(oc.MetricsProcessor):
         self.logger = _Capture(self.logger, self.rows)
 
 
-def debug_config(dump_folder: str, steps: int = 20) -> Any:
-    """torchtitan's llama3 debug model config for 2 CPU ranks (FSDP2 over both), its own
-    AdamW container, seeded and deterministic, every step's metrics kept (`Rows`)."""
+def debug_config(
+    dump_folder: str, steps: int = 20, container: str | None = None, max_norm: float = 1.0
+) -> Any:
+    """torchtitan's llama3 debug model config for 2 CPU ranks (FSDP2 over both), seeded and
+    deterministic, every step's metrics kept (`Rows`); its own AdamW container, or ours of
+    the kind `container` over the same param groups."""
     apply()
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -262,4 +265,11 @@ def debug_config(dump_folder: str, steps: int = 20) -> Any:
     config.checkpoint.enable = False
     config.debug.seed = 0
     config.debug.deterministic = True
+    t.max_norm = max_norm
+    if container is not None:
+        config.optimizer = oc.OptimizersContainer.Config(
+            param_groups=config.optimizer.param_groups,
+            implementation=config.optimizer.implementation,
+            container=container,
+        )
     return config

@@ -16,7 +16,6 @@ import torchtitan.components.optimizer as titan
 from containers import (
     MixedPrecisionOptimizersContainer,
     OptimizersContainer,
-    OptimizersInBackwardContainer,
 )
 from containers import torchtitan as oc
 
@@ -120,9 +119,6 @@ def test_torchtitans_lr_scheduler_steps_our_groups_as_it_steps_its_own():
 
 
 def test_the_variants_and_lean_moments_are_the_librarys_containers():
-    model = _model()
-    built = oc.OptimizersContainer.Config(param_groups=GROUPS, container="in_backward")
-    assert type(built.build(model_parts=[model])) is OptimizersInBackwardContainer
     bf16 = oc.OptimizersContainer.Config(
         param_groups=GROUPS, implementation="fused_opt_states_bf16"
     )
@@ -168,6 +164,33 @@ def test_what_a_torchtitan_job_cannot_have_is_one_line_in_its_config(fields, sai
     with pytest.raises(ValueError) as refused:
         oc.OptimizersContainer.Config(param_groups=GROUPS, **fields)
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_in_backward_outside_torchtitans_trainer_is_refused_in_one_line():
+    """Its clip and gradient accumulation live in the Trainer's config (its test builds it
+    there: test_trainer.py)."""
+    config = oc.OptimizersContainer.Config(param_groups=GROUPS, container="in_backward")
+    with pytest.raises(ValueError, match=r"^optimizer.container = 'in_backward' is built outs"):
+        config.build(model_parts=[_model()])
+
+
+def test_masters_keep_the_fp32_init_under_activation_checkpointing_wrappers():
+    """torchtitan wraps blocks for activation checkpointing before the optimizer is built:
+    the names differ from the checkpoint FQNs the masters are found by."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _model()
+    model.mid = checkpoint_wrapper(model.mid)
+    init = {k.replace("_checkpoint_wrapped_module.", ""): v.clone()
+            for k, v in model.named_parameters()}  # fmt: skip
+    config = oc.OptimizersContainer.Config(param_groups=GROUPS, container="mixed_precision")
+    masters = {
+        k.removeprefix("master_weights."): v
+        for k, v in config.build(model_parts=[model]).state_dict().items()
+        if k.startswith("master_weights.")
+    }
+    assert masters.keys() == init.keys()
+    assert all(torch.equal(masters[k], init[k]) for k in init)
 
 
 def test_a_parameter_no_group_takes_is_refused_as_torchtitan_refuses_it():

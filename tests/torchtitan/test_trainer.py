@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from containers import torchtitan as oc
 from tests.harness.dist import run_ranks
 
 STEPS = 20
@@ -35,14 +34,7 @@ def _jobs(tmp: str) -> dict[str, Any]:
     init: dict[str, torch.Tensor] = {}
 
     def job(name: str, container: str | None, max_norm: float = 1.0, **checkpoint: Any) -> Any:
-        config = cpu.debug_config(f"{tmp}/{name}", STEPS)
-        config.training.max_norm = max_norm
-        if container is not None:
-            config.optimizer = oc.OptimizersContainer.Config(
-                param_groups=config.optimizer.param_groups,
-                implementation=config.optimizer.implementation,
-                container=container,
-            )
+        config = cpu.debug_config(f"{tmp}/{name}", STEPS, container, max_norm)
         for key, value in checkpoint.items():
             setattr(config.checkpoint, key, value)
         try:
