@@ -247,6 +247,78 @@ def test_a_stop_in_the_middle_of_an_accumulation_resumes_bitwise(tmp_path):
     ]
 
 
+MOE = [
+    "--job.config_file", "config/moe.toml", "--model.flavor", "tiny", "--training.seq_len", "32",
+    "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+    "--checkpoint.interval", "2", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1",
+]  # fmt: skip
+
+
+def _resave(step: Path, name: str, text: str) -> None:
+    """`name` in checkpoint `step` replaced by `text`, its checksum recorded again: as a run
+    of that other model would have saved it."""
+    import xxhash
+
+    (step / name).write_text(text)
+    sums = json.loads((step / ".checksums").read_text())
+    sums["xxh3_64"][name] = xxhash.xxh3_64((step / name).read_bytes()).hexdigest()
+    (step / ".checksums").write_text(json.dumps(sums))
+
+
+def test_a_model_changed_in_a_setting_that_keeps_every_shape_is_refused_in_one_line(tmp_path):
+    """A MoE checkpoint of top_k 1 resumed by a run of top_k 2 (every shape the same): train.py
+    refuses it before step 1 in one line naming the setting, exit 2, the checkpoint as it was;
+    with `--checkpoint.allow_model_changes` it resumes, saying so."""
+    dump = tmp_path / "run"
+    result = train_ranks(2, [*MOE, "--training.steps", "2", "--job.dump_folder", str(dump)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    step = dump / "checkpoint" / "step-2"
+    saved = json.loads((step / ".model.json").read_text())
+    assert saved["model.name"] == "moe" and saved["top_k"] == 2
+    _resave(step, ".model.json", json.dumps({**saved, "top_k": 1}, sort_keys=True))
+    before = _hashes(step)
+    resume = [*MOE, "--training.steps", "4", "--job.dump_folder", str(dump)]
+    refused = train_ranks(2, resume)
+    errors = _lines(refused.stdout, "ERROR")
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    assert (
+        len(errors) == 1
+        and (
+            f"[checkpoint] {step} holds a model with other settings (top_k 1 -> 2); nothing was "
+            "loaded: resume with the checkpoint's [model] settings, or set [checkpoint] "
+            "allow_model_changes = true if the change is meant"
+        )
+        in errors[0]
+    ), errors
+    assert _hashes(step) == before and sorted(complete_checkpoints(dump / "checkpoint")) == [2]
+    allowed = train_ranks(2, [*resume, "--checkpoint.allow_model_changes", "true"])
+    assert allowed.returncode == 0, allowed.stdout[-3000:]
+    assert "holds a model with other settings (top_k 1 -> 2): loading it" in allowed.stdout
+
+
+def test_a_file_changed_in_place_is_named_by_the_rank_that_hashed_it_on_every_rank(tmp_path):
+    """Two ranks share the checksums of a resume (rank 1 hashes `__1_0.distcp`): 4 KiB zeroed
+    in it, at the same size, stop both before step 1 with one line naming the file and the
+    newest intact checkpoint, exit 2, nothing changed."""
+    dump = tmp_path / "run"
+    args = [*BASE, "--training.steps", "4", "--checkpoint.interval", "2"]
+    result = train_ranks(2, [*args, "--job.dump_folder", str(dump)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    step = dump / "checkpoint" / "step-4"
+    with (step / "__1_0.distcp").open("r+b") as f:
+        f.seek(1000)
+        f.write(bytes(4096))
+    before = _hashes(step)
+    refused = train_ranks(2, [*args, "--training.steps", "6", "--job.dump_folder", str(dump)])
+    errors = _lines(refused.stdout, "ERROR")
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    assert len(errors) == 1, refused.stdout[-3000:]
+    said = "__1_0.distcp does not match its checksum (changed in place since its save)"
+    newest = "load_step = 2 and set_aside_newer = true (moves the newer steps aside); intact: [2]"
+    assert said in errors[0] and errors[0].endswith(newest), errors[0]
+    assert _hashes(step) == before
+
+
 MIXED = ["--job.config_file", "config/mixed_precision.toml"]
 LEAN = ["--optimizer.moment_dtype", "bfloat16", "--mixed_precision.store_param_remainders"]
 IN_BACKWARD = ["--optimizer.early_step_in_backward", "--training.max_norm", "0"]
