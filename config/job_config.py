@@ -246,7 +246,7 @@ class FaultTolerance:
     replica_id: int = bounded(0, ge=0)
     """Index of this replica group, in [0, group_size)."""
 
-    group_size: int = bounded(1, ge=1)
+    group_size: int = bounded(1, ge=1, le=65536)
     """Number of replica groups the job runs (each reads its own share of the data)."""
 
     min_replica_size: int = bounded(1, ge=1)
@@ -352,10 +352,10 @@ class MixedPrecision:
     backoff_factor: float = bounded(_MP.backoff_factor, gt=0.0, lt=1.0)
     """Scale multiplier after an overflow."""
 
-    growth_interval: int = bounded(_MP.growth_interval, ge=1)
+    growth_interval: int = bounded(_MP.growth_interval, ge=1, le=10**9)
     """Overflow-free steps before the scale grows."""
 
-    hysteresis: int = bounded(_MP.hysteresis, ge=1)
+    hysteresis: int = bounded(_MP.hysteresis, ge=1, le=10**9)
     """Overflows tolerated before the scale backs off."""
 
     min_scale: float = bounded(_MP.min_scale, gt=0.0)
@@ -416,15 +416,15 @@ class EMA:
 
 @dataclass(kw_only=True)
 class Comm:
-    init_timeout_seconds: int = bounded(300, ge=1)
+    init_timeout_seconds: int = bounded(300, ge=1, le=MAX_TIMEOUT_MS // 1000)
     """Longest wait of a collective until the first step is done (process-group start,
     sharding, checkpoint load, the first step's own collectives)."""
 
-    train_timeout_seconds: int = bounded(100, ge=1)
+    train_timeout_seconds: int = bounded(100, ge=1, le=MAX_TIMEOUT_MS // 1000)
     """Longest wait of a collective after the first applied step: a rank that stops answering
     ends the run after this long with one line naming the collective."""
 
-    trace_buf_size: int = bounded(20_000, ge=0)
+    trace_buf_size: int = bounded(20_000, ge=0, le=1_000_000)
     """Collectives torch's flight recorder keeps per process group (`TORCH_FR_BUFFER_SIZE`,
     unless set in the environment); the line of a timed-out run names the last one. 0: off."""
 

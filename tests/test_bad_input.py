@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -9,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from components.job import build_job, validate_job
-from config import ConfigError, load_job_config
+from config import ConfigError, JobConfig, load_job_config
 from tests.harness.dist import REPO, free_port, kill_tree, launch, run_here, train_ranks
 from tests.test_train import BASE
 
@@ -175,6 +177,55 @@ def test_what_the_job_cannot_run_is_refused_before_any_process_group(args, messa
         validate_job(load_job_config(args))
     assert message in str(refused.value)
     assert not dist.is_initialized()
+
+
+# Integers the loop only counts or compares with, in Python: no bound reaches torch or a kernel.
+COUNTERS = {
+    "training.steps", "training.max_consecutive_skips", "metrics.log_freq",
+    "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
+    "ema.update_every_n_steps", "ema.start_step", "ema.eval_every",
+}  # fmt: skip
+
+
+def _int_keys(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _int_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif hints[f.name] in (int, int | None):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+@pytest.mark.parametrize("key", _int_keys(JobConfig))
+def test_every_integer_has_a_bound_before_any_process_group(key):
+    """10**20 in any integer key (with the feature it belongs to on) is refused in one line
+    naming the key, or the key is one the loop only counts with (`COUNTERS`)."""
+    on = {
+        "fault_tolerance": ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", "x:1"],
+        "ema": ["--ema.enable"],
+        "mixed_precision": [
+            "--optimizer.container",
+            "mixed_precision",
+            "--mixed_precision.param_dtype",
+            "float16",
+        ],
+        "parallelism.pipeline_parallel_microbatch_size": [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+    }
+    on = on.get(key, on.get(key.split(".")[0], []))
+    args = ["--job.config_file", "config/debug.toml", *on, f"--{key}", str(10**20)]
+    if key in COUNTERS:
+        validate_job(load_job_config(args), 2)
+        return
+    with pytest.raises(ConfigError) as refused:
+        validate_job(load_job_config(args), 2)
+    said = str(refused.value)
+    assert key.split(".")[-1] in said and str(10**20) in said, said
+    assert "\n" not in str(refused.value)
 
 
 def test_a_refused_ft_job_never_connects(tmp_path):
