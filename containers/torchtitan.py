@@ -173,23 +173,10 @@ def build(config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> A
                 store_param_remainders=config.store_param_remainders,
             )
         )
-        for part in model_parts:
-            cast_parameters(part, precision)
+        for part in model_parts:  # (after torchtitan's init_weights: the masters are its fp32)
+            precision.cast_model(part)
         return containers.MixedPrecisionOptimizersContainer(*args, precision=precision, **parts)
     return containers.OptimizersContainer(*args, **parts)
-
-
-def cast_parameters(part: nn.Module, precision: containers.MasterWeights) -> None:
-    """Cast `part`'s parameters (not its buffers) to the precision's dtype after torchtitan
-    initialized them, the exact fp32 values kept for the masters. Through `nn.Module._apply`,
-    which FSDP2 follows (its sharded parameters are reset to the new dtype)."""
-    params = {id(p) for p in part.parameters() if p.is_floating_point()}
-    with torch.no_grad():
-        for name, p in part.named_parameters():
-            if id(p) in params and p.dtype == precision.master_dtype:
-                precision._initial[dcp_fqn(name)] = p.detach().clone()
-    dtype = precision.param_dtype
-    part._apply(lambda t: t.to(dtype) if id(t) in params else t)
 
 
 def _optimizer_class(name: str, moments: str) -> type[Optimizer]:

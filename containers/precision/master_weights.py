@@ -83,13 +83,14 @@ class MasterWeights(Precision):
         """Cast the floating-point parameters (not buffers), keeping their full-precision
         values for `stepped`: a master made from the rounded parameter loses the rounding
         residue, and equal early Adam updates would round alike, biasing a tensor by up to
-        half an ulp."""
+        half an ulp. Before or after FSDP2 shards the model: the cast goes through
+        `nn.Module._apply`, which FSDP2 follows (its sharded parameters reset)."""
+        cast = {id(p) for p in model.parameters() if p.is_floating_point()}
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.is_floating_point():
-                    if p.dtype == self.master_dtype:  # (keyed as `stepped` is asked)
-                        self._initial[dcp_fqn(name)] = p.data
-                    p.data = p.data.to(self.param_dtype)
+                if id(p) in cast and p.dtype == self.master_dtype:  # (keyed as `stepped` asks)
+                    self._initial[dcp_fqn(name)] = p.detach()
+        model._apply(lambda t: t.to(self.param_dtype) if id(t) in cast else t)
         return model
 
     def stepped(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
