@@ -10,6 +10,8 @@ tests only: `apply()` before `torchtitan.trainer` is imported, then `debug_confi
 4. FSDP2 reduces gradients with PREMUL_SUM (torchtitan divides by the token count itself),
    which gloo lacks: a plain sum, the same arithmetic.
 5. torch 2.13 has no `set_timeout` for `set_pg_timeouts`: a no-op.
+6. For the suite's time, not for a CPU: `Trainer.train()` ends with a 2 s sleep on rank 0
+   (waiting for the other ranks, which `close()` waits for anyway): no sleep.
 
 Everything else goes through torchtitan's own config: SDPA for FlexAttention (no CPU
 backward; each window is one document, so causal SDPA is the same mask), a synthetic
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
+import time
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +107,7 @@ def apply() -> None:
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as utils
-    import torchtitan.trainer  # noqa: F401
+    import torchtitan.trainer
 
     for module in (utils, metrics, parallel_dims, dist_utils):
         if hasattr(module, "device_type"):
@@ -125,6 +128,16 @@ def apply() -> None:
     fsdp.disable_fsdp_gradient_division = plain_sums
     if not hasattr(dist, "set_timeout"):
         dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: None
+    torchtitan.trainer.time = _NoSleep()
+
+
+class _NoSleep:
+    """The `time` module without `sleep`, for torchtitan's trainer module alone."""
+
+    sleep = staticmethod(lambda seconds: None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 class Tokenizer(BaseTokenizer):
