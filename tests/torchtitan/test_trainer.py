@@ -55,6 +55,14 @@ def _jobs(tmp: str) -> dict[str, Any]:
                 out["param_dtypes"] = sorted(
                     {str(p.dtype) for p in trainer.model_parts[0].parameters()}
                 )
+            if name == "nan_gradients":  # step 3's gradients NaN, its loss finite
+                norm = trainer.model_parts[0].norm
+
+                def poison(module: Any, args: Any, output: torch.Tensor) -> None:
+                    if trainer.step == 3:
+                        output.register_hook(lambda grad: grad * float("nan"))
+
+                norm.register_forward_hook(poison)
             trainer.train()
             out[name] = trainer.metrics_processor.rows
             out[f"{name}.optimizer"] = type(trainer.optimizers).__name__
@@ -73,6 +81,7 @@ def _jobs(tmp: str) -> dict[str, Any]:
     job("titan_unclipped", None, max_norm=1e30)
     job("in_backward", "in_backward", max_norm=0.0)
     job("mixed", "mixed_precision")
+    job("nan_gradients", "default")
     job("in_backward_clipped", "in_backward", max_norm=1.0)
     return out
 
@@ -126,3 +135,14 @@ def test_in_backward_refuses_torchtitans_clip_in_one_line(jobs):
         "training.max_norm = 1.0 would clip gradients already applied and freed (silently no "
         "clip): set training.max_norm = 0, or use container 'default' to clip"
     )
+
+
+def test_a_step_with_nan_gradients_is_skipped_and_counted_in_torchtitans_metrics(jobs):
+    """Step 3's gradients are NaN (its loss finite, so torchtitan trains on): the container
+    skips it and the metrics say so from then on; step 4's loss is not the clean run's, which
+    applied step 3."""
+    rows, clean = jobs["nan_gradients"], jobs["ours"]
+    assert [rows[s]["optimizer/committed"] for s in (2, 3, 4)] == [1, 0, 1]
+    assert [rows[s]["optimizer/skipped_steps"] for s in (2, 3, STEPS)] == [0, 1, 1]
+    assert _losses(rows)[3] == _losses(clean)[3]  # (the forward before the NaN backward)
+    assert _losses(rows)[4] != _losses(clean)[4]  # (weights of step 2, another batch)
