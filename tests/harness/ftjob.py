@@ -169,8 +169,9 @@ class FTJob:
     def join_late(self, at: int, extra: list[str], released_at: int = 0) -> tuple[int, int]:
         """Group 0 runs and is held at step `at` (once it committed step `at` - 1) until group
         1, started with `extra` arguments, has begun training (logged step `released_at`, if
-        above 0: under DiLoCo, the step before its first sync, so both meet at that quorum
-        within the lighthouse's join timeout); then both run to the end.
+        above 0: under DiLoCo, the step before its first sync, and asked the lighthouse for
+        that sync's quorum, so group 0's next quorum cannot be a fast one of group 0 alone:
+        both meet there); then both run to the end.
         Returns their exit codes (the job closed)."""
         hold = self.folder / "hold"
         hold.touch()
@@ -186,6 +187,10 @@ class FTJob:
                 lambda: (
                     "micro-batches/step, from step 0" in self.log("replica_1")
                     and max(self.metrics(1), default=0) >= released_at
+                    and (
+                        not released_at
+                        or "Received quorum request for replica replica_1" in self.log("lighthouse")
+                    )
                 ),
             )
             hold.unlink()
