@@ -170,6 +170,14 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _hasher(name: str, world: int) -> int:
+    """The rank that hashes file `name` of a checkpoint, when saving and when verifying: the
+    one that wrote it (DCP's `__<rank>_<n>.distcp`, its pages likely still in that rank's
+    cache), rank 0 for the rest."""
+    writer = re.match(r"__(\d+)_", name)
+    return int(writer[1]) % world if writer else 0
+
+
 def write_checksums(folder: Path, shared: bool = False, also: dict[str, str] | None = None) -> None:
     """Record a checksum of every file of a saved checkpoint `folder` (before it is published:
     a published checkpoint always has its record).
@@ -189,9 +197,7 @@ def write_checksums(folder: Path, shared: bool = False, also: dict[str, str] | N
             for name, text in (also or {}).items():
                 (folder / name).write_text(text)
         for p in sorted(folder.iterdir()):
-            writer = re.match(r"__(\d+)_", p.name)  # (DCP's `__<rank>_<n>.distcp`)
-            ours = int(writer[1] if writer else 0) % world == rank
-            if ours and p.is_file() and p.name != CHECKSUMS:
+            if _hasher(p.name, world) == rank and p.is_file() and p.name != CHECKSUMS:
                 sums[p.name] = _digest(p)
     except Exception as e:  # (any: the other ranks must hear of it, not wait)
         error = e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}")
@@ -295,7 +301,8 @@ def _check_sums(path: Path, shared: bool) -> None:
         raise Damaged(CHECKSUMS, "is not a checksum record (edited or damaged)")
     files = sorted(sums.items())
     if shared:
-        files = files[dist.get_rank() :: dist.get_world_size()]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        files = [(name, digest) for name, digest in files if _hasher(name, world) == rank]
     found = next((damage for damage in map(_checked, [path] * len(files), files) if damage), None)
     if shared:
         views: list[Any] = [None] * dist.get_world_size()
