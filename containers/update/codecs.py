@@ -119,7 +119,9 @@ class MomentCodec:
         skip: torch.Tensor,
         consts: Sequence[torch.Tensor],
     ) -> None:
-        """Store fp32 `new` into `stored` unless `skip` (traced into the graph)."""
+        """Store fp32 `new` into `stored` (traced into the graph). Where `skip` is set, `new`
+        holds `stored`'s own values, which every form stores back unchanged; `skip` keeps what
+        values do not determine (a zero block's scale)."""
         raise NotImplementedError
 
 
@@ -167,7 +169,7 @@ class Dense(MomentCodec):
         return stored.float()
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
-        stored.copy_(torch.where(skip, stored.float(), new))
+        stored.copy_(new)
 
 
 BLOCK = 32

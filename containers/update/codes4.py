@@ -108,13 +108,13 @@ class Codes4(RowCodes):
         if not isinstance(stored, dict):
             return stored.float()
         codes = _unpack(stored[self.CODE]).view(-1, self.BLOCK)
-        return values_of(moment, codes, stored["scale"].view(-1, 1), consts).view(-1)
+        return values_of(moment, codes, stored["scale"].view(-1, 1), consts)
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
         if not isinstance(stored, dict):
-            stored.copy_(torch.where(skip, stored.float(), new))
+            stored.copy_(new)
             return
         codes, top = codes_of(moment, new.view(-1, self.BLOCK), consts)
         code, scale = stored[self.CODE], stored["scale"].view(-1, 1)
-        code.copy_(torch.where(skip, code, _pack(codes.view(-1))))
-        scale.copy_(torch.where(skip, scale, top))
+        code.copy_(_pack(codes).view(code.shape))
+        scale.copy_(top)

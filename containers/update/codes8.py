@@ -4,16 +4,19 @@ rows that a checkpoint reshards exactly (`codecs.RowCodes`).
 - first moment (signed): `int8` times a per-block power of two, the smallest holding the
   block's largest magnitude (|code| <= 127; decoding is one exact multiply);
 - second moment (>= 0): `uint8` log code below the block maximum (kept exactly in fp32):
-  code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum; smaller nonzero values
-  take code 255, an overestimate (a smaller update, never a division by `eps` alone). Log
-  rounding beats linear rounding for this moment.
-Encoding compares with fixed fp32 thresholds, so codes are device-independent, and a decoded
-tensor encodes to the same codes and scales: a skipped step changes nothing.
+  code 0 is 0, code c >= 1 is 2^(-40 (c - 1) / 254) x the maximum, the nearest in log scale;
+  smaller nonzero values take code 255, an overestimate (a smaller update, never a division
+  by `eps` alone). Log rounding beats linear rounding for this moment.
+
+Both codes are elementwise arithmetic (`log2`, `exp2`, bit operations; no table reads, which
+a compiled CPU kernel does one element at a time). A decoded value sits half a code from
+either neighbour, so it encodes to the same code on any device and a skipped step changes
+nothing; a value within a few ulp of the boundary between two log codes may take either
+where another `log2` rounds it (another device), as any fp32 result may differ there.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +35,6 @@ __all__ = [
     "encode_signed",
     "from_blocks",
     "log_codes",
-    "log_tables",
     "log_values",
     "scale_shape",
     "signed_codes",
@@ -41,6 +43,8 @@ __all__ = [
 
 LOG_OCTAVES = 40.0
 _STEPS = 254  # codes 1..255
+# A code's step, 40 / 254 = 20 / 127 of an octave, in units of 1/127 octave (exact in fp32).
+_UNITS, _UNITS_PER_CODE = 127.0, 20.0
 
 
 def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
@@ -48,20 +52,6 @@ def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) == 0:
         return (1,)
     return (*shape[:-1], -(-shape[-1] // BLOCK))
-
-
-@functools.cache
-def log_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values of codes 0..255 as fractions of the maximum, and 256 descending thresholds.
-
-    Thresholds: +inf, the geometric means between codes 1..255, then 0. A ratio r > 0 takes
-    the code c in 1..255 with thresholds[c - 1] > r >= thresholds[c]."""
-    c = torch.arange(256, dtype=torch.float64)
-    values = torch.exp2(-(c - 1) * (LOG_OCTAVES / _STEPS))
-    values[0] = 0.0
-    thresholds = torch.exp2(-(c - 0.5) * (LOG_OCTAVES / _STEPS))
-    thresholds[0], thresholds[255] = float("inf"), 0.0
-    return values.float().to(device), thresholds.float().to(device)
 
 
 def from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -112,7 +102,7 @@ def signed_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = top.view(torch.int32)
     above = (bits & 0x7F800000) + 0x00800000
     power = torch.where(bits & 0x007FFFFF == 0, bits, above).view(torch.float32)
-    return (blocks / power).round().clamp(-127, 127), power
+    return (blocks * power.reciprocal()).round().clamp(-127, 127), power  # (exact)
 
 
 def signed_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -137,41 +127,33 @@ def encode_log(
         return
     if checked and bool((values < 0).any()):
         raise ValueError("encode_log: a second moment must be >= 0; got a negative value")
-    codes, peak = log_codes(as_blocks(values.float()), log_tables(values.device)[1])
+    codes, peak = log_codes(as_blocks(values.float()))
     code.copy_(from_blocks(codes, code.shape))
     top.copy_(peak.reshape(top.shape))
 
 
-def log_codes(blocks: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def log_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Uint8 log codes of fp32 `blocks` (..., BLOCK) >= 0 and block maxima (..., 1); plain
     torch ops so inductor fuses them too."""
     peak = blocks.amax(-1, keepdim=True)
-    ratio = blocks / peak.clamp_min(torch.finfo(torch.float32).tiny)
-    # Estimate within 0.55 of the code (log2 from the bits), then correct by one step.
-    under = ratio.view(torch.int32).float() * 2.0**-23 - 127.0
-    c0 = (under * -(_STEPS / LOG_OCTAVES) + 0.5).int().add(1).clamp(1, 255)
-    up = _lookup(thresholds, c0) > ratio
-    down = _lookup(thresholds, c0 - 1) <= ratio
-    c = c0 + up.int() - down.int()
-    c = torch.where(ratio < thresholds[254], 255, c)  # below the window (zeros: next line)
+    below = peak.clamp_min(torch.finfo(torch.float32).tiny).log2() - blocks.log2()  # octaves
+    c = (below * (_STEPS / LOG_OCTAVES) + 1.5).floor().clamp(1, 255)  # 0: inf -> 255
     return torch.where(blocks > 0, c, 0).to(torch.uint8), peak
 
 
-def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`table[index]` as one `index_select` (several times faster on a CPU than indexing)."""
-    return torch.index_select(table, 0, index.reshape(-1).int()).view(index.shape)
+def log_values(codes: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1).
 
-
-def log_values(codes: torch.Tensor, top: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1);
-    `values` as `log_tables` gives them."""
-    return _lookup(values, codes) * top
+    2^(-20 (c - 1) / 127), within 12 fp32 ulp of the exact value (the exponent is rounded
+    to fp32)."""
+    c = codes.float()  # (a float compare: inductor's CPU code selects by 8-bit masks slowly)
+    n = (c - 1) * _UNITS_PER_CODE  # below the maximum, in 1/127 octave
+    return torch.where(c > 0, torch.exp2(n / -_UNITS), 0.0) * top
 
 
 def decode_log(code: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> None:
     """Write the values of uint8 log `code` below block maxima `top` into `out`."""
-    table = log_tables(code.device)[0]
-    _decode(code, top, out, torch.uint8, lambda c, t: log_values(c, t, table))
+    _decode(code, top, out, torch.uint8, log_values)
 
 
 @torch.no_grad()
@@ -212,20 +194,17 @@ class Codes8(RowCodes):
     ) -> None:
         (decode_signed if moment == "exp_avg" else decode_log)(code, scale, out)
 
-    def constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        return log_tables(device)  # the log codes' values and thresholds
-
     def values(self, moment: str, stored: Any, consts: Sequence[torch.Tensor]) -> torch.Tensor:
         if not isinstance(stored, dict):
             return stored.float()
         code, scale = stored["code"].view(-1, BLOCK), stored["scale"].view(-1, 1)
         if moment == "exp_avg":
-            return signed_values(code, scale).view(-1)
-        return log_values(code, scale, consts[0]).view(-1)
+            return signed_values(code, scale)
+        return log_values(code, scale)
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
         if not isinstance(stored, dict):
-            stored.copy_(torch.where(skip, stored.float(), new))
+            stored.copy_(new)
             return
         code, scale = stored["code"].view(-1, BLOCK), stored["scale"].view(-1, 1)
         blocks = new.view(-1, BLOCK)
@@ -233,6 +212,6 @@ class Codes8(RowCodes):
             codes, scales = signed_codes(blocks)
             codes = codes.to(torch.int8)
         else:
-            codes, scales = log_codes(blocks, consts[1])
-        code.copy_(torch.where(skip, code, codes))
-        scale.copy_(torch.where(skip, scale, scales))
+            codes, scales = log_codes(blocks)
+        code.copy_(codes)
+        scale.copy_(torch.where(skip, scale, scales))  # a fresh zero block's scale is 0

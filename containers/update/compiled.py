@@ -2,8 +2,8 @@
 over its stored forms, each read and written once, no fp32 scratch and no host sync
 (hyperparameters reach the device in one non-blocking copy; a skip is the device flag).
 
-One graph per kind of tensor (the codecs and dtypes), not per group: tensors enter as flat
-views with dynamic sizes, so a model's tensors share a few graphs, as torchao's low-bit
+One graph per kind of tensor (the codecs and dtypes), not per group: tensors enter as views
+with dynamic sizes (`_parts`), so a model's tensors share a few graphs, as torchao's low-bit
 optimizers compile one update per parameter. Results are a few fp32 ulp from the chunked
 driver (another rounding order). What a codec cannot take in a graph (codes whose rows are
 not whole blocks) steps through the chunked driver.
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from containers.tensors import scratch_numel
+from containers.update.codecs import BLOCK
 from containers.update.driver import Slot, Update
 from containers.update.forms import MASTER_CODECS, MOMENT_CODECS
 
@@ -27,12 +29,29 @@ RECOMPILES = 64
 """Graphs the update may have (torch's default of 8 is too few for every kind of tensor)."""
 
 
-def _flat(stored: Any) -> Any:
-    """A stored form's tensors as flat views (never Parameters: dynamo makes their shapes
-    static)."""
-    if isinstance(stored, dict):
-        return {k: v.view(-1) for k, v in stored.items()}
-    return stored.view(-1) if stored is not None else None
+def _parts(s: Slot, limit: int) -> Iterator[tuple[Any, ...]]:
+    """A slot's gradient, value, parameter and moments, as the graph takes them: dense ones
+    whole and flat; coded ones as (blocks, BLOCK) rows, so the update and the blocks' maxima
+    are one loop nest (a flat view's index arithmetic divides each element), in runs of at
+    most `limit` elements, so a CPU's intermediates stay in cache, not in fresh pages."""
+    rows = s.value.numel() // BLOCK if isinstance(s.moments[0], dict) else 1
+
+    def view(t: Any) -> Any:  # (never Parameters: dynamo makes their shapes static)
+        if isinstance(t, dict):
+            return {k: v.view(rows, -1) for k, v in t.items()}
+        return t.reshape(rows, -1) if t is not None else None
+
+    whole = [view(t) for t in (s.grad, s.value, s.low)], [view(m) for m in s.moments]
+    step = max(2, limit // BLOCK)  # (a run of one row would compile a graph of its own)
+    lo = 0
+    while lo < rows:
+        hi = rows if rows - lo < 2 * step else lo + step
+        run = slice(lo, hi)
+        tensors = [t[run] if t is not None else None for t in whole[0]]
+        moments = [{k: v[run] for k, v in m.items()} if isinstance(m, dict) else m[run]
+                   for m in whole[1]]  # fmt: skip
+        yield *tensors, moments
+        lo = hi
 
 
 @torch.no_grad()
@@ -53,11 +72,11 @@ def step_compiled(slots: Sequence[Slot], update: Update) -> list[Slot]:
     names = tuple(name for name, _ in codecs)
     kinds = (masters.name, *(c.name for _, c in codecs))
     graph = _graph()
+    limit = scratch_numel(device)
     with _recompiles():
         for s, c in zip(taken, corrections):
-            moments = [_flat(m) for m in s.moments]
-            graph(s.grad.reshape(-1), _flat(s.value), _flat(s.low), moments, hyper, c, kinds,
-                  names, consts)  # fmt: skip
+            for part in _parts(s, limit):
+                graph(*part, hyper, c, kinds, names, consts)
     return rest
 
 
@@ -78,11 +97,13 @@ def _update_one(
     x = master.values(value, low)
     m, v = (codec.values(n, s, k) for codec, n, s, k in zip(codecs, names, moments, consts))
     g = grad.float() * h[0] + x * h[2]
-    m = m.lerp(g, h[3])
-    v = v * h[4] + g * g * h[5]
-    new = x * h[1] - c[0] * m / (v.sqrt() / c[1] + h[6])
-    for codec, n, s, k, t in zip(codecs, names, moments, consts, (m, v)):
-        codec.store(n, s, t, skip, k)
+    m1 = m.lerp(g, h[3])
+    v1 = v * h[4] + g * g * h[5]
+    new = x * h[1] - c[0] * m1 / (v1.sqrt() / c[1] + h[6])
+    # The skip selects in fp32: every codec stores its decoded values back unchanged, and a
+    # select of 8-bit codes is a scalar loop in inductor's CPU code.
+    for codec, n, s, k, old, t in zip(codecs, names, moments, consts, (m, v), (m1, v1)):
+        codec.store(n, s, torch.where(skip, old, t), skip, k)
     master.store(value, low, new, x, skip)
 
 

@@ -87,8 +87,9 @@ def test_a_compiled_coded_step_is_the_eager_coded_step_within_a_few_ulp_and_a_fl
     """8-bit (or 4-bit) moments in the graph (decoded, updated, encoded again): from the
     same state each step, the parameters within a few fp32 ulp of the eager step's (torch's
     fused kernel on the decoded moments), the codes the same but where a moment lies within
-    those ulp of a threshold; the tensors the graph does not take (rows not of whole blocks,
-    small ones in bf16) step as in eager. A flagged step (`found_inf`) changes nothing."""
+    those ulp of the boundary between two codes; the tensors the graph does not take (rows
+    not of whole blocks, small ones in bf16) step as in eager. A flagged step (`found_inf`)
+    changes nothing."""
     calls = compiled_calls(monkeypatch)
     shapes = [(64, 96), (33, 64), (5, 7), (40,), (96, 64)]
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "moment_dtype": kind}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import pytest
@@ -108,31 +107,40 @@ def test_blocks_move_whole_with_rows_and_with_columns_cut_at_multiples_of_32():
         assert not torch.equal(torch.cat([p[2] for p in parts], 1), whole[2])
 
 
-def test_the_same_values_give_the_same_codes_in_every_process():
-    """Encoding compares with fixed fp32 thresholds: no libm rounding decides a code."""
-    values, thresholds = mc.log_tables(torch.device("cpu"))
-    between = thresholds[1:255]
-    # a value on a threshold goes to the larger code value (the smaller code)
-    t = torch.tensor([[1.0, *between[:3].tolist(), *([0.0] * 28)]])
-    code, _, _ = _log(t)
-    assert code[0, :4].tolist() == [1, 1, 2, 3]
-    assert values[1].item() == 1.0 and values[0].item() == 0.0
-    assert math.isclose(values[255].item(), 2**-mc.LOG_OCTAVES, rel_tol=1e-6)
-    # Every ratio takes the code its thresholds bracket: 1 + how many lie above it (the
-    # estimate from the exponent bits only picks where to look), on and beside each one.
-    on = torch.cat([between, between.nextafter(torch.tensor(1.0)),
-                    between.nextafter(torch.tensor(0.0)), values[1:]])  # fmt: skip
-    spread = torch.exp2(-torch.rand(20000, generator=torch.Generator().manual_seed(3)) * 45)
-    ratios = torch.cat([on, spread, torch.tensor([2.0**-126, 1e-30, 1.0])])
-    want = 1 + (between[None, :] > ratios[:, None]).sum(1)
-    for chunk in ratios.split(32 * 64):
-        rows = torch.nn.functional.pad(chunk, (0, -chunk.numel() % 32)).view(-1, 32)
-        rows[:, 0] = 1.0  # each block's maximum: its ratios are the values themselves
-        got, _, _ = _log(rows)
-        expect = 1 + (between[None, :] > rows.reshape(-1)[:, None]).sum(1)
-        expect[rows.reshape(-1) == 0] = 0
-        assert torch.equal(got.reshape(-1).long(), expect)
-    assert want.min() == 1 and want.max() == 255
+def test_every_code_holds_its_log_step_and_encodes_back_to_itself_at_every_scale():
+    """Code c >= 1 holds 2^(-40 (c - 1) / 254) of its block's maximum, within 12 fp32 ulp of
+    the exact value (so codes written when a table of the exact values decoded them read as
+    they did, 1.4e-6 apart); the values sit half a step from either neighbour, so each
+    encodes back to its own code wherever the block's maximum lies in fp32's normal range."""
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    exact = torch.exp2(-(torch.arange(256, dtype=torch.float64) - 1) * mc.LOG_OCTAVES / 254)
+    exact[0] = 0.0
+    held = mc.log_values(codes, torch.ones(8, 1)).reshape(-1).double()
+    assert held[0] == 0 and held[1] == 1.0  # a block's maximum exactly
+    assert ((held - exact).abs() <= 12 * 2**-23 * exact).all()
+    for octave in range(-85, 120, 3):  # the smallest code's value stays a normal number
+        top = torch.full((8, 1), 2.0**octave * 1.37)
+        blocks = mc.log_values(codes, top)
+        blocks[:, 0] = top[:, 0]  # each block's maximum
+        again, peak = mc.log_codes(blocks)
+        want = codes.clone()
+        want[:, 0] = 1
+        assert torch.equal(again, want) and torch.equal(peak, top), octave
+
+
+def test_each_value_takes_the_nearest_code_in_log_scale():
+    """The code of a ratio r to its block's maximum is 1 + round(-log2(r) 254 / 40), up to
+    a few ulp of fp32's log2 at the midpoints between two codes; below the window 255."""
+    g = torch.Generator().manual_seed(3)
+    ratios = torch.exp2(-torch.rand(64 * 31, generator=g, dtype=torch.float64) * 45)
+    rows = torch.cat([torch.ones(64, 1, dtype=torch.float64), ratios.view(64, 31)], 1)
+    got, _ = mc.log_codes(rows.float())
+    steps = -torch.log2(rows.float().double()) * 254 / mc.LOG_OCTAVES
+    want = (1 + torch.floor(steps + 0.5)).clamp(max=255)
+    clear = ((steps % 1) - 0.5).abs() > 1e-4  # not at a midpoint
+    assert clear.float().mean() > 0.99
+    assert torch.equal(got.long()[clear], want.long()[clear])
+    assert (want > 254).any() and (got.long()[want > 254] == 255).all()
 
 
 @pytest.mark.parametrize(
