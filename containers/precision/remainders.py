@@ -27,7 +27,7 @@ def masters_of(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-STORE_NUMEL = 1 << 18  # elements `store` splits at a time (its int32 temporaries: 2 MiB)
+STORE_NUMEL = 1 << 18  # elements `store` splits at a time (its int32 temporary: 1 MiB)
 
 
 def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -39,10 +39,7 @@ def store(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) ->
             store(master[lo : lo + rows], param[lo : lo + rows], remainder[lo : lo + rows])
         return
     bits = master.to(torch.float32).view(torch.int32).clone()
-    high = torch.empty_like(bits)
-    split(bits, high)
-    param.view(torch.int16).copy_(high)
-    remainder.copy_(bits)
+    split(bits, param.view(torch.int16), remainder)
 
 
 # (write(offsets, fp32 piece), data_ptr of the parameter it writes) of a remainder master

@@ -441,10 +441,13 @@ def join(bits: torch.Tensor, remainder: torch.Tensor) -> None:
     torch.add(remainder, bits, alpha=1 << 16, out=bits)  # one pass
 
 
-def split(bits: torch.Tensor, high: torch.Tensor) -> None:
-    """Split fp32 master `bits` (int32) into rounded bf16 bits `high` and remainders `bits`."""
-    torch.add(bits, HALF_ULP, out=high).bitwise_right_shift_(16)
-    bits.sub_(high, alpha=1 << 16)
+def split(bits: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write fp32 master `bits` (int32; overwritten) as rounded bf16 bits into `high` and
+    the remainder into `remainder` (both int16). The rounding adds a multiple of 2^16, so the
+    remainder is the lower half of `bits` as it is (an int32 -> int16 copy keeps it)."""
+    remainder.copy_(bits)
+    bits.add_(HALF_ULP).bitwise_right_shift_(16)
+    high.copy_(bits)
 
 
 def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -461,14 +464,8 @@ class MasterCodec:
         """fp32 values of `pieces` into `outs` (only where `decoded`)."""
         raise NotImplementedError
 
-    def encode(
-        self,
-        outs: Sequence[torch.Tensor],
-        pieces: Sequence[MasterPiece],
-        spare: Sequence[torch.Tensor],
-    ) -> None:
-        """Store the stepped fp32 `outs` into `pieces` (`spare`: fp32 scratch as large,
-        free to use)."""
+    def encode(self, outs: Sequence[torch.Tensor], pieces: Sequence[MasterPiece]) -> None:
+        """Store the stepped fp32 `outs` (free to overwrite) into `pieces`."""
         raise NotImplementedError
 
     def written(self, pieces: Sequence[MasterPiece]) -> None:
@@ -525,21 +522,9 @@ class Remainders(MasterCodec):
         for b, (rem, _, lo, hi) in zip(bits, pieces):
             join(b, _flat(rem, lo, hi))
 
-    def encode(
-        self,
-        outs: Sequence[torch.Tensor],
-        pieces: Sequence[MasterPiece],
-        spare: Sequence[torch.Tensor],
-    ) -> None:
-        highs = [s.view(torch.int32) for s in spare]
-        for out, high in zip(outs, highs):
-            split(out.view(torch.int32), high)
-        torch._foreach_copy_(
-            [_flat(low, lo, hi).view(torch.int16) for _, low, lo, hi in pieces], highs
-        )
-        torch._foreach_copy_(
-            [_flat(rem, lo, hi) for rem, _, lo, hi in pieces], [o.view(torch.int32) for o in outs]
-        )
+    def encode(self, outs: Sequence[torch.Tensor], pieces: Sequence[MasterPiece]) -> None:
+        for out, (rem, low, lo, hi) in zip(outs, pieces):
+            split(out.view(torch.int32), _flat(low, lo, hi).view(torch.int16), _flat(rem, lo, hi))
 
     def values(self, value: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
         high = low.view(torch.int16).to(torch.int32)

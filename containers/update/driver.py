@@ -209,7 +209,7 @@ def _run(
     for name, codec, outs, stored in coded:
         codec.encode(name, outs, stored)
     if masters.decoded:
-        masters.encode(values, pieces, grads)  # the gradients are spent: scratch to use
+        masters.encode(values, pieces)
     else:
         masters.written([p for p in pieces if p[1] is not None])
     if release is not None:
