@@ -112,7 +112,7 @@ def step_slots(
         cast = masters.decoded or factor != 1.0 or s.grad.dtype != dtype
         decode = [not c.direct(m, dtype) for (_, c), m in zip(codecs, s.moments)]
         plans.append((cast, decode))
-    regions = max(cast + masters.decoded + sum(decode) for cast, decode in plans)
+    regions = max(_regions(masters, cast, decode) for cast, decode in plans)
     total = budget if budget is not None else scratch_numel(device)
     limit = total // max(1, regions)
     batch: list[tuple[Slot, int, int, bool, list[bool]]] = []
@@ -136,6 +136,12 @@ def step_slots(
     flush()
 
 
+def _regions(masters: MasterCodec, cast: bool, decode: list[bool]) -> int:
+    """Scratch regions a piece takes: its gradient cast, its master decoded, then its moments
+    decoded or the master decode's spare regions, whichever are more."""
+    return cast + masters.decoded + max(sum(decode), masters.spare)
+
+
 def _run(
     batch: list[tuple[Slot, int, int, bool, list[bool]]],
     stride: int,
@@ -146,7 +152,7 @@ def _run(
 ) -> None:
     """Decode, step and encode one batch of pieces; region r of scratch is [r * stride, ...)."""
     masters, codecs, factor = update.masters, update.codecs, update.factor
-    n_regions = max(cast + masters.decoded + sum(decode) for _, _, _, cast, decode in batch)
+    n_regions = max(_regions(masters, cast, decode) for _, _, _, cast, decode in batch)
     work = scratch(batch[0][0].value.device, stride * max(1, n_regions))
     offsets = [0]
     for _, lo, hi, _, _ in batch:
@@ -183,7 +189,8 @@ def _run(
     if masters.decoded:
         values = [region(next_region[k], k) for k in range(len(batch))]
         next_region = [r + 1 for r in next_region]
-        masters.decode(pieces, values)
+        spare = [region(next_region[k], k) for k in range(len(batch))] if masters.spare else []
+        masters.decode(pieces, values, spare)  # (the moments' regions: not yet decoded)
     else:
         values = [flat(s.value, lo, hi) for s, lo, hi, _, _ in batch]
     moments: list[list[torch.Tensor]] = []
