@@ -31,7 +31,7 @@ RECOMPILES = 64
 
 def _parts(s: Slot, limit: int) -> Iterator[tuple[Any, ...]]:
     """A slot's gradient, value, parameter and moments, as the graph takes them: dense ones
-    whole and flat; coded ones as (blocks, BLOCK) rows, so the update and the blocks' maxima
+    whole, as one row; coded ones as (blocks, BLOCK) rows, so the update and the blocks' maxima
     are one loop nest (a flat view's index arithmetic divides each element), in runs of at
     most `limit` elements, so a CPU's intermediates stay in cache, not in fresh pages."""
     rows = s.value.numel() // BLOCK if isinstance(s.moments[0], dict) else 1
