@@ -39,6 +39,7 @@ __all__ = [
     "RowCodes",
     "as_blocks",
     "join",
+    "kept",
     "split",
 ]
 
@@ -119,10 +120,14 @@ class MomentCodec:
         skip: torch.Tensor,
         consts: Sequence[torch.Tensor],
     ) -> None:
-        """Store fp32 `new` into `stored` (traced into the graph). Where `skip` is set, `new`
-        holds `stored`'s own values, which every form stores back unchanged; `skip` keeps what
-        values do not determine (a zero block's scale)."""
+        """Store fp32 `new` into `stored` unless `skip` (traced into the graph)."""
         raise NotImplementedError
+
+
+def kept(skip: torch.Tensor, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`new` where not `skip`, else `stored`, in `stored`'s dtype: selected in fp32, since
+    inductor's CPU code selects 8- and 16-bit values one lane at a time."""
+    return torch.where(skip, stored.float(), new.float()).to(stored.dtype)
 
 
 class Dense(MomentCodec):
@@ -169,7 +174,7 @@ class Dense(MomentCodec):
         return stored.float()
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
-        stored.copy_(new)
+        stored.copy_(kept(skip, stored, new))
 
 
 BLOCK = 32
@@ -460,7 +465,7 @@ class MasterCodec:
 
     name = "param"
     decoded = False  # the kernel steps fp32 scratch decoded from the pieces
-    spare = 0  # fp32 scratch regions, each of a piece's size, its decode works in
+    spare = False  # whether its decode works in one more fp32 scratch region a piece
 
     def decode(
         self,
@@ -468,8 +473,8 @@ class MasterCodec:
         outs: Sequence[torch.Tensor],
         spare: Sequence[torch.Tensor],
     ) -> None:
-        """fp32 values of `pieces` into `outs` (only where `decoded`); `spare`: `self.spare`
-        regions a piece, free to use."""
+        """fp32 values of `pieces` into `outs` (only where `decoded`); `spare`: a region a
+        piece where `self.spare`, free to use."""
         raise NotImplementedError
 
     def encode(self, outs: Sequence[torch.Tensor], pieces: Sequence[MasterPiece]) -> None:
@@ -510,7 +515,7 @@ class Fp32Masters(MasterCodec):
 
     def store(self, value, low, new, old, skip) -> None:  # type: ignore[no-untyped-def]
         value.copy_(torch.where(skip, old, new))
-        low.copy_(torch.where(skip, low, new.to(low.dtype)))
+        low.copy_(kept(skip, low, new))
 
 
 class Remainders(MasterCodec):
@@ -522,7 +527,7 @@ class Remainders(MasterCodec):
 
     name = "remainders"
     decoded = True
-    spare = 1  # the remainders widened: an add of int16 to int32 is a slow mixed-dtype loop
+    spare = True  # the remainders widened: an add of int16 to int32 is a slow mixed-dtype loop
 
     def decode(self, pieces, outs, spare) -> None:  # type: ignore[no-untyped-def]
         bits, wide = [out.view(torch.int32) for out in outs], [s.view(torch.int32) for s in spare]

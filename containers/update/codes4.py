@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from containers.update.codecs import RowCodes, as_blocks
+from containers.update.codecs import RowCodes, as_blocks, kept
 
 __all__ = ["LOG_STEPS", "SIGNED_MAGNITUDES", "Codes4"]
 
@@ -112,9 +112,9 @@ class Codes4(RowCodes):
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
         if not isinstance(stored, dict):
-            stored.copy_(new)
+            stored.copy_(kept(skip, stored, new))
             return
         codes, top = codes_of(moment, new.view(-1, self.BLOCK), consts)
         code, scale = stored[self.CODE], stored["scale"].view(-1, 1)
-        code.copy_(_pack(codes).view(code.shape))
-        scale.copy_(top)
+        code.copy_(kept(skip, code, _pack(codes).view(code.shape)))
+        scale.copy_(torch.where(skip, scale, top))

@@ -9,10 +9,10 @@ rows that a checkpoint reshards exactly (`codecs.RowCodes`).
   by `eps` alone). Log rounding beats linear rounding for this moment.
 
 Both codes are elementwise arithmetic (`log2`, `exp2`, bit operations; no table reads, which
-a compiled CPU kernel does one element at a time). A decoded value sits half a code from
-either neighbour, so it encodes to the same code on any device and a skipped step changes
-nothing; a value within a few ulp of the boundary between two log codes may take either
-where another `log2` rounds it (another device), as any fp32 result may differ there.
+a compiled CPU kernel does one element at a time). A decoded value in fp32's normal range
+sits half a code from either neighbour, so it encodes to the same code on any device; a value
+within a few ulp of the boundary between two log codes may take either where another `log2`
+rounds it (another device), as any fp32 result may differ there.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from containers.update.codecs import BLOCK, RowCodes, as_blocks
+from containers.update.codecs import BLOCK, RowCodes, as_blocks, kept
 
 __all__ = [
     "BLOCK",
@@ -144,8 +144,8 @@ def log_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def log_values(codes: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """fp32 values of uint8 log `codes` (..., BLOCK) below block maxima `top` (..., 1).
 
-    2^(-20 (c - 1) / 127), within 12 fp32 ulp of the exact value (the exponent is rounded
-    to fp32)."""
+    2^(-20 (c - 1) / 127), at most 12 x 2^-23 of the exact value away (the exponent is
+    rounded to fp32)."""
     c = codes.float()  # (a float compare: inductor's CPU code selects by 8-bit masks slowly)
     n = (c - 1) * _UNITS_PER_CODE  # below the maximum, in 1/127 octave
     return torch.where(c > 0, torch.exp2(n / -_UNITS), 0.0) * top
@@ -204,14 +204,10 @@ class Codes8(RowCodes):
 
     def store(self, moment, stored, new, skip, consts) -> None:  # type: ignore[no-untyped-def]
         if not isinstance(stored, dict):
-            stored.copy_(new)
+            stored.copy_(kept(skip, stored, new))
             return
         code, scale = stored["code"].view(-1, BLOCK), stored["scale"].view(-1, 1)
         blocks = new.view(-1, BLOCK)
-        if moment == "exp_avg":
-            codes, scales = signed_codes(blocks)
-            codes = codes.to(torch.int8)
-        else:
-            codes, scales = log_codes(blocks)
-        code.copy_(codes)
-        scale.copy_(torch.where(skip, scale, scales))  # a fresh zero block's scale is 0
+        codes, scales = (signed_codes if moment == "exp_avg" else log_codes)(blocks)
+        code.copy_(kept(skip, code, codes))
+        scale.copy_(torch.where(skip, scale, scales))

@@ -32,16 +32,17 @@ RECOMPILES = 64
 def _parts(s: Slot, limit: int) -> Iterator[tuple[Any, ...]]:
     """A slot's gradient, value, parameter and moments, as the graph takes them: dense ones
     whole, as one row; coded ones as (blocks, BLOCK) rows, so the update and the blocks' maxima
-    are one loop nest (a flat view's index arithmetic divides each element), in runs of at
-    most `limit` elements, so a CPU's intermediates stay in cache, not in fresh pages."""
+    are one loop nest (a flat view's index arithmetic divides each element), in runs of about
+    `limit` elements (at least 2 rows; the last up to twice that), so a CPU's intermediates
+    stay in cache, not in fresh pages."""
     rows = s.value.numel() // BLOCK if isinstance(s.moments[0], dict) else 1
 
-    def view(t: Any) -> Any:  # (never Parameters: dynamo makes their shapes static)
-        if isinstance(t, dict):
+    def view(t: Any) -> Any:  # views of what the graph writes (never Parameters: dynamo
+        if isinstance(t, dict):  # makes their shapes static)
             return {k: v.view(rows, -1) for k, v in t.items()}
-        return t.reshape(rows, -1) if t is not None else None
+        return t.view(rows, -1) if t is not None else None
 
-    whole = [view(t) for t in (s.grad, s.value, s.low)], [view(m) for m in s.moments]
+    whole = [s.grad.reshape(rows, -1), view(s.value), view(s.low)], [view(m) for m in s.moments]
     step = max(2, limit // BLOCK)  # (a run of one row would compile a graph of its own)
     lo = 0
     while lo < rows:
@@ -97,13 +98,11 @@ def _update_one(
     x = master.values(value, low)
     m, v = (codec.values(n, s, k) for codec, n, s, k in zip(codecs, names, moments, consts))
     g = grad.float() * h[0] + x * h[2]
-    m1 = m.lerp(g, h[3])
-    v1 = v * h[4] + g * g * h[5]
-    new = x * h[1] - c[0] * m1 / (v1.sqrt() / c[1] + h[6])
-    # The skip selects in fp32: every codec stores its decoded values back unchanged, and a
-    # select of 8-bit codes is a scalar loop in inductor's CPU code.
-    for codec, n, s, k, old, t in zip(codecs, names, moments, consts, (m, v), (m1, v1)):
-        codec.store(n, s, torch.where(skip, old, t), skip, k)
+    m = m.lerp(g, h[3])
+    v = v * h[4] + g * g * h[5]
+    new = x * h[1] - c[0] * m / (v.sqrt() / c[1] + h[6])
+    for codec, n, s, k, t in zip(codecs, names, moments, consts, (m, v)):
+        codec.store(n, s, t, skip, k)
     master.store(value, low, new, x, skip)
 
 

@@ -146,8 +146,8 @@ def lean_compiled(
 
 
 def compiled_calls(monkeypatch: Any) -> list[int]:
-    """A list that grows by one at each call of the compiled update's graph (one call a
-    tensor: `containers.update.compiled`)."""
+    """A list that grows by one at each call of the compiled update's graph (one call a run
+    of a tensor: `containers.update.compiled`)."""
     from containers.update import compiled
 
     graph, calls = compiled._graph(), []

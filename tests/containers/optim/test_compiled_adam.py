@@ -130,6 +130,40 @@ def test_a_compiled_coded_step_is_the_eager_coded_step_within_a_few_ulp_and_a_fl
     assert_same(optimizer_state(compiled), before[1])
 
 
+@pytest.mark.parametrize("kind", ["8bit", "4bit"])
+def test_a_coded_tensor_in_runs_of_a_few_rows_steps_as_in_one_and_a_flag_keeps_tiny_moments(
+    kind, monkeypatch
+):
+    """The graph takes a coded tensor in runs of the device's scratch size: in runs of 4 rows
+    of blocks it steps bit for bit as in one run. A flagged step keeps the codes as they were,
+    also of moments below fp32's normal range, whose decoded values would not code back."""
+    import containers.update.compiled as module
+
+    shapes = [(64, 96), (96, 64)]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "moment_dtype": kind, "compiled": True}
+    whole, runs = loose_params(shapes), loose_params(shapes)
+    one, many = LeanAdamW(whole, **kwargs), LeanAdamW(runs, **kwargs)
+    calls = compiled_calls(monkeypatch)
+    for step in range(2):
+        same_grads(step, whole, runs)
+        one.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "scratch_numel", lambda device: 4 * 32)
+            many.step()
+    assert len(calls) == 2 * (2 + 2 * 64 * 96 // (4 * 32))  # one run, then 48 runs, a tensor
+    assert all(torch.equal(a, b) for a, b in zip(whole, runs))
+    assert_same(optimizer_state(many), optimizer_state(one))
+
+    for p in runs:
+        many.state[p]["exp_avg_sq"]["scale"].mul_(2.0**-120)  # maxima near 2^-130
+    before = [p.detach().clone() for p in runs], optimizer_state(many)
+    same_grads(2, runs)
+    many.found_inf = torch.ones(())
+    many.step()
+    assert all(torch.equal(a, b) for a, b in zip(runs, before[0]))
+    assert_same(optimizer_state(many), before[1])
+
+
 @pytest.mark.parametrize("timing", ["after", "in_backward"])
 @pytest.mark.slow
 def test_containers_step_compiled_groups_and_resume_from_their_checkpoint_bitwise(

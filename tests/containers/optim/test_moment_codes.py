@@ -108,9 +108,9 @@ def test_blocks_move_whole_with_rows_and_with_columns_cut_at_multiples_of_32():
 
 
 def test_every_code_holds_its_log_step_and_encodes_back_to_itself_at_every_scale():
-    """Code c >= 1 holds 2^(-40 (c - 1) / 254) of its block's maximum, within 12 fp32 ulp of
-    the exact value (so codes written when a table of the exact values decoded them read as
-    they did, 1.4e-6 apart); the values sit half a step from either neighbour, so each
+    """Code c >= 1 holds 2^(-40 (c - 1) / 254) of its block's maximum, at most 12 x 2^-23 of
+    the exact value away (so codes written when a table of the exact values decoded them read
+    as they did, 1.4e-6 apart); the values sit half a step from either neighbour, so each
     encodes back to its own code wherever the block's maximum lies in fp32's normal range."""
     codes = torch.arange(256, dtype=torch.uint8).view(8, 32)
     exact = torch.exp2(-(torch.arange(256, dtype=torch.float64) - 1) * mc.LOG_OCTAVES / 254)
