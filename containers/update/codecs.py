@@ -529,7 +529,12 @@ class Remainders(MasterCodec):
     decoded = True
     spare = True  # the remainders widened: an add of int16 to int32 is a slow mixed-dtype loop
 
-    def decode(self, pieces, outs, spare) -> None:  # type: ignore[no-untyped-def]
+    def decode(
+        self,
+        pieces: Sequence[MasterPiece],
+        outs: Sequence[torch.Tensor],
+        spare: Sequence[torch.Tensor],
+    ) -> None:
         bits, wide = [out.view(torch.int32) for out in outs], [s.view(torch.int32) for s in spare]
         torch._foreach_copy_(
             bits + wide,
