@@ -386,8 +386,14 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             self._failed(save_failed(self.folder, step, e, needed, free), last)
             return
-        self._publish(step, rotate=not skipped)
-        _barrier()
+        refused = None
+        try:
+            self._publish(step, rotate=not skipped)
+        except SaveFailed as e:  # (rank 0's alone: every rank stops with its line)
+            refused = e
+        refused = first_failure(refused)  # (a collective: it also waits for the rename)
+        if refused is not None:
+            self._failed(refused, last)
 
     def _seal(self, tmp: Path, shared: bool) -> None:
         """Record the model's settings and every file's checksum in the saved `tmp` (`shared`:
@@ -496,6 +502,8 @@ class CheckpointManager:
         try:
             save.future.result()
             self._publish_once(save)
+        except SaveFailed as e:  # refused publishing: the save stays as the line says
+            failure = e
         except (Exception, CheckpointException) as e:
             failure = save_failed(self.folder, save.step, e, save.needed, save.free)
         failure = first_failure(failure)
@@ -510,8 +518,8 @@ class CheckpointManager:
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         if final.exists() or final.is_symlink():
-            if not ours:  # put there while this run trained
-                raise ConfigError(
+            if not ours:  # put there while this run trained: the run stops
+                raise SaveFailed(
                     f"[checkpoint] {final} appeared during this run and is none of its "
                     f"checkpoints: left as it is, so step {step} was not saved (its files are "
                     f"in {tmp.name}); move it out of {self.folder} and resume"

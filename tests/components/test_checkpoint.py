@@ -54,6 +54,16 @@ def _train_and_save(manager, parts, optimizers, state, steps: range) -> None:
         manager.maybe_save(step)
 
 
+def _run_to_the_end(manager, parts, optimizers, state, steps: range) -> str | None:
+    """`steps` trained and saved, then the manager closed: the line a save stopped it with."""
+    try:
+        _train_and_save(manager, parts, optimizers, state, steps)
+        manager.close()
+    except SaveFailed as e:
+        return str(e)
+    return None
+
+
 def test_saves_at_interval_and_end_keeps_latest_k_and_resumes_newest(tmp_path):
     parts, optimizers, state, manager = _job(tmp_path, interval=2, keep_latest_k=2)
     assert manager.load() == 0
@@ -390,12 +400,7 @@ def _saves_with_files_in_the_way(folder: str, mode: str) -> dict:
         for step in (2, 7):
             (checkpoints / f"step-{step}.tmp").write_text("not a directory")
     dist.barrier()
-    stopped = None
-    try:
-        _train_and_save(manager, parts, optimizers, state, range(1, 8))
-        manager.close()
-    except SaveFailed as e:
-        stopped = str(e)
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 8))
     return {
         "lines": lines,
         "found": list(complete_checkpoints(checkpoints)),
@@ -428,12 +433,7 @@ def _save_step_2(folder: str, mode: str) -> dict:
     """Steps 1-2 of `_job` on each rank, saved at 2, then closed: what stopped the run (one
     line, or None) and the files of each checkpoint folder entry."""
     parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
-    stopped = None
-    try:
-        _train_and_save(manager, parts, optimizers, state, range(1, 3))
-        manager.close()
-    except SaveFailed as e:
-        stopped = str(e)
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 3))
     checkpoints = Path(folder) / "checkpoint"
     found = {p.name: sorted(f.name for f in p.iterdir()) for p in checkpoints.iterdir()}
     return {"stopped": stopped, "found": found}
@@ -700,13 +700,31 @@ def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
     assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
 
 
-def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path):
-    parts, optimizers, state, manager = _job(tmp_path, interval=2)
-    _train_and_save(manager, parts, optimizers, state, range(1, 3))
-    stranger = tmp_path / "checkpoint" / "step-4"
-    stranger.mkdir()
-    _file(stranger, "notes")
-    with pytest.raises(ConfigError, match=r"step-4 appeared during this run and is none of its"):
-        _train_and_save(manager, parts, optimizers, state, range(3, 5))
-    assert [p.name for p in stranger.iterdir()] == ["notes"]
-    assert (stranger / "notes").read_text() == "the user's notes"
+def _a_step_folder_appears(folder: str, mode: str) -> dict:
+    """Steps 1-4 of `_job`, saved every 2, with a `step-4` folder of the user's made after
+    the run began: the one line that stopped the run, and the step it stopped at."""
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
+    stranger = Path(folder) / "checkpoint" / "step-4"
+    if dist.get_rank() == 0:
+        stranger.mkdir(parents=True)
+        _file(stranger, "notes")
+    dist.barrier()
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 5))
+    return {"stopped": stopped, "step": state.step}
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path, mode):
+    """Rank 0 finds it when it publishes (async: in DCP's thread); every rank stops with
+    its one line, which stays true: the user's folder as it was, the save in step-4.tmp."""
+    results = run_ranks(2, _a_step_folder_appears, str(tmp_path), mode)
+    folder = tmp_path / "checkpoint"
+    line = (
+        f"[checkpoint] {folder / 'step-4'} appeared during this run and is none of its "
+        f"checkpoints: left as it is, so step 4 was not saved (its files are in step-4.tmp); "
+        f"move it out of {folder} and resume"
+    )
+    assert results == [{"stopped": line, "step": 4}] * 2, results
+    assert _entries(folder / "step-4") == {"notes": b"the user's notes"}
+    assert (folder / "step-4.tmp" / ".metadata").is_file()
+    assert sorted(_entries(folder)) == ["step-2", "step-4", "step-4.tmp"]
