@@ -36,11 +36,14 @@ from containers import OptimizersContainer
 from tests.harness.dist import run_ranks
 
 
+SAVES = 3  # each save and load is timed this many times, the best kept
+
+
 def disk_write_gbps(folder: Path, nbytes: int) -> float:
     """Sequential write of `nbytes` in 8 MiB chunks, fsync'd, in GB/s (best of 3)."""
     chunk = os.urandom(8 * 2**20)
     best = float("inf")
-    for i in range(3):
+    for i in range(SAVES):
         path = folder / f"disk-{i}.bin"
         start = time.perf_counter()
         with open(path, "wb") as f:
@@ -91,7 +94,11 @@ def _save(n_params: int, path: str) -> dict[str, float]:
     total = torch.tensor([float(optim_bytes + model_bytes)])
     dist.all_reduce(total)
     states = {"model": ModelWrapper([model]), "optimizer": optimizers}
-    seconds = _timed(lambda: dcp.save(states, checkpoint_id=path))
+    seconds = float("inf")
+    for _ in range(SAVES):  # best of, as the disk's write: one save is at the disk's whim
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        seconds = min(seconds, _timed(lambda: dcp.save(states, checkpoint_id=path)))
     sums = _timed(lambda: write_checksums(Path(path), shared=True))
     return {"bytes": total.item(), "save_s": seconds, "sums_s": sums}
 
@@ -120,12 +127,15 @@ def main(argv: list[str]) -> None:
         gb = saved["bytes"] / 1e9
         disk = disk_write_gbps(folder, max(64 * 2**20, int(saved["bytes"])))
         # Both loads run at the same world size, so only the shard layout differs.
-        same = min(run_ranks(args.ranks, _load, n_params, str(folder / "same"))[0] for _ in (0, 1))
+        same = min(
+            run_ranks(args.ranks, _load, n_params, str(folder / "same"))[0] for _ in range(SAVES)
+        )
         checked = min(
-            run_ranks(args.ranks, _load, n_params, str(folder / "same"), True)[0] for _ in (0, 1)
+            run_ranks(args.ranks, _load, n_params, str(folder / "same"), True)[0]
+            for _ in range(SAVES)
         )
         resharded = min(
-            run_ranks(args.ranks, _load, n_params, str(folder / "other"))[0] for _ in (0, 1)
+            run_ranks(args.ranks, _load, n_params, str(folder / "other"))[0] for _ in range(SAVES)
         )
         shutil.rmtree(folder / "same")
         shutil.rmtree(folder / "other")
