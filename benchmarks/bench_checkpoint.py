@@ -35,7 +35,6 @@ from components.checkpoint.files import verify, write_checksums
 from containers import OptimizersContainer
 from tests.harness.dist import run_ranks
 
-
 SAVES = 3  # each save and load is timed this many times, the best kept
 
 
