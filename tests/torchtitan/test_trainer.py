@@ -16,7 +16,7 @@ import torch
 
 from tests.harness.dist import run_ranks
 
-STEPS = 20
+STEPS = 12
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
