@@ -67,7 +67,9 @@ class Update:
     moment's name and codec in the kernel's order (exp_avg, exp_avg_sq, max_exp_avg_sq), the
     kernel's hyperparameters (lr, beta1, beta2, weight_decay, eps, amsgrad, maximize), AdamW's
     decoupled decay or Adam's, a gradient multiplier (unscale x clip), and a skip flag (a set
-    `found_inf` changes nothing: every codec round-trips exactly)."""
+    `found_inf` changes nothing: the kernel leaves the decoded values, which every codec
+    encodes back as they were; block codes where they lie in fp32's normal range, and a
+    compiled graph keeps the stored codes whatever they hold)."""
 
     masters: MasterCodec
     codecs: Sequence[tuple[str, MomentCodec]]
