@@ -130,6 +130,11 @@ def kept(skip: torch.Tensor, stored: torch.Tensor, new: torch.Tensor) -> torch.T
     return torch.where(skip, stored.float(), new.float()).to(stored.dtype)
 
 
+def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `t` (a view; the driver hands tensors in flat, one call)."""
+    return t[lo:hi] if t.dim() == 1 else t.view(-1)[lo:hi]
+
+
 class Dense(MomentCodec):
     """A tensor of `dtype` shaped as the parameter: decoding widens exactly, encoding rounds
     to nearest even (exact for values the dtype holds, so a skipped step changes nothing)."""
@@ -162,10 +167,10 @@ class Dense(MomentCodec):
         return stored.dtype == dtype or (fused_bf16 and stored.dtype == torch.bfloat16)
 
     def decode(self, moment: str, pieces: Sequence[Piece], outs: Sequence[torch.Tensor]) -> None:
-        torch._foreach_copy_(list(outs), [s.view(-1)[lo:hi] for s, lo, hi in pieces])
+        torch._foreach_copy_(list(outs), [_flat(s, lo, hi) for s, lo, hi in pieces])
 
     def encode(self, moment: str, outs: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> None:
-        torch._foreach_copy_([s.view(-1)[lo:hi] for s, lo, hi in pieces], list(outs))
+        torch._foreach_copy_([_flat(s, lo, hi) for s, lo, hi in pieces], list(outs))
 
     def graphs(self, stored: Any) -> bool:
         return stored.is_contiguous()
@@ -456,8 +461,6 @@ def split(bits: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> No
     high.copy_(bits)
 
 
-def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return t.view(-1)[lo:hi]
 
 
 class MasterCodec:

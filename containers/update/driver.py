@@ -114,6 +114,7 @@ def step_slots(
         cast = masters.decoded or factor != 1.0 or s.grad.dtype != dtype
         decode = [not c.direct(m, dtype) for (_, c), m in zip(codecs, s.moments)]
         plans.append((cast, decode))
+    live = [_flat(s) for s in live]  # (one view a tensor: a piece is then one slice)
     regions = max(_regions(masters, cast, decode) for cast, decode in plans)
     total = budget if budget is not None else scratch_numel(device)
     limit = total // max(1, regions)
@@ -136,6 +137,13 @@ def step_slots(
             batch.append((s, lo, hi, cast, decode))
             filled += hi - lo
     flush()
+
+
+def _flat(s: Slot) -> Slot:
+    """`s` with its tensors flat (views; coded moments as they are)."""
+    moments = [m.view(-1) if isinstance(m, torch.Tensor) else m for m in s.moments]
+    low = None if s.low is None else s.low.view(-1)
+    return Slot(s.value.view(-1), s.grad.reshape(-1), moments, s.step, low, s.index)
 
 
 def _regions(masters: MasterCodec, cast: bool, decode: list[bool]) -> int:
@@ -163,9 +171,6 @@ def _run(
     def region(r: int, k: int) -> torch.Tensor:  # piece k's part of region r
         return work[r * stride + offsets[k] : r * stride + offsets[k + 1]]
 
-    def flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # (a view: written in place)
-        return t.view(-1)[lo:hi]
-
     # regions in order: the gradient (if cast), the master (if decoded), the moments decoded
     next_region = [0] * len(batch)
     grads, cast_to, cast_from = [], [], []
@@ -174,10 +179,10 @@ def _run(
             out = region(0, k)
             next_region[k] = 1
             cast_to.append(out)
-            cast_from.append(s.grad.reshape(-1)[lo:hi])
+            cast_from.append(s.grad[lo:hi])
             grads.append(out)
         else:
-            grads.append(s.grad.reshape(-1)[lo:hi])
+            grads.append(s.grad[lo:hi])
     if cast_to:
         torch._foreach_copy_(cast_to, cast_from)
         if factor != 1.0:
@@ -194,7 +199,7 @@ def _run(
         spare = [region(next_region[k], k) for k in range(len(batch))] if masters.spare else []
         masters.decode(pieces, values, spare)  # (the moments' regions: not yet decoded)
     else:
-        values = [flat(s.value, lo, hi) for s, lo, hi, _, _ in batch]
+        values = [s.value[lo:hi] for s, lo, hi, _, _ in batch]
     moments: list[list[torch.Tensor]] = []
     coded: list[tuple[str, MomentCodec, list, list]] = []
     for m, (name, codec) in enumerate(codecs):
@@ -207,7 +212,7 @@ def _run(
                 outs.append(out)
                 stored.append((s.moments[m], lo, hi))
             else:
-                column.append(flat(s.moments[m], lo, hi))
+                column.append(s.moments[m][lo:hi])
         if outs:
             codec.decode(name, stored, outs)
             coded.append((name, codec, outs, stored))
