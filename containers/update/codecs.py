@@ -461,8 +461,6 @@ def split(bits: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> No
     high.copy_(bits)
 
 
-
-
 class MasterCodec:
     """The parameter itself: the kernel steps `value` in place and nothing follows it."""
 
