@@ -389,7 +389,7 @@ class CheckpointManager:
         refused = None
         try:
             self._publish(step, rotate=not skipped)
-        except SaveFailed as e:  # (rank 0's alone: every rank stops with its line)
+        except SaveFailed as e:  # (rank 0's alone: every rank hears it)
             refused = e
         refused = first_failure(refused)  # (a collective: it also waits for the rename)
         if refused is not None:
@@ -502,7 +502,7 @@ class CheckpointManager:
         try:
             save.future.result()
             self._publish_once(save)
-        except SaveFailed as e:  # refused publishing: the save stays as the line says
+        except SaveFailed as e:  # not published: the save stays as the line says
             failure = e
         except (Exception, CheckpointException) as e:
             failure = save_failed(self.folder, save.step, e, save.needed, save.free)
@@ -512,27 +512,45 @@ class CheckpointManager:
 
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
-        `rotate`)."""
-        ours, self._ours = step in self._ours, self._ours | {step}
+        `rotate`). What rank 0 cannot do is a `SaveFailed` there alone: the caller agrees
+        on it."""
+        ours = step in self._ours
         if not _rank0():
+            self._ours = self._ours | {step}
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        if final.exists() or final.is_symlink():
-            if not ours:  # put there while this run trained: the run stops
-                raise SaveFailed(
-                    f"[checkpoint] {final} appeared during this run and is none of its "
-                    f"checkpoints: left as it is, so step {step} was not saved (its files are "
-                    f"in {tmp.name}); move it out of {self.folder} and resume"
-                )
-            # Saving again a step this run saved or loaded (a stop right after it): replace it.
-            old = self.folder / f"step-{step}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(self.folder)
+        if (final.exists() or final.is_symlink()) and not ours:  # put there while we trained
+            raise SaveFailed(
+                f"[checkpoint] {final} appeared during this run and is none of its "
+                f"checkpoints: left as it is, so step {step} was not saved (its files are "
+                f"in {tmp.name}); move it out of {self.folder} and resume"
+            )
+        try:
+            if final.exists() or final.is_symlink():
+                # Saving again a step this run saved or loaded (a stop right after it).
+                old = self.folder / f"step-{step}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                try:
+                    os.replace(tmp, final)
+                except OSError:
+                    os.replace(old, final)  # the step as it was
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except OSError as e:
+            raise SaveFailed(
+                f"[checkpoint] step-{step} not saved: {tmp.name} could not be renamed "
+                f"{final.name} ({describe(e)}), its files stay there; the checkpoints in "
+                f"{self.folder} stay as they were ({self.kept()})",
+                stops=False,
+            ) from e
+        self._ours = self._ours | {step}
+        try:
+            _fsync_dir(self.folder)
+        except OSError as e:
+            logger.warning("%s saved, but its folder not synced (%s)", final, describe(e))
         logger.info("saved checkpoint %s", final)
         if rotate and self.cfg.keep_latest_k > 0:
             for stale in list(complete_checkpoints(self.folder))[: -self.cfg.keep_latest_k]:

@@ -140,10 +140,17 @@ def step_slots(
 
 
 def _flat(s: Slot) -> Slot:
-    """`s` with its tensors flat (views; coded moments as they are)."""
+    """`s` with its tensors flat (views; coded moments, and a gradient a view cannot
+    flatten, as they are: `_grad` copies a run of it at a time)."""
     moments = [m.view(-1) if isinstance(m, torch.Tensor) else m for m in s.moments]
     low = None if s.low is None else s.low.view(-1)
-    return Slot(s.value.view(-1), s.grad.reshape(-1), moments, s.step, low, s.index)
+    grad = s.grad.view(-1) if s.grad.is_contiguous() else s.grad
+    return Slot(s.value.view(-1), grad, moments, s.step, low, s.index)
+
+
+def _grad(s: Slot, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `s`'s gradient."""
+    return s.grad[lo:hi] if s.grad.dim() == 1 else s.grad.reshape(-1)[lo:hi]
 
 
 def _regions(masters: MasterCodec, cast: bool, decode: list[bool]) -> int:
@@ -179,10 +186,10 @@ def _run(
             out = region(0, k)
             next_region[k] = 1
             cast_to.append(out)
-            cast_from.append(s.grad[lo:hi])
+            cast_from.append(_grad(s, lo, hi))
             grads.append(out)
         else:
-            grads.append(s.grad[lo:hi])
+            grads.append(_grad(s, lo, hi))
     if cast_to:
         torch._foreach_copy_(cast_to, cast_from)
         if factor != 1.0:

@@ -385,14 +385,20 @@ def test_async_saves_are_published_as_soon_as_complete_on_two_ranks(tmp_path):
     assert_same(result["two"], result["expected_two"])
 
 
-def _saves_with_files_in_the_way(folder: str, mode: str) -> dict:
-    """Steps 1-7, saves every 2 and at 7; files where step-2.tmp and step-7.tmp go."""
+def _manager_lines() -> list[str]:
+    """What the checkpoint manager logs from now on, a `LEVEL message` line each."""
     import logging
 
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
     logging.getLogger("components.checkpoint.manager").addHandler(handler)
+    return lines
+
+
+def _saves_with_files_in_the_way(folder: str, mode: str) -> dict:
+    """Steps 1-7, saves every 2 and at 7; files where step-2.tmp and step-7.tmp go."""
+    lines = _manager_lines()
     parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
     checkpoints = Path(folder) / "checkpoint"
     if dist.get_rank() == 0:
@@ -701,8 +707,9 @@ def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
 
 
 def _a_step_folder_appears(folder: str, mode: str) -> dict:
-    """Steps 1-4 of `_job`, saved every 2, with a `step-4` folder of the user's made after
-    the run began: the one line that stopped the run, and the step it stopped at."""
+    """Steps 1-4 of `_job`, saved every 2, with a `step-4` folder of the user's made once
+    the manager is built (no load saw it): the one line that stopped the run, and the step
+    it stopped at."""
     parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
     stranger = Path(folder) / "checkpoint" / "step-4"
     if dist.get_rank() == 0:
@@ -728,3 +735,44 @@ def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path, m
     assert _entries(folder / "step-4") == {"notes": b"the user's notes"}
     assert (folder / "step-4.tmp" / ".metadata").is_file()
     assert sorted(_entries(folder)) == ["step-2", "step-4", "step-4.tmp"]
+
+
+def _a_rename_fails_at_step_4(folder: str, mode: str) -> dict:
+    """Steps 1-7 of `_job`, saved every 2 and at 7, where renaming `step-4.tmp` to `step-4`
+    fails on rank 0 (an I/O error the disk gives, injected into `os.replace`)."""
+    import errno
+
+    rename = os.replace
+
+    def failing(src: object, dst: object) -> None:
+        if Path(str(dst)).name == "step-4":
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        rename(src, dst)
+
+    if dist.get_rank() == 0:
+        os.replace = failing  # (this rank process only)
+    lines = _manager_lines()
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 8))
+    return {"lines": lines, "stopped": stopped, "step": state.step}
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_rename_that_fails_on_rank_0_is_one_line_and_every_rank_trains_on(tmp_path, mode):
+    """The publishing rename is rank 0's alone: its failure is agreed like a failed save
+    (no rank waits for the others), said in one line, and the save's files stay in
+    step-4.tmp as the line says; the later saves are made."""
+    ours, other = run_ranks(2, _a_rename_fails_at_step_4, str(tmp_path), mode)
+    folder = tmp_path / "checkpoint"
+    errors = [line for line in ours["lines"] if line.startswith("ERROR")]
+    assert errors == [
+        "ERROR [checkpoint] step-4 not saved: step-4.tmp could not be renamed step-4 (OSError: "
+        f"[Errno 5] Input/output error: '{folder / 'step-4'}'), its files stay there; the "
+        f"checkpoints in {folder} stay as they were (step-2); training goes on (the next save "
+        "may succeed)"
+    ], ours["lines"]
+    assert not [line for line in other["lines"] if line.startswith("ERROR")]
+    assert ours["stopped"] is None and other["stopped"] is None
+    assert ours["step"] == other["step"] == 7
+    assert sorted(_entries(folder)) == ["step-2", "step-4.tmp", "step-6", "step-7"]
+    assert (folder / "step-4.tmp" / ".metadata").is_file()
