@@ -114,7 +114,7 @@ def step_slots(
         cast = masters.decoded or factor != 1.0 or s.grad.dtype != dtype
         decode = [not c.direct(m, dtype) for (_, c), m in zip(codecs, s.moments)]
         plans.append((cast, decode))
-    live = [_flat(s) for s in live]  # (one view a tensor: a piece is then one slice)
+    live = [_flat_slot(s) for s in live]  # (one view a tensor: a piece is then one slice)
     regions = max(_regions(masters, cast, decode) for cast, decode in plans)
     total = budget if budget is not None else scratch_numel(device)
     limit = total // max(1, regions)
@@ -139,7 +139,7 @@ def step_slots(
     flush()
 
 
-def _flat(s: Slot) -> Slot:
+def _flat_slot(s: Slot) -> Slot:
     """`s` with its tensors flat (views; coded moments, and a gradient a view cannot
     flatten, as they are: `_grad` copies a run of it at a time)."""
     moments = [m.view(-1) if isinstance(m, torch.Tensor) else m for m in s.moments]
