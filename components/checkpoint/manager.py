@@ -62,7 +62,6 @@ from components.checkpoint.save import (
     audit,
     first_failure,
     folder_bytes,
-    kept_steps,
     save_failed,
 )
 from components.checkpoint.seed import load_seed, open_seed
@@ -182,6 +181,8 @@ class CheckpointManager:
         self._deferred = False  # a save fell due inside a skip streak: make it at the next step
         self._ours: set[int] = set()
         """The steps this run loaded or saved: each checked finite, and its own to save again."""
+        self._found: set[int] = set()
+        """The checkpoints in the folder when the run started (the load checked each name)."""
         self.last_save_refused = False
         """The last save was refused (inf or NaN, said in its line): the run must not exit 0."""
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
@@ -221,6 +222,7 @@ class CheckpointManager:
         step = self.cfg.load_step if self.cfg.load_step >= 0 else max(found, default=-1)
         if not read_only:
             refuse_strangers(self.folder, found, step)
+            self._found = set(found)
         if step < 0 and self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
@@ -365,7 +367,7 @@ class CheckpointManager:
         self.last_save_refused = checked.nonfinite > 0
         if self.last_save_refused:
             if _rank0():
-                logger.error("%s", checked.refusal(step, self.folder))
+                logger.error("%s", checked.refusal(step, self.folder, self.kept()))
             return
         tmp = self.folder / f"step-{step}.tmp"
         if _rank0():
@@ -373,7 +375,7 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
         _barrier()
         # A step saved before has the same layout: its size is what this one needs.
-        found = complete_checkpoints(self.folder)
+        found = self._checkpoints()
         needed = folder_bytes(found[max(found)]) if found else checked.nbytes
         free = shutil.disk_usage(self.folder).free
         if self._async:
@@ -384,7 +386,7 @@ class CheckpointManager:
             dcp.save(state_dicts, checkpoint_id=tmp)
             self._seal(tmp, shared=True)  # raised on every rank, as DCP's failures are
         except (Exception, CheckpointException) as e:
-            self._failed(save_failed(self.folder, step, e, needed, free), last)
+            self._failed(save_failed(self.folder, step, e, needed, free, self.kept()), last)
             return
         refused = None
         try:
@@ -432,7 +434,7 @@ class CheckpointManager:
         if failure.stops:
             raise failure
         if last:
-            newest = max(complete_checkpoints(self.folder), default=None)
+            newest = max(self._checkpoints(), default=None)
             then = (
                 f"the same command resumes from step-{newest}"
                 if newest is not None
@@ -446,19 +448,26 @@ class CheckpointManager:
         """The newest complete checkpoint, in words (from any thread: a folder listing)."""
         if not self.cfg.enable:
             return "checkpoint.enable = false: nothing saved"
-        found = complete_checkpoints(self.folder)
+        found = self._checkpoints()
         if not found:
             return f"no checkpoint in {self.folder}: nothing saved"
         return f"the newest checkpoint is {found[max(found)]}; later steps are not saved"
 
     def kept(self) -> str:
-        """The checkpoints in the folder, for a message: `step-20, step-30` or `none`."""
-        return kept_steps(self.folder)
+        """The run's checkpoints, for a message: `step-20, step-30` or `none`."""
+        return ", ".join(f"step-{s}" for s in self._checkpoints()) or "none"
+
+    def _checkpoints(self) -> dict[int, Path]:
+        """The folder's checkpoints that are the run's, by step: those it found when it
+        started or saved since. A `step-N` put there meanwhile is none of them: never
+        rotated away, listed or named to resume from."""
+        ours = self._found | self._ours
+        return {s: p for s, p in complete_checkpoints(self.folder).items() if s in ours}
 
     def finite_kept(self) -> str:
         """What a message may say of the kept checkpoints' numbers: `all finite` where this run
         checked each (loading or saving it), else which ones it checked."""
-        kept = complete_checkpoints(self.folder)
+        kept = self._checkpoints()
         checked = [f"step-{s}" for s in kept if s in self._ours]
         if len(checked) == len(kept):
             return "all finite"
@@ -472,7 +481,7 @@ class CheckpointManager:
             if failure is None:
                 self._publish_once(save)
             else:  # said by _finish_pending; the partial save goes now, on every rank
-                save_failed(self.folder, save.step, failure, save.needed, save.free)
+                save_failed(self.folder, save.step, failure, save.needed, save.free, self.kept())
         except BaseException as e:  # the future would only log it: hand it to the trainer
             save.error = e
 
@@ -505,7 +514,7 @@ class CheckpointManager:
         except SaveFailed as e:  # not published: the save stays as the line says
             failure = e
         except (Exception, CheckpointException) as e:
-            failure = save_failed(self.folder, save.step, e, save.needed, save.free)
+            failure = save_failed(self.folder, save.step, e, save.needed, save.free, self.kept())
         failure = first_failure(failure)
         if failure is not None:
             self._failed(failure, save.last or closing)
@@ -523,7 +532,8 @@ class CheckpointManager:
             raise SaveFailed(
                 f"[checkpoint] {final} appeared during this run and is none of its "
                 f"checkpoints: left as it is, so step {step} was not saved (its files are "
-                f"in {tmp.name}); move it out of {self.folder} and resume"
+                f"in {tmp.name}); move it out of {self.folder} before the next start",
+                stops=False,
             )
         try:
             if final.exists() or final.is_symlink():
@@ -553,7 +563,7 @@ class CheckpointManager:
             logger.warning("%s saved, but its folder not synced (%s)", final, describe(e))
         logger.info("saved checkpoint %s", final)
         if rotate and self.cfg.keep_latest_k > 0:
-            for stale in list(complete_checkpoints(self.folder))[: -self.cfg.keep_latest_k]:
+            for stale in list(self._checkpoints())[: -self.cfg.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{stale}", ignore_errors=True)
 
     def export_model(self, model_parts: list[nn.Module], step: int) -> Path | None:

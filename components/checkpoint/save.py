@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint.files import checkpoint_steps, describe
+from components.checkpoint.files import describe
 from components.checkpoint.finite import all_finite, collective_device
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "audit",
     "first_failure",
     "folder_bytes",
-    "kept_steps",
     "save_failed",
 ]
 
@@ -62,12 +61,13 @@ class Audit:
     examples: list[str] = field(default_factory=list)
     """A few of this rank's non-finite tensors, by key."""
 
-    def refusal(self, step: int, folder: Path) -> str:
-        """The line for a save refused for non-finite values."""
+    def refusal(self, step: int, folder: Path, kept: str) -> str:
+        """The line for a save refused for non-finite values (`kept`: the run's checkpoints
+        there, in words)."""
         return (
             f"step-{step} not saved: inf or NaN in {self.nonfinite} tensor shards "
             f"({', '.join(self.examples) or 'on other ranks'}); the checkpoints in {folder} "
-            f"stay as they were: {kept_steps(folder)}"
+            f"stay as they were: {kept}"
         )
 
 
@@ -147,11 +147,6 @@ def out_of_space(error: BaseException, needed: int = 0, free: int | None = None)
     return short and free is not None and free < needed
 
 
-def kept_steps(folder: Path) -> str:
-    """The checkpoints in `folder`, for a message: `step-20, step-30` or `none`."""
-    return ", ".join(f"step-{s}" for s in checkpoint_steps(folder)) or "none"
-
-
 def first_failure(failure: SaveFailed | None) -> SaveFailed | None:
     """The lowest failed rank's `failure`, on every rank (a collective where the world has
     several): every rank then stops, or trains on, alike."""
@@ -164,10 +159,11 @@ def first_failure(failure: SaveFailed | None) -> SaveFailed | None:
 
 
 def save_failed(
-    folder: Path, step: int, error: BaseException, needed: int, free: int
+    folder: Path, step: int, error: BaseException, needed: int, free: int, kept: str
 ) -> SaveFailed:
     """The one line for a failed save of `step-N.tmp` in `folder`, the partial save removed:
-    out of disk (`stops`), or anything else (the run may train on).
+    out of disk (`stops`), or anything else (the run may train on); `kept`: the run's
+    checkpoints there, in words.
 
     DCP raises it on every rank once they all stopped writing, so any rank may remove the
     partial save: the first to see the failure does.
@@ -177,7 +173,7 @@ def save_failed(
     if not out_of_space(error, needed, free):
         return SaveFailed(
             f"[checkpoint] step-{step} not saved ({describe(error)}); the checkpoints in "
-            f"{folder} stay as they were ({kept_steps(folder)})",
+            f"{folder} stay as they were ({kept})",
             stops=False,
         )
     needs = (
@@ -188,6 +184,6 @@ def save_failed(
     return SaveFailed(
         f"[checkpoint] out of disk space saving step-{step} in {folder}: {needs}; the "
         f"partial {tmp.name} was removed and the checkpoints there stay as they were "
-        f"({kept_steps(folder)}); free space or point [checkpoint] folder at a larger disk, "
+        f"({kept}); free space or point [checkpoint] folder at a larger disk, "
         "then run the same command to resume"
     )

@@ -706,35 +706,45 @@ def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
     assert_same(_snapshot(parts2, optimizers2), fresh) and state2.step == 0
 
 
-def _a_step_folder_appears(folder: str, mode: str) -> dict:
-    """Steps 1-4 of `_job`, saved every 2, with a `step-4` folder of the user's made once
-    the manager is built (no load saw it): the one line that stopped the run, and the step
-    it stopped at."""
-    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
-    stranger = Path(folder) / "checkpoint" / "step-4"
+def _step_folders_appear(folder: str, mode: str) -> dict:
+    """Steps 1-7 of `_job`, saved every 2 and at 7, keeping the latest 1, with the user's
+    `step-1` and `step-4` folders made once the manager is built (no load saw them)."""
+    lines = _manager_lines()
+    parts, optimizers, state, manager = _job(
+        Path(folder), interval=2, async_mode=mode, keep_latest_k=1
+    )
     if dist.get_rank() == 0:
-        stranger.mkdir(parents=True)
-        _file(stranger, "notes")
+        for name in ("step-1", "step-4"):
+            stranger = Path(folder) / "checkpoint" / name
+            stranger.mkdir(parents=True)
+            _file(stranger, "notes")
     dist.barrier()
-    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 5))
-    return {"stopped": stopped, "step": state.step}
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 8))
+    return {"lines": lines, "stopped": stopped, "step": state.step}
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_a_step_folder_that_appears_during_the_run_is_never_replaced(tmp_path, mode):
-    """Rank 0 finds it when it publishes (async: in DCP's thread); every rank stops with
-    its one line, which stays true: the user's folder as it was, the save in step-4.tmp."""
-    results = run_ranks(2, _a_step_folder_appears, str(tmp_path), mode)
+def test_step_folders_that_appear_during_the_run_are_never_replaced_or_rotated(tmp_path, mode):
+    """Rank 0 finds `step-4` when it publishes (async: in DCP's thread): one line, the save
+    kept in step-4.tmp as it says, and every rank trains on and saves; rotation removes only
+    the run's own checkpoints, never the user's folders, older or not."""
+    ours, other = run_ranks(2, _step_folders_appear, str(tmp_path), mode)
     folder = tmp_path / "checkpoint"
-    line = (
-        f"[checkpoint] {folder / 'step-4'} appeared during this run and is none of its "
-        f"checkpoints: left as it is, so step 4 was not saved (its files are in step-4.tmp); "
-        f"move it out of {folder} and resume"
+    errors = [line for line in ours["lines"] if line.startswith("ERROR")]
+    assert errors == [
+        f"ERROR [checkpoint] {folder / 'step-4'} appeared during this run and is none of its "
+        "checkpoints: left as it is, so step 4 was not saved (its files are in step-4.tmp); "
+        f"move it out of {folder} before the next start; training goes on (the next save may "
+        "succeed)"
+    ], ours["lines"]
+    assert not [line for line in other["lines"] if line.startswith("ERROR")]
+    assert ours["stopped"] is other["stopped"] is None
+    assert ours["step"] == other["step"] == 7
+    assert sorted(_entries(folder)) == ["step-1", "step-4", "step-4.tmp", "step-7"]
+    assert (
+        _entries(folder / "step-1") == _entries(folder / "step-4") == {"notes": b"the user's notes"}
     )
-    assert results == [{"stopped": line, "step": 4}] * 2, results
-    assert _entries(folder / "step-4") == {"notes": b"the user's notes"}
     assert (folder / "step-4.tmp" / ".metadata").is_file()
-    assert sorted(_entries(folder)) == ["step-2", "step-4", "step-4.tmp"]
 
 
 def _a_rename_fails_at_step_4(folder: str, mode: str) -> dict:
