@@ -182,7 +182,9 @@ class CheckpointManager:
         self._ours: set[int] = set()
         """The steps this run loaded or saved: each checked finite, and its own to save again."""
         self._found: set[int] = set()
-        """The checkpoints in the folder when the run started (the load checked each name)."""
+        """The checkpoints in the folder when the run started, up to the one it resumed (the
+        load checked each name; newer ones are refused or set aside). A run that never loads
+        rotates only its own saves."""
         self.last_save_refused = False
         """The last save was refused (inf or NaN, said in its line): the run must not exit 0."""
         # Guards publishing between DCP's save thread (done-callback) and the training thread.
@@ -222,7 +224,7 @@ class CheckpointManager:
         step = self.cfg.load_step if self.cfg.load_step >= 0 else max(found, default=-1)
         if not read_only:
             refuse_strangers(self.folder, found, step)
-            self._found = set(found)
+            self._found = {s for s in found if s <= step}
         if step < 0 and self.cfg.initial_load_path:
             model_only = self.cfg.initial_load_model_only
             seed = open_seed(self.cfg.initial_load_path, model_only)
@@ -396,6 +398,8 @@ class CheckpointManager:
         refused = first_failure(refused)  # (a collective: it also waits for the rename)
         if refused is not None:
             self._failed(refused, last)
+        else:
+            self._ours = self._ours | {step}  # (rank 0's since it published)
 
     def _seal(self, tmp: Path, shared: bool) -> None:
         """Record the model's settings and every file's checksum in the saved `tmp` (`shared`:
@@ -518,6 +522,8 @@ class CheckpointManager:
         failure = first_failure(failure)
         if failure is not None:
             self._failed(failure, save.last or closing)
+        else:
+            self._ours = self._ours | {save.step}  # (rank 0's since it published)
 
     def _publish(self, step: int, rotate: bool = True) -> None:
         """Make `step-N.tmp` the complete `step-N` (rank 0) and drop old checkpoints (if
@@ -525,14 +531,14 @@ class CheckpointManager:
         on it."""
         ours = step in self._ours
         if not _rank0():
-            self._ours = self._ours | {step}
             return
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
         if (final.exists() or final.is_symlink()) and not ours:  # put there while we trained
             raise SaveFailed(
                 f"[checkpoint] {final} appeared during this run and is none of its "
-                f"checkpoints: left as it is, so step {step} was not saved (its files are "
-                f"in {tmp.name}); move it out of {self.folder} before the next start",
+                f"checkpoints: left as it is, so step {step} was not saved; its files stay in "
+                f"{tmp.name}, which the next start removes (to keep them, move {final.name} "
+                f"out of {self.folder} and rename {tmp.name} to {final.name})",
                 stops=False,
             )
         try:
@@ -565,6 +571,7 @@ class CheckpointManager:
         if rotate and self.cfg.keep_latest_k > 0:
             for stale in list(self._checkpoints())[: -self.cfg.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{stale}", ignore_errors=True)
+                self._ours, self._found = self._ours - {stale}, self._found - {stale}
 
     def export_model(self, model_parts: list[nn.Module], step: int) -> Path | None:
         """Write the full (unsharded) model state dict to one file for inference."""

@@ -707,44 +707,53 @@ def test_what_is_no_checkpoint_under_a_checkpoint_name_stops_the_run_and_stays(
 
 
 def _step_folders_appear(folder: str, mode: str) -> dict:
-    """Steps 1-7 of `_job`, saved every 2 and at 7, keeping the latest 1, with the user's
-    `step-1` and `step-4` folders made once the manager is built (no load saw them)."""
+    """A run saves step-2; the next resumes it, keeping the latest 1, and trains steps 3-7,
+    saved every 2 and at 7, with the user's `step-1` and `step-4` folders made once it
+    loaded (no load saw them)."""
+    parts, optimizers, state, manager = _job(Path(folder), interval=2, async_mode=mode)
+    _run_to_the_end(manager, parts, optimizers, state, range(1, 3))
     lines = _manager_lines()
     parts, optimizers, state, manager = _job(
         Path(folder), interval=2, async_mode=mode, keep_latest_k=1
     )
+    assert manager.load() == 2
     if dist.get_rank() == 0:
         for name in ("step-1", "step-4"):
             stranger = Path(folder) / "checkpoint" / name
-            stranger.mkdir(parents=True)
+            stranger.mkdir()
             _file(stranger, "notes")
     dist.barrier()
-    stopped = _run_to_the_end(manager, parts, optimizers, state, range(1, 8))
-    return {"lines": lines, "stopped": stopped, "step": state.step}
+    stopped = _run_to_the_end(manager, parts, optimizers, state, range(3, 8))
+    return {"lines": lines, "stopped": stopped, "step": state.step, "kept": manager.kept()}
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_step_folders_that_appear_during_the_run_are_never_replaced_or_rotated(tmp_path, mode):
-    """Rank 0 finds `step-4` when it publishes (async: in DCP's thread): one line, the save
-    kept in step-4.tmp as it says, and every rank trains on and saves; rotation removes only
-    the run's own checkpoints, never the user's folders, older or not."""
+    """Rank 0 finds `step-4` when it publishes (async: in DCP's thread): one line, true of
+    step-4.tmp, and every rank trains on and saves; rotation removes the checkpoints the run
+    found or saved (the previous run's step-2 among them), never the user's folders."""
     ours, other = run_ranks(2, _step_folders_appear, str(tmp_path), mode)
     folder = tmp_path / "checkpoint"
     errors = [line for line in ours["lines"] if line.startswith("ERROR")]
     assert errors == [
         f"ERROR [checkpoint] {folder / 'step-4'} appeared during this run and is none of its "
-        "checkpoints: left as it is, so step 4 was not saved (its files are in step-4.tmp); "
-        f"move it out of {folder} before the next start; training goes on (the next save may "
-        "succeed)"
+        "checkpoints: left as it is, so step 4 was not saved; its files stay in step-4.tmp, "
+        f"which the next start removes (to keep them, move step-4 out of {folder} and rename "
+        "step-4.tmp to step-4); training goes on (the next save may succeed)"
     ], ours["lines"]
     assert not [line for line in other["lines"] if line.startswith("ERROR")]
     assert ours["stopped"] is other["stopped"] is None
     assert ours["step"] == other["step"] == 7
+    assert ours["kept"] == other["kept"] == "step-7"
     assert sorted(_entries(folder)) == ["step-1", "step-4", "step-4.tmp", "step-7"]
     assert (
         _entries(folder / "step-1") == _entries(folder / "step-4") == {"notes": b"the user's notes"}
     )
-    assert (folder / "step-4.tmp" / ".metadata").is_file()
+    # What the line says keeps the save: it loads, its checksums verified.
+    (folder / "step-4").rename(tmp_path / "the user's step-4")
+    (folder / "step-4.tmp").rename(folder / "step-4")
+    _, _, state, manager = _job(tmp_path, load_step=4)
+    assert manager.load(read_only=True) == 4 and state.step == 4
 
 
 def _a_rename_fails_at_step_4(folder: str, mode: str) -> dict:
