@@ -39,7 +39,14 @@ class FTJob:
     ) -> None:
         self.folder, self.steps, self.nproc = folder, steps, nproc
         self.min_replicas, self.join_timeout_ms = min_replicas, join_timeout_ms
-        self.port = free_port()
+        self.procs: dict[str, Forked] = {}
+        self.killed: set[str] = set()
+        for _ in range(5):  # a port free a moment ago may be taken before the bind
+            self.port = free_port()
+            if self.start_lighthouse(required=False):
+                break
+        else:
+            raise RuntimeError(f"no lighthouse could bind a port: {self.log('lighthouse')}")
         self.train_args = [
             "--job.config_file", "config/debug.toml",
             "--job.dump_folder", str(folder),
@@ -60,9 +67,6 @@ class FTJob:
             "--fault_tolerance.process_group_timeout_ms", "5000",
             *extra,
         ]  # fmt: skip
-        self.procs: dict[str, Forked] = {}
-        self.killed: set[str] = set()
-        self.start_lighthouse()
 
     @classmethod
     def moe(cls, folder: Path, steps: int, extra: list[str], **kwargs) -> FTJob:
@@ -71,9 +75,10 @@ class FTJob:
         job.args = [MOE.get(a, a) for a in job.args]
         return job
 
-    def start_lighthouse(self) -> None:
+    def start_lighthouse(self, required: bool = True) -> bool:
         """Start the lighthouse on the job's port (again, after `kill("lighthouse")`), needing
-        `min_replicas` groups for a quorum.
+        `min_replicas` groups for a quorum; return once it listens (True), or False if it
+        exited first (the port was taken), which raises where `required`.
 
         A restarted lighthouse knows no group until it hears from one: with `min_replicas`
         1 the first group to reach it forms a quorum alone and trains on while the other
@@ -82,8 +87,21 @@ class FTJob:
         settings = {"bind": f"127.0.0.1:{self.port}", "min_replicas": self.min_replicas}
         settings |= {"join_timeout_ms": self.join_timeout_ms, "quorum_tick_ms": 50}
         settings |= {"heartbeat_timeout_ms": 1000}
-        self.procs["lighthouse"] = forked([], self.folder / "lighthouse.log", lighthouse=settings)
+        log, listening = self.folder / "lighthouse.log", "Lighthouse listening on"
+        before = log.read_text().count(listening) if log.exists() else 0  # (appended)
+        process = forked([], log, lighthouse=settings)
+        self.procs["lighthouse"] = process
         self.killed.discard("lighthouse")
+        deadline = time.monotonic() + 60
+        while process.poll() is None:  # (its own line: another server may hold the port)
+            if log.read_text().count(listening) > before:
+                return True
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the lighthouse on port {self.port} never listened")
+            time.sleep(0.05)
+        if required:
+            raise RuntimeError(f"the lighthouse exited: {self.log('lighthouse')}")
+        return False
 
     def start_module(self, name: str, module: str, args: list[str]) -> None:
         """Start `python -m module args` as the process `name` (a user's own loop)."""

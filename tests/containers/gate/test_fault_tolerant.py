@@ -205,7 +205,7 @@ def one_group(tmp_path, monkeypatch, **settings):
     cfg = FaultTolerance(
         enable=True,
         lighthouse=f"http://127.0.0.1:{job.port}",
-        manager_port=free_port(),
+        manager_port=0,  # (torchft binds a free one)
         process_group_timeout_ms=5000,
         **settings,
     )
